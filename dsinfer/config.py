@@ -1,0 +1,211 @@
+"""The configuration tree: one frozen dataclass per concern, built once by ``EngineArgs.create_engine_config()``.
+
+``EngineArgs`` holds what a user can set (the ``LLM(...)`` keyword arguments and ``dsinfer`` CLI flags); it is
+validated and resolved (model files located, dtype and lengths derived from the HF config) into ``EngineConfig``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsinfer import envs
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path  # HF-style directory (config.json, weights, tokenizer)
+    hf_config: dict[str, Any]  # config.json, after hf_overrides
+    dtype: torch.dtype
+    max_model_len: int
+    served_model_name: str
+    generation_config: dict[str, Any] = field(default_factory=dict)
+    trust_chat_template: bool = True
+
+    @property
+    def architecture(self) -> str:
+        return self.hf_config["architectures"][0]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.generation_config.get("eos_token_id", self.hf_config.get("eos_token_id"))
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, list) else [int(eos)]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    enable_prefix_caching: bool = True
+    kv_cache_memory_gb: float | None = None  # KV budget; None: DSINFER_CPU_KV_CACHE_GB on CPU, free memory on GPU
+    gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may use in all
+    num_kv_blocks: int | None = None  # exact block count (overrides the budget; tests use it to force preemption)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256  # requests in one step
+    max_num_batched_tokens: int = 2048  # tokens in one step (the token budget)
+    enable_chunked_prefill: bool = True  # split long prompts across steps
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    seed: int = 0  # dummy weights and unseeded sampling start from this
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: torch.device
+    deterministic: bool = False  # batch-invariant kernels
+    async_scheduling: bool = True  # overlap CPU scheduling with GPU execution (CUDA only)
+    enforce_eager: bool = False  # no CUDA graphs
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    load: LoadConfig
+    device: DeviceConfig
+
+
+@dataclass
+class EngineArgs:
+    """User-facing engine settings (LLM keyword arguments). ``create_engine_config()`` validates them."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    load_format: str = "auto"
+    hf_overrides: dict[str, Any] | None = None
+    served_model_name: str | None = None
+    seed: int = 0
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    device: str | None = None
+    deterministic: bool | None = None
+    async_scheduling: bool | None = None
+    enforce_eager: bool = False
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def create_engine_config(self) -> EngineConfig:
+        from dsinfer.models.loader.resolve import resolve_model_dir
+
+        envs.validate_all()
+        self._validate()
+        device = _resolve_device(self.device)
+        model_dir, load_format = resolve_model_dir(self.model, self.load_format)
+        hf_config = json.loads((model_dir / "config.json").read_text())
+        hf_config.update(self.hf_overrides or {})
+        model = ModelConfig(
+            path=model_dir, hf_config=hf_config, dtype=_resolve_dtype(self.dtype, hf_config, device),
+            max_model_len=_resolve_max_model_len(self.max_model_len, hf_config),
+            served_model_name=self.served_model_name or self.model or "SmolLM2-135M-Instruct",
+            generation_config=_read_json(model_dir / "generation_config.json"),
+        )
+        batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+        if not self.enable_chunked_prefill:
+            batched = max(batched, model.max_model_len)
+        deterministic = envs.DETERMINISTIC.get() if self.deterministic is None else self.deterministic
+        async_sched = envs.ASYNC_SCHEDULING.get() if self.async_scheduling is None else self.async_scheduling
+        return EngineConfig(
+            model=model,
+            cache=CacheConfig(self.block_size, self.enable_prefix_caching, self.kv_cache_memory_gb,
+                              self.gpu_memory_utilization, self.num_kv_blocks),
+            scheduler=SchedulerConfig(self.max_num_seqs, batched, self.enable_chunked_prefill),
+            load=LoadConfig(load_format, self.seed),
+            device=DeviceConfig(device, bool(deterministic), bool(async_sched) and device.type == "cuda",
+                                self.enforce_eager),
+        )
+
+    def _validate(self) -> None:
+        _check_int("block_size", self.block_size, 1, 1024)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        _check_int("max_num_seqs", self.max_num_seqs, 1, 1 << 16)
+        if self.max_num_batched_tokens is not None:
+            _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 22)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 1, 1 << 24)
+        if self.num_kv_blocks is not None:
+            _check_int("num_kv_blocks", self.num_kv_blocks, 2, 1 << 26)
+        if self.kv_cache_memory_gb is not None and not (0 < self.kv_cache_memory_gb < 1 << 20):
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        _check_int("seed", self.seed, -(1 << 63), (1 << 63) - 1)
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _resolve_device(name: str | None) -> torch.device:
+    name = name or envs.DEVICE.get()
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls are fastest and exact in float32
+    declared = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
+    resolved = _DTYPES.get(str(declared).replace("torch.", ""), torch.bfloat16)
+    return torch.bfloat16 if resolved == torch.float32 else resolved
+
+
+def _resolve_max_model_len(requested: int | None, hf_config: dict[str, Any]) -> int:
+    limit = int(hf_config.get("max_position_embeddings") or hf_config.get("max_sequence_length") or 4096)
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's max_position_embeddings ({limit}); "
+            "pass a value <= that or set hf_overrides={'max_position_embeddings': ...} deliberately"
+        )
+    return requested

@@ -1,0 +1,221 @@
+"""LLMEngine: requests in, RequestOutputs out; one ``step()`` schedules, runs the model once and applies results.
+
+Bad input raises ``ValueError`` from ``add_request`` before anything reaches the scheduler, so one bad request
+never disturbs the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any, Iterable
+
+from dsinfer.config import EngineArgs, EngineConfig
+from dsinfer.engine.detokenizer import IncrementalDetokenizer
+from dsinfer.engine.output_processor import ChildState, LogprobDecoder, ParentRequest
+from dsinfer.engine.outputs import RequestOutput
+from dsinfer.engine.request import Request, RequestStatus
+from dsinfer.engine.sampling_params import SamplingParams
+from dsinfer.kvcache.manager import KVCacheManager
+from dsinfer.runner.model_runner import ModelRunner, RunnerOutput
+from dsinfer.scheduler.scheduler import Scheduler
+from dsinfer.tokenizer import Tokenizer
+
+logger = logging.getLogger("dsinfer")
+
+_INT64_MASK = (1 << 64) - 1
+
+
+def _wrap_int64(value: int) -> int:
+    value &= _INT64_MASK
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None):
+        self.config = config
+        self.model_config = config.model
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(config)
+        self.kv_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                         config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.model.max_model_len)
+        self._parents: dict[str, ParentRequest] = {}
+        self._children: dict[str, tuple[ParentRequest, ChildState]] = {}
+        self._pending_outputs: list[RequestOutput] = []
+        self._seed_rng = random.Random(config.load.seed)
+        self._logprob_decoder = LogprobDecoder(tokenizer)
+        self.eos_token_ids = frozenset(config.model.eos_token_ids or (tokenizer.eos_token_ids if tokenizer else []))
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        config = args.create_engine_config()
+        tok_dir = args.tokenizer or config.model.path
+        tokenizer = None
+        try:
+            tokenizer = Tokenizer.from_dir(tok_dir, config.model.eos_token_ids)
+        except FileNotFoundError:
+            logger.warning("no tokenizer in %s: only token-id prompts are accepted", tok_dir)
+        return cls(config, tokenizer)
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._prompt_ids(prompt)
+        max_tokens = self._check_lengths(token_ids, params)
+        params.validate_for_vocab(self.model_config.vocab_size)
+        parent = ParentRequest(request_id, text, token_ids, params, arrival_time or time.monotonic())
+        base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            request = Request(child_id, token_ids, params, _wrap_int64(base_seed + index), max_tokens,
+                              self.eos_token_ids, text, parent.arrival_time, request_id, index)
+            if params.prompt_logprobs is not None:
+                request.prompt_logprobs = [None]
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
+                                               params.include_stop_str_in_output)
+            child = ChildState(request, detok)
+            parent.children.append(child)
+            self._children[child_id] = (parent, child)
+            self.scheduler.add_request(request)
+        self._parents[request_id] = parent
+
+    def _prompt_ids(self, prompt: str | dict[str, Any]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            vocab = self.model_config.vocab_size
+            if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt_token_ids contains {bad[0]}, outside the vocabulary [0, {vocab})")
+            return prompt.get("prompt"), list(ids)
+        raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
+        limit = self.model_config.max_model_len
+        if not token_ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if len(token_ids) >= limit:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is {limit}, which must leave "
+                             "room for at least one output token")
+        if params.max_tokens is None:
+            max_tokens = limit - len(token_ids)
+        elif len(token_ids) + params.max_tokens > limit:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{len(token_ids) + params.max_tokens} exceeds max_model_len={limit}")
+        else:
+            max_tokens = params.max_tokens
+        # a request that could never fit in the whole KV cache would wait forever
+        block_size, usable = self.config.cache.block_size, self.runner.num_blocks - 1
+        needed = -(-(len(token_ids) + max_tokens - 1) // block_size)
+        if needed > usable:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) needs {needed} "
+                             f"KV blocks of {block_size} tokens; the KV cache has {usable} (raise "
+                             "num_kv_blocks or kv_cache_memory_gb, or lower max_tokens)")
+        return max_tokens
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            parent = self._parents.get(request_id)
+            if parent is None:
+                continue
+            for child in parent.children:
+                if not child.request.is_finished:
+                    self.scheduler.finish(child.request, RequestStatus.FINISHED_ABORTED)
+            self._finish_parent(parent)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents) or bool(self._pending_outputs)
+
+    # ----------------------------------------------------------------- stepping
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        result = self.runner.execute(sched)
+        touched: dict[str, ParentRequest] = {}
+        for item in sched.scheduled:
+            parent, child = self._children[item.request.request_id]
+            self._apply(child, result)
+            touched[parent.request_id] = parent
+        for parent in touched.values():
+            output = parent.make_output()
+            if parent.finished:
+                self._finish_parent(parent, emit=False)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _apply(self, child: ChildState, result: RunnerOutput) -> None:
+        request = child.request
+        rid = request.request_id
+        if rid in result.prompt_logprobs:
+            request.prompt_logprobs.extend(self._logprob_decoder.position(p) for p in result.prompt_logprobs[rid])
+        token = result.sampled.get(rid)
+        if token is None:
+            return
+        request.append_token(token)
+        self.num_generation_tokens += 1
+        if request.num_output_tokens == 1:
+            request.first_token_time = time.monotonic()
+            self.num_prompt_tokens += request.num_prompt_tokens
+        if rid in result.logprobs:
+            data = result.logprobs[rid]
+            request.logprobs.append(self._logprob_decoder.position(data))
+            request.cumulative_logprob += data.logprobs[0]
+        status = self._stop_status(child, token)
+        if status is not None:
+            self.scheduler.finish(request, status)
+
+    def _stop_status(self, child: ChildState, token: int) -> RequestStatus | None:
+        request, params = child.request, child.request.params
+        past_min = request.num_output_tokens >= params.min_tokens
+        stop_str = child.detokenizer.add_token(token, past_min) if child.detokenizer else None
+        if past_min:
+            if token in request.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if stop_str is not None:
+                request.stop_reason = stop_str
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.model_config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish_parent(self, parent: ParentRequest, emit: bool = True) -> None:
+        parent.mark_finished_time()
+        if emit:
+            output = parent.make_output()
+            if output is not None:
+                self._pending_outputs.append(output)
+        self._parents.pop(parent.request_id, None)
+        for child in parent.children:
+            self._children.pop(child.request.request_id, None)
+
+    # ----------------------------------------------------------------- introspection
+    def get_stats(self) -> dict[str, Any]:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": self.kv_manager.usage,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": self.kv_manager.prefix_queries,
+            "prefix_cache_hits": self.kv_manager.prefix_hits,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generation_tokens": self.num_generation_tokens,
+        }

@@ -1,0 +1,98 @@
+"""Per-request output state: detokenized text, logprob objects, and the RequestOutput a user sees.
+
+A user request with ``n > 1`` runs as n engine requests (children); ``ParentRequest`` gathers them into one
+RequestOutput whose ``outputs[i]`` is child i.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from dsinfer.engine.detokenizer import IncrementalDetokenizer
+from dsinfer.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from dsinfer.engine.request import Request
+from dsinfer.engine.sampling_params import RequestOutputKind, SamplingParams
+from dsinfer.runner.model_runner import TokenLogprobs
+from dsinfer.tokenizer import Tokenizer
+
+
+class LogprobDecoder:
+    """Turns TokenLogprobs into vLLM-shaped {token id: Logprob} dicts, decoding each candidate token."""
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def _decode(self, token_id: int) -> str | None:
+        if self._tok is None:
+            return None
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tok.decode([token_id], skip_special_tokens=False)
+            self._cache[token_id] = text
+        return text
+
+    def position(self, data: TokenLogprobs) -> PositionLogprobs:
+        out: PositionLogprobs = {}
+        for i, (tid, lp) in enumerate(zip(data.token_ids, data.logprobs)):
+            if tid not in out:
+                out[tid] = Logprob(lp, data.rank if i == 0 else i, self._decode(tid))
+        return out
+
+
+@dataclass
+class ChildState:
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    text_sent_tokens: int = 0  # token ids already returned as deltas
+    logprobs_sent: int = 0
+
+
+@dataclass
+class ParentRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    children: list[ChildState] = field(default_factory=list)
+    finished_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.request.is_finished for c in self.children)
+
+    def make_output(self) -> RequestOutput | None:
+        """The output to return now, by the request's output kind (None: nothing to say yet)."""
+        finished = self.finished
+        kind = self.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        first = self.children[0].request
+        completions = [self._completion(c, kind) for c in self.children]
+        metrics = RequestMetrics(self.arrival_time, first.first_scheduled_time, first.first_token_time,
+                                 self.finished_time, max(first.num_cached_tokens, 0))
+        prompt_lp = first.prompt_logprobs if first.needs_prompt_logprobs else None
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, prompt_lp, completions,
+                             finished, metrics, max(first.num_cached_tokens, 0))
+
+    def _completion(self, child: ChildState, kind: RequestOutputKind) -> CompletionOutput:
+        req = child.request
+        done = req.is_finished
+        status = req.status.value if done else None
+        if kind == RequestOutputKind.DELTA:
+            text = child.detokenizer.delta(done) if child.detokenizer else ""
+            token_ids = req.output_token_ids[child.text_sent_tokens:]
+            logprobs = req.logprobs[child.logprobs_sent:] if req.params.logprobs is not None else None
+            child.text_sent_tokens, child.logprobs_sent = req.num_output_tokens, len(req.logprobs)
+        else:
+            text = child.detokenizer.visible_text(done) if child.detokenizer else ""
+            token_ids = list(req.output_token_ids)
+            logprobs = list(req.logprobs) if req.params.logprobs is not None else None
+        cumulative = req.cumulative_logprob if req.params.logprobs is not None else None
+        return CompletionOutput(req.index, text, token_ids, cumulative, logprobs, status, req.stop_reason)
+
+    def mark_finished_time(self) -> None:
+        if self.finished and self.finished_time is None:
+            self.finished_time = time.monotonic()

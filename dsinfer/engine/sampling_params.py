@@ -1,0 +1,140 @@
+"""SamplingParams: how one request is decoded (vLLM-compatible field names), validated at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+_MAX_N = 128
+_MAX_LOGPROBS = 20
+_MAX_SEED = 2**63 - 1
+
+
+class RequestOutputKind(IntEnum):
+    CUMULATIVE = 0  # every output carries the whole text so far
+    DELTA = 1  # every output carries only what is new since the previous one
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        kind = "an integer" if integer else "a number"
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+    if not integer and math.isnan(value):
+        raise ValueError(f"{name} must not be NaN")
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding settings. Invalid values raise ``ValueError`` naming the field and its range."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0): no top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # top-k logprobs per generated token (the sampled token always included)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self._validate()
+
+    def _validate(self) -> None:
+        _check_number("n", self.n, integer=True)
+        if not 1 <= self.n <= _MAX_N:
+            raise ValueError(f"n must be in [1, {_MAX_N}], got {self.n}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name))
+        if not 0.0 <= self.temperature <= 1e4:
+            raise ValueError(f"temperature must be in [0, 1e4], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_number("top_k", self.top_k, integer=True)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        self._validate_lengths()
+        self._validate_logprobs_and_ids()
+
+    def _validate_lengths(self) -> None:
+        if self.max_tokens is not None:
+            _check_number("max_tokens", self.max_tokens, integer=True)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check_number("min_tokens", self.min_tokens, integer=True)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.seed is not None:
+            _check_number("seed", self.seed, integer=True)
+            if not -_MAX_SEED - 1 <= self.seed <= _MAX_SEED:
+                raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be non-empty strings, got {s!r}")
+
+    def _validate_logprobs_and_ids(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            _check_number(name, value, integer=True)
+            if not 0 <= value <= _MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {_MAX_LOGPROBS}], got {value}")
+        for tid in self.stop_token_ids:
+            _check_number("stop_token_ids", tid, integer=True)
+            if tid < 0:
+                raise ValueError(f"stop_token_ids must be >= 0, got {tid}")
+        for tid, bias in (self.logit_bias or {}).items():
+            _check_number("logit_bias key", tid, integer=True)
+            _check_number("logit_bias value", bias)
+            if tid < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias must map token ids >= 0 to values in [-100, 100], got {tid}: {bias}")
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Token ids given in the params must exist in the model's vocabulary."""
+        for tid in self.stop_token_ids:
+            if tid >= vocab_size:
+                raise ValueError(f"stop_token_ids contains {tid}, outside the vocabulary [0, {vocab_size})")
+        for tid in self.logit_bias or {}:
+            if tid >= vocab_size:
+                raise ValueError(f"logit_bias contains token id {tid}, outside the vocabulary [0, {vocab_size})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -1,0 +1,222 @@
+"""AsyncEngine: an LLMEngine stepped in its own thread, with one asyncio stream per request.
+
+The event loop never runs engine work. Submissions and aborts go through lock-protected queues that the engine
+thread applies before each step; outputs come back to each request's ``asyncio.Queue`` through
+``loop.call_soon_threadsafe``. An exception escaping the step loop marks the engine dead: every open stream
+fails with ``EngineDeadError`` and new requests are refused. Draining refuses new requests while in-flight
+ones finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from dsinfer.engine.outputs import RequestOutput
+from dsinfer.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("dsinfer.async_engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop crashed; no request can be served."""
+
+
+class EngineDrainingError(RuntimeError):
+    """The server is shutting down and accepts no new requests."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are waiting; try again later."""
+
+
+class RequestRejectedError(ValueError):
+    """The engine refused the request (bad input found at ``add_request``)."""
+
+
+@dataclass
+class _Submission:
+    request_id: str
+    prompt: str | dict[str, Any]
+    params: SamplingParams
+    arrival_time: float
+
+
+class _Stream:
+    """Outputs of one request, fed from the engine thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+class AsyncEngine:
+    """Thread-stepped engine. ``max_waiting`` bounds requests not yet running (beyond it:
+    EngineOverloadedError).
+    """
+
+    def __init__(self, engine: Any, max_waiting: int = 256, idle_wait_s: float = 0.5):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_config = engine.model_config
+        self.max_waiting = max_waiting
+        self._idle_wait_s = idle_wait_s
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._submissions: list[_Submission] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, _Stream] = {}
+        self._in_engine: set[str] = set()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.draining = False
+        self.stats: dict[str, Any] = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
+
+    # ---- lifecycle ----------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="dsinfer-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def dead(self) -> bool:
+        thread_gone = self._thread is not None and not self._thread.is_alive() and not self._stop
+        return self.error is not None or thread_gone
+
+    @property
+    def is_healthy(self) -> bool:
+        return not self.dead and not self.draining
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def start_draining(self) -> None:
+        self.draining = True
+
+    async def wait_idle(self, timeout: float, poll_s: float = 0.05) -> bool:
+        """Wait until no request is in flight (True) or ``timeout`` passes (False)."""
+        deadline = time.monotonic() + timeout
+        while self._streams and not self.dead:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(poll_s)
+        return True
+
+    # ---- requests ----------
+    def _check_accepting(self) -> None:
+        if self.dead:
+            raise EngineDeadError(f"the engine is dead: {self.error!r}")
+        if self.draining:
+            raise EngineDrainingError("the server is shutting down and accepts no new requests")
+        waiting = len(self._submissions) + int(self.stats.get("num_waiting", 0))
+        if waiting >= self.max_waiting:
+            raise EngineOverloadedError(f"{waiting} requests are already waiting (limit {self.max_waiting})")
+
+    async def generate(
+        self, prompt: str | dict[str, Any], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as the engine makes them; aborts the request if the consumer stops early."""
+        self._check_accepting()
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            self._streams[request_id] = stream
+            self._submissions.append(_Submission(request_id, prompt, params, time.time()))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if self._streams.pop(request_id, None) is None:
+                return
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    # ---- engine thread ----------
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._wake.clear()
+                self._apply_queued()
+                if not self.engine.has_unfinished_requests():
+                    self.stats = self.engine.get_stats()
+                    self._wake.wait(self._idle_wait_s)
+                    continue
+                outputs = self.engine.step()
+                self._dispatch(outputs)
+                self.stats = self.engine.get_stats()
+        except BaseException as exc:  # noqa: BLE001 - any escape kills the engine; streams must learn it
+            self._die(exc)
+
+    def _apply_queued(self) -> None:
+        with self._lock:
+            submissions, self._submissions = self._submissions, []
+            aborts, self._aborts = self._aborts, []
+        to_abort = [rid for rid in aborts if rid in self._in_engine]
+        if to_abort:
+            self.engine.abort_request(to_abort)
+            self._in_engine.difference_update(to_abort)
+        for sub in submissions:
+            stream = self._streams.get(sub.request_id)
+            if stream is None:  # aborted before it reached the engine
+                continue
+            try:
+                self.engine.add_request(sub.request_id, sub.prompt, sub.params, arrival_time=sub.arrival_time)
+            except (ValueError, TypeError) as exc:
+                with self._lock:
+                    self._streams.pop(sub.request_id, None)
+                stream.put(RequestRejectedError(str(exc)))
+                continue
+            self._in_engine.add(sub.request_id)
+
+    def _dispatch(self, outputs: Iterable[RequestOutput]) -> None:
+        for out in outputs:
+            with self._lock:
+                stream = self._streams.get(out.request_id)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
+            if out.finished:
+                self._in_engine.discard(out.request_id)
+            if stream is not None:
+                stream.put(out)
+
+    def _die(self, exc: BaseException) -> None:
+        logger.exception("engine loop crashed; failing every open request", exc_info=exc)
+        self.error = exc
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.put(EngineDeadError(f"the engine failed: {exc!r}"))

@@ -1,0 +1,48 @@
+"""Interactive chat in the terminal, streaming tokens as they are generated."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+from dsinfer.engine.sampling_params import RequestOutputKind, SamplingParams
+
+
+def run_repl(llm, params: SamplingParams) -> int:
+    """Read a line, answer it with the whole conversation as context; /exit or EOF quits, /reset clears."""
+    engine, tokenizer = llm.engine, llm.get_tokenizer()
+    from dataclasses import replace
+
+    params = replace(params, output_kind=RequestOutputKind.DELTA)
+    history: list[dict[str, str]] = []
+    ids = itertools.count()
+    print("dsinfer chat: /reset clears the conversation, /exit quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            return 0
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            history.clear()
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        text = tokenizer.apply_chat_template(history, add_generation_prompt=True)
+        prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        try:
+            engine.add_request(f"repl-{next(ids)}", prompt, params)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            history.pop()
+            continue
+        answer = []
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                piece = output.outputs[0].text
+                answer.append(piece)
+                print(piece, end="", flush=True)
+        print()
+        history.append({"role": "assistant", "content": "".join(answer)})

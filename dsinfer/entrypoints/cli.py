@@ -1,0 +1,115 @@
+"""``dsinfer`` command line: generate | chat | serve | env."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from dsinfer import envs
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: bundled SmolLM2)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+
+
+def _make_llm(args):
+    from dsinfer.entrypoints.llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, load_format=args.load_format,
+               seed=args.seed)
+
+
+def _sampling(args):
+    from dsinfer import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k)
+
+
+def cmd_generate(args) -> int:
+    params = _sampling(args)  # bad flag values fail before the model loads
+    llm = _make_llm(args)
+    started = time.perf_counter()
+    out = llm.generate(args.text, params, use_tqdm=False)[0]
+    elapsed = time.perf_counter() - started
+    print(out.outputs[0].text)
+    n = len(out.outputs[0].token_ids)
+    print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    params = _sampling(args)
+    llm = _make_llm(args)
+    if args.text:
+        print(llm.chat([{"role": "user", "content": args.text}], params, use_tqdm=False)[0].outputs[0].text)
+        return 0
+    from dsinfer.entrypoints.chat_repl import run_repl
+
+    return run_repl(llm, params)
+
+
+def cmd_env(args) -> int:
+    for var in envs.all_vars():
+        current = var.raw if var.raw is not None else "(unset)"
+        print(f"{var.name}  [{var.type_name}, default {var.default!r}]  current: {current}\n    {var.doc}")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from dsinfer.server.cli import run_serve
+
+    return run_serve(args) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsinfer", description="dsinfer: LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="raw completion of TEXT")
+    _add_engine_args(gen)
+    _add_sampling_args(gen, max_tokens=64)
+    gen.add_argument("text")
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="one chat answer to TEXT, or an interactive chat without TEXT")
+    _add_engine_args(chat)
+    _add_sampling_args(chat, max_tokens=256)
+    chat.add_argument("text", nargs="?")
+    chat.set_defaults(func=cmd_chat)
+    env = sub.add_parser("env", help="list every DSINFER_* environment variable")
+    env.set_defaults(func=cmd_env)
+    serve = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server")
+    try:
+        from dsinfer.server.cli import add_serve_args
+    except ImportError:  # server extras not installed
+        serve.add_argument("model", nargs="?")
+    else:
+        add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=envs.LOG_LEVEL.get(), format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

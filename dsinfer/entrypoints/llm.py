@@ -1,0 +1,122 @@
+"""The offline API, vLLM-compatible: ``LLM(model).generate(prompts, params)`` and ``.chat(messages, params)``."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any, Sequence
+
+from dsinfer.config import EngineArgs
+from dsinfer.engine.llm_engine import LLMEngine
+from dsinfer.engine.outputs import RequestOutput
+from dsinfer.engine.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("dsinfer")
+
+PromptType = str | dict[str, Any]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """An offline engine. Keyword arguments are ``EngineArgs`` fields (max_num_seqs, block_size, ...)."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"LLM() got unknown argument(s) {sorted(unknown)}; "
+                            f"valid: {sorted(EngineArgs.field_names())}")
+        started = time.perf_counter()
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self.load_seconds = time.perf_counter() - started
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params_list = self._params_for(len(prompts), sampling_params)
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                params = _final_only(params)
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except Exception:
+            self.engine.abort_request(request_ids)
+            self._drain()
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt, chat_template,
+                                                 **(chat_template_kwargs or {}))
+            # the template already wrote BOS where the model wants it
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _params_for(self, count: int, params: SamplingParams | Sequence[SamplingParams] | None):
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        params = list(params)
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; pass one or one per prompt")
+        return params
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[rid] for rid in request_ids]
+
+    def _drain(self) -> None:
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    if params.output_kind == RequestOutputKind.FINAL_ONLY:
+        return params
+    from dataclasses import replace
+
+    return replace(params, output_kind=RequestOutputKind.FINAL_ONLY)

@@ -1,0 +1,125 @@
+"""Every ``DSINFER_*`` environment variable, declared once: name, type, default and doc.
+
+Nothing else in dsinfer reads ``os.environ``. Values are parsed and validated when first read (and all of them by
+``validate_all()`` at engine start-up), so a typo in a value fails loudly instead of being ignored. ``dsinfer env``
+lists them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _parse_bool(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"expected one of {sorted(_TRUE | _FALSE - {''})}, got {raw!r}")
+
+
+def _parse_choice(*choices: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw not in choices:
+            raise ValueError(f"expected one of {list(choices)}, got {raw!r}")
+        return raw
+
+    return parse
+
+
+def _parse_positive_float(raw: str) -> float:
+    value = float(raw)
+    if not value > 0:
+        raise ValueError(f"expected a number > 0, got {raw!r}")
+    return value
+
+
+def _parse_non_negative_int(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise ValueError(f"expected an integer >= 0, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    type_name: str
+    default: Any
+    doc: str
+    parse: Callable[[str], Any]
+
+    @property
+    def raw(self) -> str | None:
+        return os.environ.get(self.name)
+
+    def get(self) -> Any:
+        raw = self.raw
+        if raw is None:
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as exc:
+            raise ValueError(f"environment variable {self.name}={raw!r} is invalid: {exc}") from None
+
+
+_REGISTRY: dict[str, EnvVar] = {}
+
+
+def _declare(name: str, type_name: str, default: Any, doc: str, parse: Callable[[str], Any]) -> EnvVar:
+    assert name.startswith("DSINFER_") and name not in _REGISTRY, name
+    var = EnvVar(name, type_name, default, doc, parse)
+    _REGISTRY[name] = var
+    return var
+
+
+CACHE_DIR = _declare(
+    "DSINFER_CACHE_DIR", "path", str(Path.home() / ".cache" / "dsinfer"),
+    "Where converted models (GGUF -> safetensors + tokenizer.json) are cached.", str,
+)
+CPU_KV_CACHE_GB = _declare(
+    "DSINFER_CPU_KV_CACHE_GB", "float", 2.0,
+    "KV cache budget in GiB on CPU when `kv_cache_memory_gb` is not given.", _parse_positive_float,
+)
+DEVICE = _declare(
+    "DSINFER_DEVICE", "str", "auto",
+    "Device to run on: auto (cuda when available), cuda or cpu.", _parse_choice("auto", "cuda", "cpu"),
+)
+LOG_LEVEL = _declare(
+    "DSINFER_LOG_LEVEL", "str", "INFO",
+    "Log level of the dsinfer logger.", _parse_choice("DEBUG", "INFO", "WARNING", "ERROR"),
+)
+CPU_THREADS = _declare(
+    "DSINFER_CPU_THREADS", "int", 0,
+    "torch intra-op threads on CPU (0: leave torch's default).", _parse_non_negative_int,
+)
+ASYNC_SCHEDULING = _declare(
+    "DSINFER_ASYNC_SCHEDULING", "bool", True,
+    "Overlap CPU scheduling of step N+1 with GPU execution of step N (CUDA only).", _parse_bool,
+)
+DETERMINISTIC = _declare(
+    "DSINFER_DETERMINISTIC", "bool", False,
+    "Batch-invariant mode: reduction orders that do not depend on the batch.", _parse_bool,
+)
+USE_TRITON = _declare(
+    "DSINFER_USE_TRITON", "str", "auto",
+    "Use Triton kernels: auto (on CUDA), always (also TRITON_INTERPRET on CPU) or never.",
+    _parse_choice("auto", "always", "never"),
+)
+
+
+def all_vars() -> list[EnvVar]:
+    return list(_REGISTRY.values())
+
+
+def validate_all() -> None:
+    """Parse every variable that is set; raise a ValueError naming the first bad one."""
+    for var in _REGISTRY.values():
+        var.get()

@@ -1,0 +1,84 @@
+"""KVCacheManager: gives requests blocks for the tokens they are about to compute, with prefix caching.
+
+``get_computed_blocks`` finds the longest cached prefix (whole blocks, always leaving at least one token to compute);
+``allocate_slots`` takes those blocks and enough new ones for ``num_computed + num_new`` tokens, then registers the
+blocks that the step will fill completely; ``free`` returns a request's blocks, tail first, so the least useful
+blocks are evicted first.
+"""
+
+from __future__ import annotations
+
+from dsinfer.engine.request import Request
+from dsinfer.kvcache.block_pool import NONE_HASH, BlockPool, KVCacheBlock, hash_block
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.enable_caching = enable_caching
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # tokens found there
+
+    def _update_hashes(self, request: Request) -> None:
+        hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
+        while (len(hashes) + 1) * bs <= len(tokens):
+            start = len(hashes) * bs
+            hashes.append(hash_block(hashes[-1] if hashes else NONE_HASH, tokens[start:start + bs]))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Cached blocks covering a prefix of the request, and how many tokens they hold."""
+        if not self.enable_caching or request.needs_prompt_logprobs:
+            return [], 0
+        self._update_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int, num_computed_blocks: int = 0) -> int:
+        total = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, total - len(request.blocks) - num_computed_blocks)
+
+    def can_allocate(self, request: Request, num_new_tokens: int, computed: list[KVCacheBlock] = ()) -> bool:
+        # Free-but-cached hits are counted as free blocks; touching them removes them from the free list.
+        revived = sum(1 for b in computed if b.ref_cnt == 0)
+        needed = self.num_blocks_needed(request, num_new_tokens, len(computed))
+        return needed + revived <= self.pool.num_free_blocks
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed: list[KVCacheBlock] = ()) -> bool:
+        """Give the request room for ``num_new_tokens`` more tokens; False (and no change) if blocks run out."""
+        if not self.can_allocate(request, num_new_tokens, computed):
+            return False
+        if computed:
+            self.pool.touch(list(computed))
+            request.blocks.extend(computed)
+        request.blocks.extend(self.pool.allocate(self.num_blocks_needed(request, num_new_tokens)))
+        self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+        return True
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        self._update_hashes(request)
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        for block, block_hash in zip(request.blocks[:num_full], request.block_hashes[:num_full]):
+            self.pool.cache_block(block, block_hash)
+
+    def free(self, request: Request) -> None:
+        self.pool.release(list(reversed(request.blocks)))
+        request.blocks = []
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks

@@ -1,0 +1,72 @@
+"""KVCacheSpec: what one attention layer stores per token, hence the bytes of a block and the cache's shape.
+
+All layers share one block table (a block id indexes every layer's cache), so the block count is the KV budget
+divided by the sum of ``bytes_per_block`` over layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    """K and V for every token: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def values_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.values_per_token * self.dtype.itemsize
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(self.cache_shape(num_blocks), dtype=self.dtype, device=device)
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """Full-attention layout; attention only looks back ``sliding_window`` tokens."""
+
+    sliding_window: int = 0
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention: only the normalized latent + the rope key per token, never expanded K/V.
+
+    Layout ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` (576 values for DeepSeek-V2-Lite/V3).
+    """
+
+    block_size: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def values_per_token(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.values_per_token * self.dtype.itemsize
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.block_size, self.values_per_token)
+
+    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(self.cache_shape(num_blocks), dtype=self.dtype, device=device)
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLASpec

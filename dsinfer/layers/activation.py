@@ -1,0 +1,13 @@
+"""Gated activations."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsinfer import ops
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.silu_and_mul(x)

@@ -1,0 +1,41 @@
+"""Paged attention layer: stores this step's K/V in its cache, then attends over the cached context.
+
+The runner binds ``kv_cache`` (shaped by the layer's KVCacheSpec) after sizing the cache; the forward batch is
+passed explicitly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsinfer import ops
+from dsinfer.kvcache.spec import FullAttentionSpec, SlidingWindowSpec
+from dsinfer.runner.forward_batch import ForwardBatch
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads "
+                             f"({num_kv_heads})")
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.scale, self.sliding_window = scale, sliding_window
+        self.kv_cache: torch.Tensor | None = None
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> FullAttentionSpec:
+        if self.sliding_window:
+            return SlidingWindowSpec(block_size, self.num_kv_heads, self.head_dim, dtype, self.sliding_window)
+        return FullAttentionSpec(block_size, self.num_kv_heads, self.head_dim, dtype)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q: [T, Hq*D], k/v: [T, Hkv*D] -> [T, Hq*D]."""
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        ops.store_kv(k, v, self.kv_cache, batch.slot_mapping)
+        out = ops.paged_attention(q, self.kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                                  self.scale, self.sliding_window)
+        return out.reshape(-1, self.num_heads * self.head_dim)

@@ -1,0 +1,30 @@
+"""Token embedding and the LM head (which may share the embedding's weight)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class LMHead(nn.Module):
+    """Logits in float32 for the selected rows only (the runner passes just the rows it samples from)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None):
+        super().__init__()
+        self.tied = tied_to is not None
+        # Tied: the very same Parameter, so loading the embedding fills both.
+        self.weight = tied_to.weight if self.tied else nn.Parameter(
+            torch.empty(vocab_size, hidden_size), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight).float()

@@ -1,0 +1,155 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) with a latent-only paged KV cache.
+
+Per token the query comes from ``q_proj`` (no q LoRA) or ``q_b_proj(RMSNorm(q_a_proj(x)))``; the KV path is
+``kv_a_proj_with_mqa(x) = [c | k_pe]``: a latent ``c`` (kv_lora_rank, RMS-normalized) and one rope key shared
+by all heads. Only ``[c | k_pe]`` is cached (``MLASpec``). Decode rows attend in the absorbed form (W_UK
+folded into the query, W_UV applied to the attended latent); rows of sequences with several new tokens
+(prefill, chunked prefill, prefill after a prefix-cache hit) expand K/V for their whole context from the
+cached latent.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsinfer.kvcache.spec import MLASpec
+from dsinfer.layers.fp8_linear import Fp8BlockLinear, Fp8Config, make_linear
+from dsinfer.layers.norm import RMSNorm
+from dsinfer.layers.rotary import RotaryEmbedding, rope_parameters_of
+from dsinfer.ops.mla import mla_decode, mla_prefill, store_mla_kv
+from dsinfer.runner.forward_batch import ForwardBatch
+
+LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
+
+
+@dataclass
+class MLARows:
+    """A sub-batch of sequences: their token rows in the flat batch and their attention metadata."""
+
+    rows: torch.Tensor | None  # [T_sub] row indices; None = every row of the batch
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+@dataclass
+class MLAMetadata:
+    """The batch split once per forward (shared by every MLA layer): one-token rows and multi-token rows."""
+
+    decode: MLARows | None
+    prefill: MLARows | None
+
+    @classmethod
+    def build(cls, batch: ForwardBatch) -> MLAMetadata:
+        everything = MLARows(None, batch.block_tables, batch.query_start_loc, batch.seq_lens)
+        if batch.max_query_len == 1:
+            return cls(everything, None)
+        q_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
+        is_decode = q_lens == 1
+        if not bool(is_decode.any()):
+            return cls(None, everything)
+        return cls(cls._subset(batch, is_decode, q_lens), cls._subset(batch, ~is_decode, q_lens))
+
+    @staticmethod
+    def _subset(batch: ForwardBatch, keep: torch.Tensor, q_lens: torch.Tensor) -> MLARows:
+        seqs = keep.nonzero().squeeze(1)
+        rows = keep.repeat_interleave(q_lens.long()).nonzero().squeeze(1)
+        cu = torch.zeros(seqs.numel() + 1, dtype=batch.query_start_loc.dtype, device=seqs.device)
+        torch.cumsum(q_lens[seqs], 0, out=cu[1:])
+        return MLARows(rows, batch.block_tables[seqs], cu, batch.seq_lens[seqs])
+
+
+def yarn_softmax_scale(head_dim: int, rope: dict[str, Any]) -> float:
+    """head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 for YaRN (DeepSeek's attention temperature)."""
+    scale = head_dim**-0.5
+    mscale_all_dim = rope.get("mscale_all_dim")
+    factor = rope.get("factor") or 1.0
+    if rope["rope_type"] != "default" and mscale_all_dim and factor > 1:
+        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def _dense_weight(linear: nn.Module) -> torch.Tensor:
+    return linear.dequantized_weight() if isinstance(linear, Fp8BlockLinear) else linear.weight
+
+
+class MLAAttention(nn.Module):
+    """One MLA layer: projections, rope, the latent cache (``kv_cache``, bound by the runner), attention."""
+
+    def __init__(self, cfg: dict[str, Any], quant: Fp8Config | None, rope_is_neox: bool):
+        super().__init__()
+        hidden, self.num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        self.q_lora_rank, self.kv_lora_rank = cfg.get("q_lora_rank"), cfg["kv_lora_rank"]
+        self.nope_dim, self.rope_dim = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
+        self.v_dim = cfg["v_head_dim"]
+        bias = bool(cfg.get("attention_bias"))
+        q_out = self.num_heads * (self.nope_dim + self.rope_dim)
+        if self.q_lora_rank:
+            self.q_a_proj = make_linear(hidden, self.q_lora_rank, quant, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LORA_NORM_EPS)
+            self.q_b_proj = make_linear(self.q_lora_rank, q_out, quant)
+        else:
+            self.q_proj = make_linear(hidden, q_out, quant)
+        self.kv_a_proj_with_mqa = make_linear(hidden, self.kv_lora_rank + self.rope_dim, quant, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LORA_NORM_EPS)
+        self.kv_b_proj = make_linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), quant)
+        self.o_proj = make_linear(self.num_heads * self.v_dim, hidden, quant, bias=bias)
+        rope = rope_parameters_of(cfg)
+        self.rotary = RotaryEmbedding(
+            self.rope_dim, cfg.get("max_position_embeddings", 4096), rope, rope_is_neox
+        )
+        self.scale = yarn_softmax_scale(self.nope_dim + self.rope_dim, rope)
+        self.kv_cache: torch.Tensor | None = None
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> MLASpec:
+        return MLASpec(block_size, self.kv_lora_rank, self.rope_dim, dtype)
+
+    def _query(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.q_lora_rank:
+            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        return self.q_proj(hidden)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, meta: MLAMetadata
+    ) -> torch.Tensor:
+        q = self._query(hidden).view(-1, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
+        store_mla_kv(self.kv_a_layernorm(kv_c), k_pe.squeeze(1), self.kv_cache, batch.slot_mapping)
+        out = self.attend(q_nope, q_pe, meta)
+        return self.o_proj(out.flatten(1))
+
+    def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
+        """q_nope [T, H, N], q_pe [T, H, P] (roped) -> [T, H, V]."""
+        w_kv_b = _dense_weight(self.kv_b_proj).view(
+            self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank
+        )
+        out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
+        if meta.decode is not None:
+            d = meta.decode
+            qn, qp = (q_nope, q_pe) if d.rows is None else (q_nope[d.rows], q_pe[d.rows])
+            q_absorbed = torch.einsum("thn,hnr->thr", qn, w_kv_b[:, : self.nope_dim])
+            latent = mla_decode(
+                q_absorbed, qp, self.kv_cache, d.block_tables, d.query_start_loc, d.seq_lens, self.scale
+            )
+            o = torch.einsum("thr,hvr->thv", latent, w_kv_b[:, self.nope_dim :])
+            if d.rows is None:
+                return o
+            out[d.rows] = o
+        if meta.prefill is not None:
+            p = meta.prefill
+            qn, qp = (q_nope, q_pe) if p.rows is None else (q_nope[p.rows], q_pe[p.rows])
+            o = mla_prefill(
+                qn, qp, self.kv_cache, p.block_tables, p.query_start_loc, p.seq_lens, w_kv_b, self.scale
+            )
+            if p.rows is None:
+                return o
+            out[p.rows] = o
+        return out

@@ -1,0 +1,177 @@
+"""Routed experts: the router gate and the stacked expert weights that ``ops.fused_moe`` runs.
+
+Checkpoints store one tensor per expert (``experts.{e}.{gate,up,down}_proj.weight``); the weight loader copies
+each into its slice of ``w13 [E, 2I, H]`` ([gate; up]) or ``w2 [E, H, I]``. transformers' fused layout
+(``experts.gate_up_proj`` / ``experts.down_proj``) loads whole. FP8 checkpoints keep FP8 experts with their
+block scales and dequantize them once after loading (until a block-scaled fused MoE kernel takes them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dsinfer.layers.fp8_linear import BlockScaledShards, Fp8Config
+from dsinfer.ops.fp8 import FP8_DTYPE
+from dsinfer.ops.moe import SCORING_FUNCS, TOPK_METHODS, fused_moe, select_experts
+
+SHARDS = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", 0)}
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How a token picks its experts (see ``ops.moe.select_experts``)."""
+
+    num_experts: int
+    top_k: int
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self):
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(
+                f"scoring_func={self.scoring_func!r} is not supported; supported: {SCORING_FUNCS}"
+            )
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"topk_method={self.topk_method!r} is not supported; supported: {TOPK_METHODS}")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.top_k} must be in [1, n_routed_experts={self.num_experts}]"
+            )
+        if self.num_experts % self.n_group:
+            raise ValueError(
+                f"n_routed_experts={self.num_experts} is not divisible by n_group={self.n_group}"
+            )
+        if not 0 < self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+        if self.n_group > 1 and self.topk_group * (self.num_experts // self.n_group) < self.top_k:
+            raise ValueError(
+                f"topk_group={self.topk_group} groups of {self.num_experts // self.n_group} experts "
+                f"hold fewer than num_experts_per_tok={self.top_k}"
+            )
+
+
+class Router(nn.Module):
+    """Gate logits in float32 (``weight`` stays float32 whatever the model dtype, as in the reference)."""
+
+    def __init__(self, hidden_size: int, cfg: RouterConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(
+            torch.empty(cfg.num_experts, hidden_size, dtype=torch.float32), requires_grad=False
+        )
+        self.e_score_correction_bias = None
+        if cfg.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(
+                torch.empty(cfg.num_experts, dtype=torch.float32), requires_grad=False
+            )
+            self.e_score_correction_bias.dummy_init = lambda std, gen: (
+                self.e_score_correction_bias.data.zero_()
+            )
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = torch.nn.functional.linear(hidden.float(), self.weight)
+        c = self.cfg
+        return select_experts(
+            logits,
+            c.top_k,
+            scoring_func=c.scoring_func,
+            topk_method=c.topk_method,
+            n_group=c.n_group,
+            topk_group=c.topk_group,
+            norm_topk_prob=c.norm_topk_prob,
+            routed_scaling_factor=c.routed_scaling_factor,
+            e_score_correction_bias=self.e_score_correction_bias,
+        )
+
+
+class FusedExperts(nn.Module):
+    """E SiLU-gated experts stacked for one grouped op: ``w13 [E, 2I, H]``, ``w2 [E, H, I]``."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, quant: Fp8Config | None):
+        super().__init__()
+        self.num_experts, self.quant = num_experts, quant
+        dtype = FP8_DTYPE if quant else None
+        self.w13 = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), requires_grad=False
+        )
+        self.w13.weight_loader, self.w2.weight_loader = self._loader("w13", False), self._loader("w2", False)
+        self.shards: dict[str, BlockScaledShards] = {}
+        if quant:
+            size = intermediate_size
+            self.shards = {
+                "w13": BlockScaledShards(hidden_size, [size, size], [0, 1], quant.block_size),
+                "w2": BlockScaledShards(size, [hidden_size], [0], quant.block_size),
+            }
+            for name, shards in self.shards.items():
+                scale = nn.Parameter(
+                    torch.empty(num_experts, shards.scale_rows, shards.cols, dtype=torch.float32),
+                    requires_grad=False,
+                )
+                scale.weight_loader = self._loader(name, True)
+                scale.dummy_init = lambda std, gen: None  # written by the weight's dummy init
+                setattr(self, f"{name}_scale_inv", scale)
+                getattr(self, name).dummy_init = self._dummy_init_fn(name)
+        self.dtype = torch.get_default_dtype()
+        self.dense: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _loader(self, name: str, is_scale: bool):
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, str] | None = None) -> None:
+            """``shard``: (expert, 'gate' | 'up' | 'down') for a per-expert tensor; None: stacked."""
+            target = param.data
+            if shard is not None:
+                expert, kind = shard
+                if not 0 <= expert < self.num_experts:
+                    raise ValueError(f"expert index {expert} out of range [0, {self.num_experts})")
+                index, target = SHARDS[kind][1], target[expert]
+                if is_scale:
+                    _, _, srow, srows = self.shards[name].offsets[index]
+                    target = target.narrow(0, srow, srows)
+                elif name == "w13":
+                    size = target.shape[0] // 2
+                    target = target.narrow(0, index * size, size)
+            if target.shape != loaded.shape:
+                raise ValueError(
+                    f"expert tensor of shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}"
+                )
+            if self.quant and not is_scale and loaded.dtype != FP8_DTYPE:
+                raise ValueError(
+                    f"expected FP8 (float8_e4m3fn) experts for an fp8 checkpoint, got {loaded.dtype}"
+                )
+            target.copy_(loaded)
+
+        return load
+
+    def _dummy_init_fn(self, name: str):
+        def init(std: float, generator: torch.Generator) -> None:
+            weight, scale = getattr(self, name).data, getattr(self, f"{name}_scale_inv").data
+            for e in range(self.num_experts):  # one expert at a time: bounded float32 scratch
+                dense = torch.empty(weight.shape[1:], dtype=torch.float32, device=weight.device)
+                self.shards[name].quantize_into(
+                    dense.normal_(0.0, std, generator=generator), weight[e], scale[e]
+                )
+
+        return init
+
+    def process_weights_after_loading(self) -> None:
+        """FP8 experts: dequantize once (FP8 weights and scales stay, for a block-scaled fused MoE kernel)."""
+        if self.quant:
+            self.dense = tuple(
+                self.shards[n].dequantize(getattr(self, n), getattr(self, f"{n}_scale_inv"), self.dtype)
+                for n in ("w13", "w2")
+            )
+
+    def forward(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        w13, w2 = self.dense if self.dense is not None else (self.w13, self.w2)
+        return fused_moe(hidden, w13, w2, topk_weights, topk_ids)

@@ -1,0 +1,134 @@
+"""DeepSeek-V2/V3 building blocks: config checks, the dense MLP, the MoE block and the decoder layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsinfer.layers.activation import SiluAndMul
+from dsinfer.layers.fp8_linear import Fp8Config, make_linear
+from dsinfer.layers.mla import MLAAttention, MLAMetadata
+from dsinfer.layers.moe import FusedExperts, Router, RouterConfig
+from dsinfer.layers.norm import RMSNorm
+from dsinfer.runner.forward_batch import ForwardBatch
+
+REQUIRED = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "intermediate_size",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+)
+MOE_REQUIRED = ("moe_intermediate_size", "num_experts_per_tok")
+
+
+def check_config(cfg: dict[str, Any]) -> None:
+    """Raise a ValueError naming the field for a config this model cannot be built from."""
+    arch = cfg.get("architectures")
+    missing = [k for k in REQUIRED if cfg.get(k) is None]
+    if cfg.get("n_routed_experts"):
+        missing += [k for k in MOE_REQUIRED if cfg.get(k) is None]
+    if missing:
+        raise ValueError(f"config.json is missing required field(s) {missing} for {arch}")
+    for key in REQUIRED + ("q_lora_rank", "n_routed_experts", "n_shared_experts", "moe_intermediate_size"):
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{key} must be a positive integer (or null where optional), got {value!r}")
+    if cfg["qk_rope_head_dim"] % 2:
+        raise ValueError(f"qk_rope_head_dim must be even (rope rotates pairs), got {cfg['qk_rope_head_dim']}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; supported: 'silu'")
+    if (cfg.get("moe_layer_freq") or 1) < 1:
+        raise ValueError(f"moe_layer_freq must be >= 1, got {cfg.get('moe_layer_freq')!r}")
+
+
+def router_config(cfg: dict[str, Any], defaults: dict[str, Any]) -> RouterConfig:
+    """The gate's settings; fields a config leaves out (transformers 5 drops V3's) take the variant's."""
+
+    def get(key: str, fallback: Any) -> Any:
+        value = cfg.get(key)
+        return fallback if value is None else value
+
+    return RouterConfig(
+        num_experts=cfg["n_routed_experts"],
+        top_k=cfg["num_experts_per_tok"],
+        scoring_func=get("scoring_func", defaults["scoring_func"]),
+        topk_method=get("topk_method", defaults["topk_method"]),
+        n_group=get("n_group", 1),
+        topk_group=get("topk_group", 1),
+        norm_topk_prob=bool(get("norm_topk_prob", defaults["norm_topk_prob"])),
+        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+    )
+
+
+def is_moe_layer(cfg: dict[str, Any], layer_idx: int) -> bool:
+    return (
+        bool(cfg.get("n_routed_experts"))
+        and layer_idx >= (cfg.get("first_k_dense_replace") or 0)
+        and layer_idx % (cfg.get("moe_layer_freq") or 1) == 0
+    )
+
+
+class DeepseekMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, quant: Fp8Config | None):
+        super().__init__()
+        self.gate_up_proj = make_linear(hidden, [intermediate, intermediate], quant)
+        self.down_proj = make_linear(intermediate, hidden, quant)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DeepseekMoE(nn.Module):
+    """Routed experts (top-k of n_routed_experts) plus always-on shared experts."""
+
+    def __init__(self, cfg: dict[str, Any], quant: Fp8Config | None, router: RouterConfig):
+        super().__init__()
+        hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+        self.gate = Router(hidden, router)
+        self.experts = FusedExperts(router.num_experts, hidden, inter, quant)
+        shared = cfg.get("n_shared_experts") or 0
+        self.shared_experts = DeepseekMLP(hidden, inter * shared, quant) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any], layer_idx: int, quant: Fp8Config | None, variant: dict[str, Any]):
+        super().__init__()
+        hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
+        self.self_attn = MLAAttention(cfg, quant, rope_is_neox=variant["rope_is_neox"](cfg))
+        if is_moe_layer(cfg, layer_idx):
+            self.mlp = DeepseekMoE(cfg, quant, router_config(cfg, variant["router"]))
+        else:
+            self.mlp = DeepseekMLP(hidden, cfg["intermediate_size"], quant)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        meta: MLAMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, batch, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual

@@ -1,0 +1,148 @@
+"""DeepseekV2ForCausalLM / DeepseekV3ForCausalLM: MLA + MoE decoder, optional MTP draft module, FP8 weights.
+
+The two differ only in defaults: V2 always ropes interleaved pairs and gates with softmax; V3 ropes
+interleaved unless ``rope_interleave`` is false and gates with sigmoid + noaux_tc unless the config says
+otherwise (transformers >= 5 writes V3 configs without ``scoring_func`` / ``topk_method``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsinfer.layers.embedding import LMHead, VocabEmbedding
+from dsinfer.layers.fp8_linear import Fp8Config
+from dsinfer.layers.mla import MLAAttention, MLAMetadata
+from dsinfer.layers.norm import RMSNorm
+from dsinfer.models.deepseek.blocks import DeepseekDecoderLayer, check_config
+from dsinfer.ops.fp8 import FP8_DTYPE
+from dsinfer.runner.forward_batch import ForwardBatch
+
+logger = logging.getLogger("dsinfer")
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)$")
+_STACKED = {".experts.gate_up_proj": ".experts.w13", ".experts.down_proj": ".experts.w2"}
+_PACKED = {".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1)}
+_MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "embed_tokens.", "shared_head.")
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    variant: dict[str, Any] = {
+        "rope_is_neox": lambda cfg: False,  # V2 ropes interleaved pairs (the reference's complex multiply)
+        "router": {"scoring_func": "softmax", "topk_method": "greedy", "norm_topk_prob": False},
+    }
+
+    def __init__(self, cfg: dict[str, Any]):
+        super().__init__()
+        check_config(cfg)
+        cfg.setdefault("rms_norm_eps", 1e-6)
+        self.cfg, self.quant = cfg, Fp8Config.from_hf(cfg)
+        self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(cfg, i, self.quant, self.variant) for i in range(cfg["num_hidden_layers"])
+        )
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        tied = cfg.get("tie_word_embeddings", False)
+        self.lm_head = LMHead(cfg["vocab_size"], cfg["hidden_size"], self.embed_tokens if tied else None)
+        self.mtp = None
+        if cfg.get("num_nextn_predict_layers"):
+            from dsinfer.models.mtp import DeepseekMTP
+
+            self.mtp = DeepseekMTP(cfg, self.quant, self.variant)
+
+    def attention_layers(self) -> list[MLAAttention]:
+        """The main model's MLA layers (the MTP module's own layers are ``self.mtp.attention_layers()``)."""
+        return [layer.self_attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        meta = MLAMetadata.build(batch)
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, batch, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    # ---- weights -------------------------------------------------------------------------------------------
+
+    def checkpoint_name(self, name: str) -> tuple[str, Any] | None:
+        """Checkpoint tensor name -> (our parameter name, shard id or None); None to skip the tensor."""
+        if "rotary_emb.inv_freq" in name or (name.startswith("lm_head.") and self.lm_head.tied):
+            return None
+        name = name.removeprefix("model.")
+        match = re.match(r"layers\.(\d+)\.(.*)", name)
+        if match and int(match[1]) >= self.cfg["num_hidden_layers"]:  # an MTP layer
+            index = int(match[1]) - self.cfg["num_hidden_layers"]
+            if self.mtp is None or index >= len(self.mtp.layers):
+                return None
+            rest = match[2] if match[2].startswith(_MTP_OWN) else f"block.{match[2]}"
+            name = f"mtp.layers.{index}.{rest}"
+        expert = _EXPERT.search(name)
+        if expert:
+            stacked = "w2" if expert[2] == "down" else "w13"
+            suffix = "_scale_inv" if expert[3] == "weight_scale_inv" else ""
+            return f"{name[: expert.start()]}.experts.{stacked}{suffix}", (int(expert[1]), expert[2])
+        for fragment, ours in _STACKED.items():
+            if name.endswith(fragment):
+                return name[: -len(fragment)] + ours, None
+        for fragment, (merged, shard) in _PACKED.items():
+            if fragment in name:
+                return name.replace(fragment, merged), shard
+        return name, None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Route each checkpoint tensor to its parameter (via its ``weight_loader``); all must be filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for ckpt_name, tensor in weights:
+            routed = self.checkpoint_name(ckpt_name)
+            if routed is None:
+                continue
+            name, shard = routed
+            param = params.get(name)
+            if param is None:
+                raise ValueError(
+                    f"checkpoint tensor {ckpt_name!r} has no matching parameter ({name!r}) in the model"
+                )
+            if tensor.dtype == FP8_DTYPE and param.dtype != FP8_DTYPE:
+                raise ValueError(
+                    f"checkpoint tensor {ckpt_name!r} is FP8 but config.json has no fp8 "
+                    "quantization_config (weight_block_size) to dequantize it with"
+                )
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor) if shard is None else loader(param, tensor, shard)
+            elif param.shape != tensor.shape:
+                raise ValueError(
+                    f"{ckpt_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}"
+                )
+            else:
+                param.data.copy_(tensor)
+            loaded.add(name)
+        if self.mtp is not None and not any(name.startswith("mtp.") for name in loaded):
+            logger.info("the checkpoint has no MTP layer weights: the MTP draft module is dropped")
+            self.mtp = None
+            params = dict(self.named_parameters())
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} parameter(s), e.g. {missing[:5]}")
+
+    def post_load(self) -> None:
+        """After real or dummy weights: FP8 layers dequantize where they must."""
+        for module in self.modules():
+            if hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    variant: dict[str, Any] = {
+        "rope_is_neox": lambda cfg: cfg.get("rope_interleave") is False,
+        "router": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True},
+    }

@@ -1,0 +1,165 @@
+"""Llama and its close relatives: Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm), Mistral (sliding window).
+
+Reads like the HF reference, with q/k/v and gate/up merged into one matmul each (the loader fills the shards).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from dsinfer.layers.activation import SiluAndMul
+from dsinfer.layers.attention import Attention
+from dsinfer.layers.embedding import LMHead, VocabEmbedding
+from dsinfer.layers.linear import Linear
+from dsinfer.layers.norm import RMSNorm
+from dsinfer.layers.rotary import RotaryEmbedding, rope_parameters_of
+from dsinfer.models.weights import load_named_weights
+from dsinfer.runner.forward_batch import ForwardBatch
+
+
+def _require(cfg: dict[str, Any], *keys: str) -> None:
+    missing = [k for k in keys if cfg.get(k) is None]
+    if missing:
+        raise ValueError(f"config.json is missing required field(s) {missing} for {cfg.get('architectures')}")
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: dict[str, Any], layer_idx: int, qkv_bias: bool, qk_norm: bool,
+                 sliding_window: int | None):
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention_bias = bool(cfg.get("attention_bias"))  # Llama: bias on q/k/v/o; Qwen2: q/k/v always
+        self.qkv_proj = Linear(hidden, [q_size, kv_size, kv_size], bias=qkv_bias or attention_bias,
+                               shard_names=["q", "k", "v"])
+        self.o_proj = Linear(q_size, hidden, bias=attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"]) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"]) if qk_norm else None
+        rotary_dim = int(self.head_dim * cfg.get("partial_rotary_factor", 1.0))
+        self.rotary = RotaryEmbedding(rotary_dim, cfg.get("max_position_embeddings", 4096), rope_parameters_of(cfg))
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, sliding_window)
+        self.split = [q_size, kv_size, kv_size]
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split(self.split, dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, batch))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+        super().__init__()
+        if hidden <= 0 or intermediate <= 0:
+            raise ValueError(f"hidden_size and intermediate_size must be > 0, got {hidden}, {intermediate}")
+        self.gate_up_proj = Linear(hidden, [intermediate, intermediate], bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any], layer_idx: int, variant: dict[str, Any]):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, variant["qkv_bias"], variant["qk_norm"],
+                                        variant["sliding_window"](cfg, layer_idx))
+        self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"], bool(cfg.get("mlp_bias")))
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+
+    def forward(self, positions, hidden, residual, batch):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+def _no_window(cfg: dict[str, Any], layer_idx: int) -> int | None:
+    return None
+
+
+def _mistral_window(cfg: dict[str, Any], layer_idx: int) -> int | None:
+    return cfg.get("sliding_window") or None
+
+
+def _qwen2_window(cfg: dict[str, Any], layer_idx: int) -> int | None:
+    # Qwen2 applies its window only when use_sliding_window is set, from layer max_window_layers on.
+    if cfg.get("use_sliding_window") and layer_idx >= cfg.get("max_window_layers", 0):
+        return cfg.get("sliding_window") or None
+    return None
+
+
+class LlamaForCausalLM(nn.Module):
+    """The Llama family; subclasses only change the variant flags."""
+
+    variant: dict[str, Any] = {"qkv_bias": False, "qk_norm": False, "sliding_window": _no_window}
+    # checkpoint name fragment -> (our merged parameter fragment, shard id)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: dict[str, Any]):
+        super().__init__()
+        _require(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+        cfg.setdefault("rms_norm_eps", 1e-6)
+        self.cfg = cfg
+        self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, self.variant) for i in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        tied = cfg.get("tie_word_embeddings", False)
+        self.lm_head = LMHead(cfg["vocab_size"], cfg["hidden_size"], self.embed_tokens if tied else None)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Map a checkpoint tensor name to ours; None to skip it."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name.startswith("lm_head.") and self.lm_head.tied:
+            return None
+        if name.startswith("model."):
+            name = name[len("model."):]
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_named_weights(self, weights, self.packed_modules, self.checkpoint_name)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    variant = {"qkv_bias": True, "qk_norm": False, "sliding_window": _qwen2_window}
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    variant = {"qkv_bias": False, "qk_norm": True, "sliding_window": _qwen2_window}
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    variant = {"qkv_bias": False, "qk_norm": False, "sliding_window": _mistral_window}

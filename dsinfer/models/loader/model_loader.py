@@ -1,0 +1,37 @@
+"""Build the model for a config and fill its weights (checkpoint or dummy) on the target device and dtype."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from dsinfer.config import EngineConfig
+from dsinfer.models.registry import model_class
+from dsinfer.models.weights import init_dummy_weights, iterate_safetensors
+
+
+@contextlib.contextmanager
+def _default_dtype_and_device(dtype: torch.dtype, device: torch.device):
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(old_dtype)
+
+
+def load_model(config: EngineConfig) -> nn.Module:
+    cls = model_class(config.model.architecture)
+    with _default_dtype_and_device(config.model.dtype, config.device.device):
+        model = cls(dict(config.model.hf_config))
+    if config.load.load_format == "dummy":
+        init_dummy_weights(model, float(config.model.hf_config.get("initializer_range", 0.02)), config.load.seed)
+    else:
+        with torch.device(config.device.device):
+            model.load_weights(iterate_safetensors(config.model.path))
+    if hasattr(model, "post_load"):  # after real or dummy weights alike
+        model.post_load()
+    return model.eval()

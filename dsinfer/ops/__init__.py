@@ -1,0 +1,13 @@
+"""Ops: one public function each, a Triton kernel on CUDA and a torch reference elsewhere (same signature).
+
+The torch reference is also the CPU production path. ``dispatch.use_triton(tensor)`` decides per call.
+"""
+
+from dsinfer.ops.activation import silu_and_mul
+from dsinfer.ops.attention import paged_attention
+from dsinfer.ops.kv_cache import store_kv
+from dsinfer.ops.norm import rms_norm
+from dsinfer.ops.rotary import apply_rotary
+from dsinfer.ops.sampling import gumbel_argmax
+
+__all__ = ["apply_rotary", "gumbel_argmax", "paged_attention", "rms_norm", "silu_and_mul", "store_kv"]

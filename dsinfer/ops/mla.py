@@ -1,0 +1,146 @@
+"""Multi-head latent attention (MLA) over a paged latent cache.
+
+Cache layout (``MLASpec``): ``[num_blocks, block_size, R + P]``; a token's row is its normalized KV latent
+``c`` (R = kv_lora_rank) followed by its roped key ``k_pe`` (P = qk_rope_head_dim), shared by all heads.
+Expanded per-head keys/values are never stored.
+
+Two ways to attend, both exact:
+- ``mla_decode`` (absorbed): the caller folds W_UK into the query
+  (``q_nope_absorbed[h] = q_nope[h] @ W_UK[h]``, [T, H, R]); scores are
+  ``(q_nope_absorbed . c + q_pe . k_pe) * scale``, so the cache rows serve as keys as they are, and the
+  output is the attention-weighted latent [T, H, R] (the caller applies W_UV). Reads only R + P values per
+  context token. Used for decode rows.
+- ``mla_prefill`` (expanded): for rows of sequences with several new tokens, the context latent (cached prefix
+  and this step's tokens alike) is gathered and expanded through ``kv_b_proj`` into per-head K/V; cheaper in
+  FLOPs when many queries share the context.
+
+Batch conventions as in ``ops.attention``: sequence b owns rows ``query_start_loc[b]:query_start_loc[b+1]``,
+its context has ``seq_lens[b]`` tokens (this step's already stored), queries are the last ones, causal.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_mla_kv(
+    kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """kv_c [T, R], k_pe [T, P] -> cache rows ``slot_mapping`` (negative slots are padding, skipped)."""
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    rows = torch.cat((kv_c, k_pe), dim=-1).to(kv_cache.dtype)
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        rows, slot_mapping = rows[keep], slot_mapping[keep]
+    flat.index_copy_(0, slot_mapping, rows)
+
+
+def gather_mla_context(kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """Cache rows of positions [0, length) of every sequence in block_tables: [B, length, R + P]."""
+    block_size = kv_cache.shape[1]
+    pos = torch.arange(length, device=block_tables.device)
+    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size
+    return kv_cache.view(-1, kv_cache.shape[-1])[slots]
+
+
+def _causal_mask(q_pos: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, Q] query positions -> [B, 1, Q, length] bool (key visible)."""
+    return (torch.arange(length, device=q_pos.device) <= q_pos.unsqueeze(-1)).unsqueeze(1)
+
+
+def _sequences(query_start_loc: torch.Tensor, seq_lens: torch.Tensor):
+    """(b, first row, q_len, seq_len) per sequence (host lists)."""
+    starts = query_start_loc.tolist()
+    return [(b, starts[b], starts[b + 1] - starts[b], n) for b, n in enumerate(seq_lens.tolist())]
+
+
+def mla_decode_ref(
+    q_nope_absorbed: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed MLA: q_nope_absorbed [T, H, R], q_pe [T, H, P] -> attention-weighted latent [T, H, R].
+
+    Rows of one-token sequences run as one padded batch; sequences with several rows (draft verification)
+    one by one.
+    """
+    rank = q_nope_absorbed.shape[-1]
+    q = torch.cat((q_nope_absorbed, q_pe), dim=-1).to(kv_cache.dtype)
+    out = q_nope_absorbed.new_empty(q_nope_absorbed.shape)
+    seqs = _sequences(query_start_loc, seq_lens)
+    single = [s for s in seqs if s[2] == 1]
+    if single:
+        idx = torch.tensor([s[0] for s in single], device=q.device)
+        rows = query_start_loc[idx].long()
+        length = max(s[3] for s in single)
+        ctx = gather_mla_context(kv_cache, block_tables[idx], length).unsqueeze(1)  # [B, 1, L, R + P]
+        mask = _causal_mask((seq_lens[idx] - 1).unsqueeze(1), length)
+        att = F.scaled_dot_product_attention(
+            q[rows].unsqueeze(2), ctx, ctx[..., :rank], attn_mask=mask, scale=scale, enable_gqa=True
+        )  # [B, H, 1, R]
+        out[rows] = att.squeeze(2).to(out.dtype)
+    for b, first, n, length in (s for s in seqs if s[2] > 1):
+        ctx = gather_mla_context(kv_cache, block_tables[b : b + 1], length).unsqueeze(1)
+        q_pos = torch.arange(length - n, length, device=q.device).unsqueeze(0)
+        att = F.scaled_dot_product_attention(
+            q[first : first + n].transpose(0, 1).unsqueeze(0),
+            ctx,
+            ctx[..., :rank],
+            attn_mask=_causal_mask(q_pos, length),
+            scale=scale,
+            enable_gqa=True,
+        )  # [1, H, n, R]
+        out[first : first + n] = att[0].transpose(0, 1).to(out.dtype)
+    return out
+
+
+def mla_prefill_ref(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    w_kv_b: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Expanded MLA: q_nope [T, H, N], q_pe [T, H, P], w_kv_b [H, N + V, R] (kv_b_proj's weight, per head)
+    -> [T, H, V]. Each sequence's whole context (cached prefix included) is expanded from the latent cache."""
+    num_heads, nope_v, rank = w_kv_b.shape
+    nope = q_nope.shape[-1]
+    out = q_nope.new_empty(q_nope.shape[0], num_heads, nope_v - nope)
+    q = torch.cat((q_nope, q_pe), dim=-1)
+    for b, first, n, length in _sequences(query_start_loc, seq_lens):
+        ctx = gather_mla_context(kv_cache, block_tables[b : b + 1], length)[0].to(q.dtype)  # [L, R + P]
+        kv = F.linear(ctx[:, :rank], w_kv_b.reshape(-1, rank)).view(length, num_heads, nope_v)
+        k_pe = ctx[:, rank:].unsqueeze(1).expand(length, num_heads, ctx.shape[1] - rank)
+        k = torch.cat((kv[..., :nope], k_pe), dim=-1)
+        q_pos = torch.arange(length - n, length, device=q.device).unsqueeze(0)
+        att = F.scaled_dot_product_attention(
+            q[first : first + n].transpose(0, 1),
+            k.transpose(0, 1),
+            kv[..., nope:].transpose(0, 1),
+            attn_mask=_causal_mask(q_pos, length)[0],
+            scale=scale,
+        )
+        out[first : first + n] = att.transpose(0, 1)
+    return out
+
+
+def mla_decode(
+    q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, scale
+) -> torch.Tensor:
+    """See ``mla_decode_ref``; a Triton paged-MLA decode kernel plugs in here, with the same signature."""
+    return mla_decode_ref(q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, scale)
+
+
+def mla_prefill(
+    q_nope, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, w_kv_b, scale
+) -> torch.Tensor:
+    """See ``mla_prefill_ref``; a Triton prefill kernel plugs in here, with the same signature."""
+    return mla_prefill_ref(q_nope, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, w_kv_b, scale)

@@ -1,0 +1,110 @@
+"""Mixture of experts: the router (``select_experts``) and the expert computation (``fused_moe``).
+
+``fused_moe`` is the op a fused Triton grouped GEMM replaces (same signature). The torch reference sorts the
+T * top_k (token, expert) pairs by expert, runs one gate/up and one down matmul per *active* expert over its
+contiguous slice of rows, and scatters the weighted results back with ``index_add_``: no loop over tokens.
+
+Weight layout (stacked at load from the checkpoint's per-expert tensors):
+``w13 [E, 2I, H]`` = [gate_proj; up_proj] of each expert, ``w2 [E, H, I]`` = down_proj.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SCORING_FUNCS = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+def _group_mask(scores: torch.Tensor, n_group: int, topk_group: int, group_score: str) -> torch.Tensor:
+    """[T, E] bool: experts in the ``topk_group`` best groups of each token (a group scored by its max
+    or by the sum of its top two experts)."""
+    t, e = scores.shape
+    grouped = scores.view(t, n_group, e // n_group)
+    if group_score == "max":
+        per_group = grouped.max(dim=-1).values
+    else:
+        per_group = grouped.topk(min(2, e // n_group), dim=-1).values.sum(dim=-1)
+    chosen = per_group.topk(topk_group, dim=-1, sorted=False).indices
+    mask = torch.zeros_like(per_group, dtype=torch.bool).scatter_(1, chosen, True)
+    return mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
+
+
+def select_experts(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring_func: str = "softmax",
+    topk_method: str = "greedy",
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = False,
+    routed_scaling_factor: float = 1.0,
+    e_score_correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] (float32) -> (topk_weights [T, k] float32, topk_ids [T, k] int64).
+
+    - ``greedy``: top-k of the scores (DeepSeek-V2-Lite).
+    - ``group_limited_greedy``: top-k within the ``topk_group`` groups of highest max score (DeepSeek-V2).
+    - ``noaux_tc``: the choice uses scores + ``e_score_correction_bias`` within the ``topk_group`` groups of
+      highest top-2 sum; the weights are the unbiased scores of the chosen experts (DeepSeek-V3).
+    Weights are renormalized to sum 1 when ``norm_topk_prob`` (and top_k > 1), then multiplied by
+    ``routed_scaling_factor``.
+    """
+    logits = router_logits.float()
+    scores = logits.softmax(dim=-1) if scoring_func == "softmax" else logits.sigmoid()
+    if topk_method == "noaux_tc":
+        choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
+        if n_group > 1:
+            choice = choice.masked_fill(~_group_mask(choice, n_group, topk_group, "top2"), float("-inf"))
+        topk_ids = choice.topk(top_k, dim=-1, sorted=False).indices
+        topk_weights = scores.gather(1, topk_ids)
+    else:
+        if topk_method == "group_limited_greedy" and n_group > 1:
+            scores = scores.masked_fill(~_group_mask(scores, n_group, topk_group, "max"), 0.0)
+        topk_weights, topk_ids = scores.topk(top_k, dim=-1, sorted=False)
+    if norm_topk_prob and top_k > 1:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_weights * routed_scaling_factor, topk_ids
+
+
+def fused_moe_ref(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights/ids [T, k] -> sum_k w_k expert_k(x) [T, H].
+
+    SiLU-gated experts. Pairs are sorted by expert once; each active expert does two matmuls over its rows.
+    """
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    order = flat_ids.argsort(stable=True)
+    token_of = order // top_k  # the token each sorted pair belongs to
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # host sync: expert slice bounds
+    x = hidden[token_of]
+    out_rows = torch.empty(x.shape[0], w2.shape[1], dtype=hidden.dtype, device=hidden.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
+        out_rows[rows] = F.linear(F.silu(gate) * up, w2[expert])
+        start += count
+    weighted = out_rows.float() * topk_weights.reshape(-1)[order].float().unsqueeze(-1)
+    return torch.zeros_like(hidden).index_add_(0, token_of, weighted.to(hidden.dtype))
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """See ``fused_moe_ref``. The Triton grouped GEMM plugs in here, with the same signature."""
+    return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)

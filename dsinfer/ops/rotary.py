@@ -1,0 +1,45 @@
+"""Rotary position embedding applied to q and k from a precomputed cos/sin cache.
+
+``cos_sin_cache`` is [max_positions, rotary_dim] holding cos in the first half and sin in the second (the
+scaling variant, llama3 / linear / YaRN, only changes the cache). Only the first ``rotary_dim`` features of
+each head are rotated. ``is_neox``: rotate halves (x[:d/2], x[d/2:]); else the interleaved pairs (x[0::2],
+x[1::2]).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsinfer.ops.dispatch import use_triton
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    # x: [T, H, rotary_dim]; cos/sin: [T, 1, rotary_dim // 2]
+    if is_neox:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+
+def apply_rotary_ref(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, Hq, Dq], k: [T, Hk, Dk] (Dq, Dk >= rotary_dim). Returns new (q, k) of the same dtype."""
+    rot = cos_sin_cache.shape[-1]
+    cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)
+    out = []
+    for x in (q, k):
+        x_rot = _rotate(x[..., :rot].float(), cos, sin, is_neox).to(x.dtype)
+        out.append(x_rot if x.shape[-1] == rot else torch.cat((x_rot, x[..., rot:]), dim=-1))
+    return out[0], out[1]
+
+
+def apply_rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(q):
+        from dsinfer.ops.triton.rotary import apply_rotary_triton
+
+        return apply_rotary_triton(positions, q, k, cos_sin_cache, is_neox)
+    return apply_rotary_ref(positions, q, k, cos_sin_cache, is_neox)

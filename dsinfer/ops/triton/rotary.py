@@ -1,0 +1,89 @@
+"""Triton ``apply_rotary``: one program per token rotates all heads of q and k (neox or interleaved pairs).
+
+The first ``rotary_dim`` features of each head are rotated in float32 with cos/sin read from
+``cos_sin_cache[position]`` ([cos | sin], each rotary_dim / 2 wide); the rest of the head is copied through.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, t, cos, sin,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, IS_NEOX: tl.constexpr,
+):
+    h = tl.arange(0, BLOCK_H)[:, None]
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < NUM_HEADS) & (j < HALF)
+    if IS_NEOX:
+        i1 = j
+        i2 = j + HALF
+    else:
+        i1 = 2 * j
+        i2 = 2 * j + 1
+    src = x_ptr + t * stride_xt + h * stride_xh
+    dst = out_ptr + t * stride_ot + h * stride_oh
+    x1 = tl.load(src + i1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + i2, mask=mask, other=0.0).to(tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(dst + i1, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
+    tl.store(dst + i2, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
+    if HEAD_DIM > 2 * HALF:  # features past rotary_dim pass through unchanged
+        d = 2 * HALF + tl.arange(0, BLOCK_D)[None, :]
+        keep = (h < NUM_HEADS) & (d < HEAD_DIM)
+        tl.store(dst + d, tl.load(src + d, mask=keep).to(out_ty), mask=keep)
+
+
+@triton.jit
+def _rotary_kernel(
+    pos_ptr, q_ptr, k_ptr, cache_ptr, q_out_ptr, k_out_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cache,
+    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, Q_DIM: tl.constexpr, K_DIM: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_QD: tl.constexpr, BLOCK_KD: tl.constexpr, IS_NEOX: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cache_ptr + pos * stride_cache + j, mask=j < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, t, cos, sin,
+                  NUM_Q_HEADS, Q_DIM, HALF, BLOCK_QH, BLOCK_HALF, BLOCK_QD, IS_NEOX)
+    _rotate_heads(k_ptr, k_out_ptr, stride_kt, stride_kh, stride_kot, stride_koh, t, cos, sin,
+                  NUM_K_HEADS, K_DIM, HALF, BLOCK_KH, BLOCK_HALF, BLOCK_KD, IS_NEOX)
+
+
+def _heads(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def apply_rotary_triton(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k = _heads(q), _heads(k)
+    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    rotary_dim = cache.shape[-1]
+    half = rotary_dim // 2
+    (num_tokens, q_heads, q_dim), (_, k_heads, k_dim) = q.shape, k.shape
+    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(
+        k.shape, dtype=k.dtype, device=k.device
+    )
+    if num_tokens == 0:
+        return q_out, k_out
+    _rotary_kernel[(num_tokens,)](
+        positions, q, k, cache, q_out, k_out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cache.stride(0),
+        NUM_Q_HEADS=q_heads, NUM_K_HEADS=k_heads, Q_DIM=q_dim, K_DIM=k_dim, HALF=half,
+        BLOCK_QH=triton.next_power_of_2(q_heads), BLOCK_KH=triton.next_power_of_2(k_heads),
+        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_QD=triton.next_power_of_2(max(q_dim - rotary_dim, 1)),
+        BLOCK_KD=triton.next_power_of_2(max(k_dim - rotary_dim, 1)),
+        IS_NEOX=is_neox, num_warps=4,
+    )
+    return q_out, k_out

@@ -1,0 +1,21 @@
+"""Small host-side helpers shared by the Triton op wrappers."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_CPU_SMS = 8  # a notional multiprocessor count for the CPU interpreter (exercises split paths in tests)
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of device (cached); a small fixed number off CUDA."""
+    if device.type != "cuda":
+        return _CPU_SMS
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())

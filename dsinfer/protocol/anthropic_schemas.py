@@ -1,0 +1,72 @@
+"""Request schema of the Anthropic Messages API."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, StrictBool, StrictStr
+
+from dsinfer.protocol.fields import MaxTokens, ShortStr, StopStr, TopK, TopP, WireModel
+from dsinfer.protocol.openai_schemas import ToolName
+
+
+class TextBlock(WireModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ContentBlock(WireModel):
+    """text, tool_use, tool_result, thinking, redacted_thinking (images/documents are refused)."""
+
+    type: ShortStr
+    text: StrictStr | None = None
+    id: ShortStr | None = None
+    name: ToolName | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: ShortStr | None = None
+    content: StrictStr | Annotated[list[TextBlock], Field(max_length=1024)] | None = None
+    is_error: StrictBool | None = None
+    thinking: StrictStr | None = None
+    signature: StrictStr | None = None
+
+
+class Message(WireModel):
+    role: Literal["user", "assistant"]
+    content: StrictStr | Annotated[list[ContentBlock], Field(max_length=4096)]
+
+
+class Tool(WireModel):
+    name: ToolName
+    description: Annotated[str, Field(max_length=65536)] | None = None
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    type: ShortStr | None = None
+
+
+class ToolChoice(WireModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: ToolName | None = None
+    disable_parallel_tool_use: StrictBool | None = None
+
+
+class Thinking(WireModel):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Annotated[int, Field(strict=True, ge=0, le=1 << 30)] | None = None
+
+
+class CountTokensRequest(WireModel):
+    model: ShortStr | None = None
+    messages: Annotated[list[Message], Field(min_length=1, max_length=4096)]
+    system: StrictStr | Annotated[list[TextBlock], Field(max_length=1024)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=256)] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: MaxTokens
+    stop_sequences: Annotated[list[StopStr], Field(max_length=16)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    stream: StrictBool = False
+    metadata: dict[str, Any] | None = None

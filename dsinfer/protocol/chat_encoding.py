@@ -1,0 +1,209 @@
+"""Special-token-safe chat encoding.
+
+The template is rendered with every untrusted string (message content, tool names, descriptions, schemas,
+arguments, template kwargs) replaced by a unique marker. The rendered text is split at the markers: the
+template's own scaffolding is tokenized normally (so ``<|im_start|>`` there becomes its special id) and every
+untrusted span is tokenized with special-token strings kept literal. A marker that went through ``tojson`` is
+restored JSON-escaped. Invariant (checked): no special token id lies inside an untrusted span.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+from dsinfer.protocol.chat_formats import tools_system_prompt
+from dsinfer.protocol.errors import ProtocolError
+
+_MARKER = re.compile(r"@@([UJ])([0-9a-f]{16})x(\d+)@@")
+_RAW_MARKER = re.compile(r"@@U([0-9a-f]{16})x")
+
+
+@dataclass
+class EncodedChat:
+    token_ids: list[int]
+    text: str  # the rendered prompt with untrusted values restored
+    untrusted_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) token ranges
+
+
+class _Markers:
+    def __init__(self) -> None:
+        self.nonce = secrets.token_hex(8)
+        self.values: list[str] = []
+
+    def mark(self, value: str) -> str:
+        if not value:
+            return value
+        self.values.append(value)
+        return f"@@U{self.nonce}x{len(self.values) - 1}@@"
+
+    def mark_tree(self, value: Any, keys: bool = False) -> Any:
+        """Mark every string in a JSON value (and every dict key when ``keys``)."""
+        if isinstance(value, str):
+            return self.mark(value)
+        if isinstance(value, dict):
+            return {(self.mark(k) if keys else k): self.mark_tree(v, keys) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.mark_tree(v, keys) for v in value]
+        return value
+
+
+def _tojson(
+    value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False
+) -> str:
+    text = json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+    return _RAW_MARKER.sub(r"@@J\1x", text)  # restored JSON-escaped
+
+
+def _raise(message: str) -> None:
+    raise ProtocolError(f"chat template rejected the conversation: {message}")
+
+
+@lru_cache(maxsize=1)
+def _env():
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str):
+    from jinja2 import TemplateError
+
+    try:
+        return _env().from_string(template)
+    except TemplateError as exc:
+        raise ProtocolError(f"chat_template does not compile: {exc}", param="chat_template") from None
+
+
+def _mark_message(m: _Markers, msg: dict[str, Any]) -> dict[str, Any]:
+    out = dict(msg)
+    for key in ("content", "reasoning_content", "name", "tool_call_id"):
+        if isinstance(out.get(key), str):
+            out[key] = m.mark(out[key])
+    if out.get("tool_calls"):
+        out["tool_calls"] = [
+            {**tc, "id": m.mark(tc.get("id") or ""), "function": m.mark_tree(tc["function"])}
+            for tc in out["tool_calls"]
+        ]
+    return out
+
+
+def _mark_tool(m: _Markers, tool: dict[str, Any]) -> dict[str, Any]:
+    fn = tool["function"]
+    marked = {"name": m.mark(fn["name"]), "description": m.mark(fn.get("description") or "")}
+    marked["parameters"] = m.mark_tree(fn.get("parameters") or {}, keys=True)
+    return {"type": "function", "function": marked}
+
+
+class ChatEncoder:
+    """Renders conversations with one template and encodes them special-token-safely."""
+
+    def __init__(self, tokenizer: Any, template: str):
+        self.tokenizer = tokenizer
+        self.template = template
+        self._special_ids = frozenset(tokenizer.special_token_ids)
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[str, _Markers]:
+        """The rendered prompt with markers in place of untrusted strings."""
+        template = template or self.template
+        m = _Markers()
+        if "tool_calls" not in template:  # the template knows no tools: use Hermes text for calls and results
+            messages = _flatten_tool_turns(messages)
+        if tools and "tools" not in template:  # describe the tools in the system prompt instead
+            messages = _with_tools_prompt(messages, tools)
+            tools = None
+        ctx = {k: m.mark_tree(v) for k, v in (template_kwargs or {}).items()}
+        ctx.update(
+            messages=[_mark_message(m, msg) for msg in messages],
+            tools=[_mark_tool(m, t) for t in tools] if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.tokenizer.bos_token or "",
+            eos_token=self.tokenizer.eos_token or "",
+        )
+        from jinja2 import TemplateError
+
+        try:
+            return _compile(template).render(**ctx), m
+        except TemplateError as exc:
+            raise ProtocolError(f"chat template failed: {exc}") from None
+        except (TypeError, KeyError, AttributeError, IndexError, RecursionError) as exc:
+            raise ProtocolError(f"chat template cannot render this conversation: {exc}") from None
+
+    def encode(self, messages: list[dict[str, Any]], **kwargs: Any) -> EncodedChat:
+        rendered, markers = self.render(messages, **kwargs)
+        return self._encode_rendered(rendered, markers)
+
+    def _encode_rendered(self, rendered: str, m: _Markers) -> EncodedChat:
+        ids: list[int] = []
+        spans: list[tuple[int, int]] = []
+        text: list[str] = []
+        pos = 0
+        for match in _MARKER.finditer(rendered):
+            if match[2] != m.nonce:
+                continue
+            self._encode_scaffold(rendered[pos : match.start()], ids, text)
+            value = m.values[int(match[3])]
+            if match[1] == "J":
+                value = json.dumps(value, ensure_ascii=False)[1:-1]
+            literal = self.tokenizer.encode_literal(value)
+            if self._special_ids.intersection(
+                literal
+            ):  # encode_literal broke its contract: refuse, never pass
+                raise ProtocolError("untrusted text could not be tokenized safely", status=500)
+            spans.append((len(ids), len(ids) + len(literal)))
+            ids.extend(literal)
+            text.append(value)
+            pos = match.end()
+        self._encode_scaffold(rendered[pos:], ids, text)
+        return EncodedChat(ids, "".join(text), spans)
+
+    def _encode_scaffold(self, piece: str, ids: list[int], text: list[str]) -> None:
+        if piece:
+            ids.extend(self.tokenizer.encode(piece, add_special_tokens=False))
+            text.append(piece)
+
+
+def _flatten_tool_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for msg in messages:
+        if msg["role"] == "tool":
+            out.append(
+                {"role": "user", "content": f"<tool_response>\n{msg.get('content') or ''}\n</tool_response>"}
+            )
+        elif msg.get("tool_calls"):
+            calls = "".join(
+                f'\n<tool_call>\n{{"name": "{tc["function"]["name"]}", '
+                f'"arguments": {tc["function"]["arguments"]}}}\n</tool_call>'
+                for tc in msg["tool_calls"]
+            )
+            out.append({"role": msg["role"], "content": (msg.get("content") or "") + calls})
+        else:
+            out.append({**msg, "content": msg.get("content") or ""})
+    return out
+
+
+def _with_tools_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    prompt = tools_system_prompt(tools)
+    if messages and messages[0]["role"] in ("system", "developer"):
+        first = dict(messages[0])
+        first["content"] = f"{first.get('content') or ''}\n\n{prompt}"
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]

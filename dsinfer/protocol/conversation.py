@@ -1,0 +1,154 @@
+"""Normalize OpenAI chat, Responses and Anthropic conversations to the template's message dicts.
+
+Template messages: ``{"role", "content": str | None, "tool_calls": [...], "tool_call_id", "name"}`` with
+tool-call ``arguments`` as JSON text; tools as OpenAI function tools. Only text content is accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from dsinfer.protocol import anthropic_schemas as an
+from dsinfer.protocol import openai_schemas as oa
+from dsinfer.protocol import responses_schemas as rs
+from dsinfer.protocol.errors import ProtocolError
+
+_TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def _text_of(content: Any, param: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    texts = []
+    for i, part in enumerate(content):
+        if part.type not in _TEXT_PARTS or part.text is None:
+            raise ProtocolError(
+                f"content part type {part.type!r} is not supported (only text)", param=f"{param}.{i}.type"
+            )
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _function_tool(name: str, description: str | None, parameters: dict | None) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description or "", "parameters": parameters or {}},
+    }
+
+
+def openai_chat_messages(messages: list[oa.ChatMessage]) -> list[dict[str, Any]]:
+    out = []
+    for i, m in enumerate(messages):
+        msg: dict[str, Any] = {"role": m.role, "content": _text_of(m.content, f"messages.{i}.content")}
+        if m.role == "developer":
+            msg["role"] = "system"
+        if m.tool_calls:
+            msg["tool_calls"] = [
+                {
+                    "id": tc.id,
+                    "type": "function",
+                    "function": {"name": tc.function.name, "arguments": tc.function.arguments},
+                }
+                for tc in m.tool_calls
+            ]
+        if m.role == "tool":
+            msg["tool_call_id"] = m.tool_call_id or ""
+        if m.name:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def openai_chat_tools(tools: list[oa.Tool] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    return [_function_tool(t.function.name, t.function.description, t.function.parameters) for t in tools]
+
+
+def responses_messages(req: rs.ResponsesRequest) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if req.instructions:
+        out.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        return [*out, {"role": "user", "content": req.input}]
+    for i, item in enumerate(req.input):
+        if item.type == "message":
+            role = {"developer": "system", None: "user"}.get(item.role, item.role)
+            out.append({"role": role, "content": _text_of(item.content, f"input.{i}.content") or ""})
+        elif item.type == "function_call":
+            call = {
+                "id": item.call_id or "",
+                "type": "function",
+                "function": {"name": item.name or "", "arguments": item.arguments or "{}"},
+            }
+            if out and out[-1]["role"] == "assistant" and not out[-1].get("content"):
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif item.type == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": item.call_id or "", "content": item.output or ""})
+    return out
+
+
+def responses_tools(req: rs.ResponsesRequest) -> list[dict[str, Any]] | None:
+    if not req.tools:
+        return None
+    return [_function_tool(t.name, t.description, t.parameters) for t in req.tools]
+
+
+def anthropic_messages(req: an.CountTokensRequest) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    system = (
+        req.system
+        if isinstance(req.system, str) or req.system is None
+        else "".join(b.text for b in req.system)
+    )
+    if system:
+        out.append({"role": "system", "content": system})
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for j, block in enumerate(m.content):
+            param = f"messages.{i}.content.{j}"
+            if block.type == "text":
+                texts.append(block.text or "")
+            elif block.type == "tool_use" and m.role == "assistant":
+                calls.append(
+                    {
+                        "id": block.id or "",
+                        "type": "function",
+                        "function": {
+                            "name": block.name or "",
+                            "arguments": json.dumps(block.input or {}, ensure_ascii=False),
+                        },
+                    }
+                )
+            elif block.type == "tool_result" and m.role == "user":
+                content = (
+                    block.content
+                    if isinstance(block.content, str) or block.content is None
+                    else "".join(b.text for b in block.content)
+                )
+                out.append(
+                    {"role": "tool", "tool_call_id": block.tool_use_id or "", "content": content or ""}
+                )
+            elif block.type in ("thinking", "redacted_thinking"):
+                continue
+            else:
+                raise ProtocolError(f"content block type {block.type!r} is not supported here", param=param)
+        if texts or calls:
+            msg: dict[str, Any] = {"role": m.role, "content": "".join(texts) or (None if calls else "")}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+    return out
+
+
+def anthropic_tools(req: an.CountTokensRequest) -> list[dict[str, Any]] | None:
+    if not req.tools or (req.tool_choice is not None and req.tool_choice.type == "none"):
+        return None
+    return [_function_tool(t.name, t.description, t.input_schema) for t in req.tools]

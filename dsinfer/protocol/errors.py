@@ -1,0 +1,82 @@
+"""Protocol errors and the two error envelopes (OpenAI and Anthropic)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# HTTP status -> (OpenAI error type, Anthropic error type)
+_TYPES: dict[int, tuple[str, str]] = {
+    400: ("invalid_request_error", "invalid_request_error"),
+    401: ("authentication_error", "authentication_error"),
+    403: ("permission_error", "permission_error"),
+    404: ("not_found_error", "not_found_error"),
+    405: ("invalid_request_error", "invalid_request_error"),
+    413: ("invalid_request_error", "request_too_large"),
+    422: ("invalid_request_error", "invalid_request_error"),
+    429: ("rate_limit_error", "rate_limit_error"),
+    500: ("server_error", "api_error"),
+    503: ("service_unavailable_error", "overloaded_error"),
+}
+
+
+@dataclass
+class ProtocolError(Exception):
+    """An error to answer with ``status``; ``param`` names the offending request field when known."""
+
+    message: str
+    status: int = 400
+    param: str | None = None
+    code: str | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def openai_error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = _TYPES.get(status, _TYPES[500] if status >= 500 else _TYPES[400])[0]
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    kind = _TYPES.get(status, _TYPES[500] if status >= 500 else _TYPES[400])[1]
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body(
+    family: str, status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict:
+    """The envelope of route family ``family`` ("openai" or "anthropic")."""
+    if family == "anthropic":
+        return anthropic_error_body(status, message)
+    return openai_error_body(status, message, param, code)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "body"})
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic puts the union branch in ``loc`` ("str", "list[constrained-int]", ...): not a field name."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part)
+
+
+def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """Turn pydantic's error list into one message and the dotted name of the first bad field."""
+    if not errors:
+        return "invalid request", None
+    first = max(
+        errors, key=lambda e: len(e.get("loc", ()))
+    )  # the deepest: the union branch that got furthest
+    loc = [str(p) for p in first.get("loc", ()) if not _is_union_tag(p)]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid value")
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {first.get('ctx', {}).get('error', message)}", None
+    value = first.get("input")
+    shown = (
+        repr(value) if isinstance(value, int | float | str | bool) or value is None else type(value).__name__
+    )
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    where = f"{param}: " if param else ""
+    return f"{where}{message} (got {shown})", param

@@ -1,0 +1,148 @@
+"""Request schemas of the OpenAI chat completions and completions APIs (plus vLLM's sampling extensions)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, StrictBool, StrictStr, field_validator
+
+from dsinfer.protocol.fields import (
+    Bias,
+    MaxTokens,
+    MinP,
+    NumChoices,
+    Penalty,
+    RepetitionPenalty,
+    Seed,
+    ShortStr,
+    StopStr,
+    Temperature,
+    TokenId,
+    TopK,
+    TopLogprobs,
+    TopP,
+    WireModel,
+)
+
+ToolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+Stop = StopStr | Annotated[list[StopStr], Field(max_length=16)] | None
+
+
+class ContentPart(WireModel):
+    type: ShortStr
+    text: StrictStr | None = None
+
+
+class FunctionCall(WireModel):
+    name: ToolName
+    arguments: StrictStr = "{}"
+
+
+class ToolCall(WireModel):
+    id: ShortStr = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(WireModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | Annotated[list[ContentPart], Field(max_length=1024)] | None = None
+    name: ShortStr | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None
+    tool_call_id: ShortStr | None = None
+    reasoning_content: StrictStr | None = None
+
+
+class FunctionDef(WireModel):
+    name: ToolName
+    description: Annotated[str, Field(max_length=65536)] | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(WireModel):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedToolChoice(WireModel):
+    class _Name(WireModel):
+        name: ToolName
+
+    type: Literal["function"] = "function"
+    function: _Name
+
+
+class StreamOptions(WireModel):
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class ResponseFormat(WireModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class SamplingFields(WireModel):
+    """Fields common to chat and text completions."""
+
+    model: ShortStr | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    seed: Seed | None = None
+    n: NumChoices = 1
+    stop: Stop = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
+    max_tokens: MaxTokens | None = None
+    min_tokens: Annotated[int, Field(strict=True, ge=0, le=1 << 30)] = 0
+    logit_bias: Annotated[dict[str, Bias], Field(max_length=4096)] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    user: Annotated[str, Field(max_length=1024)] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isascii() or not key.isdigit() or len(key) > 10:
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        return value
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: StrictBool = False
+    top_logprobs: TopLogprobs | None = None
+    tools: Annotated[list[Tool], Field(max_length=256)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+    response_format: ResponseFormat | None = None
+    chat_template: Annotated[str, Field(max_length=1 << 20)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: StrictBool = True
+
+
+Prompt = (
+    StrictStr
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)]
+)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    max_tokens: MaxTokens | None = 16
+    logprobs: TopLogprobs | None = None
+    echo: StrictBool = False
+    best_of: NumChoices | None = None
+    suffix: StrictStr | None = None
+    response_format: ResponseFormat | None = None

@@ -1,0 +1,60 @@
+"""Request fields → SamplingParams, with the length and vocabulary checks the engine needs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsinfer.engine.sampling_params import RequestOutputKind, SamplingParams
+from dsinfer.protocol.errors import ProtocolError
+
+
+def check_prompt_ids(token_ids: list[int], vocab_size: int, param: str = "prompt") -> None:
+    if not token_ids:
+        raise ProtocolError("the prompt is empty", param=param)
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ProtocolError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)
+
+
+def resolve_max_tokens(
+    max_tokens: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    param: str = "max_tokens",
+    prompt_param: str = "messages",
+) -> int:
+    """The number of tokens to generate; 400 when prompt + completion exceed the context."""
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise ProtocolError(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has {prompt_len} "
+            f"tokens, leaving no room for a completion",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise ProtocolError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion)",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def build_sampling_params(fields: dict[str, Any], vocab_size: int, stream: bool) -> SamplingParams:
+    """``fields`` uses SamplingParams names; None values take the defaults."""
+    kwargs = {k: v for k, v in fields.items() if v is not None}
+    kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    try:
+        params = SamplingParams(**kwargs)
+        params.validate_for_vocab(vocab_size)
+    except ValueError as exc:
+        raise ProtocolError(str(exc), param=str(exc).split(" ", 1)[0]) from None
+    return params
+
+
+def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
+    return {int(k): v for k, v in bias.items()} if bias else None

@@ -1,0 +1,39 @@
+"""ForwardBatch: everything one forward pass needs, built once per step and passed explicitly to every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """A flat varlen batch of B sequences and T tokens (tokens of a sequence are contiguous, in order).
+
+    Invariants: ``query_start_loc[0] == 0``, ``query_start_loc[B] == T``; ``seq_lens[b]`` counts the context of
+    sequence b including this step's tokens; ``slot_mapping[t]`` is where token t's KV is stored
+    (``block * block_size + offset``; negative = padding, not stored); ``block_tables`` rows are padded with 0.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    logits_indices: torch.Tensor  # [S] int64: token rows whose logits are computed
+    max_query_len: int  # host-side, known when the batch is built
+    max_seq_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1

@@ -1,0 +1,153 @@
+"""Turn a SchedulerOutput into a ForwardBatch and a SamplingBatch (vectorized with numpy, one copy to device)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dsinfer.runner.forward_batch import ForwardBatch
+from dsinfer.sampling.sampler import Penalties, SamplingBatch
+from dsinfer.scheduler.scheduler import ScheduledRequest
+
+
+@dataclass
+class PromptLogprobRows:
+    """Rows of this step's logits that score prompt tokens for one request."""
+
+    item: ScheduledRequest
+    first_row: int  # row in the logits tensor
+    target_ids: list[int]  # the prompt tokens these rows predict, in order
+
+
+@dataclass
+class StepInputs:
+    batch: ForwardBatch
+    sample_items: list[ScheduledRequest]  # requests that sample, in sampling-row order
+    sample_rows: torch.Tensor  # [S]: rows of the logits tensor to sample from
+    prompt_rows: list[PromptLogprobRows]
+
+
+def build_step_inputs(items: list[ScheduledRequest], block_size: int, device: torch.device) -> StepInputs:
+    """Flat batch of every scheduled chunk; logits rows: prompt-logprob rows first, then one row per sampler."""
+    q_lens = np.fromiter((s.num_new_tokens for s in items), dtype=np.int64, count=len(items))
+    starts = np.fromiter((s.num_computed_tokens for s in items), dtype=np.int64, count=len(items))
+    cu = np.zeros(len(items) + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=cu[1:])
+    num_tokens = int(cu[-1])
+    input_ids = np.fromiter(
+        (t for s in items
+         for t in s.request.all_token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]),
+        dtype=np.int64, count=num_tokens)
+    row = np.repeat(np.arange(len(items)), q_lens)
+    positions = np.arange(num_tokens) - cu[:-1][row] + starts[row]
+    tables = np.zeros((len(items), max(len(s.request.blocks) for s in items)), dtype=np.int32)
+    for i, s in enumerate(items):
+        tables[i, :len(s.request.blocks)] = [b.block_id for b in s.request.blocks]
+    slots = tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+    prompt_rows, logits_rows = _prompt_logprob_rows(items, cu)
+    sample_idx = [i for i, s in enumerate(items) if s.samples]
+    logits_rows.extend(int(cu[i + 1]) - 1 for i in sample_idx)
+    seq_lens = starts + q_lens
+
+    def dev(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device, non_blocking=True)
+
+    batch = ForwardBatch(
+        input_ids=dev(input_ids), positions=dev(positions), slot_mapping=dev(slots), block_tables=dev(tables),
+        query_start_loc=dev(cu.astype(np.int32)), seq_lens=dev(seq_lens.astype(np.int32)),
+        logits_indices=dev(np.asarray(logits_rows, dtype=np.int64)),
+        max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()),
+    )
+    num_prompt_rows = len(logits_rows) - len(sample_idx)
+    return StepInputs(batch, [items[i] for i in sample_idx],
+                      torch.arange(num_prompt_rows, len(logits_rows), device=device), prompt_rows)
+
+
+def _prompt_logprob_rows(items: list[ScheduledRequest], cu: np.ndarray) -> tuple[list[PromptLogprobRows], list[int]]:
+    prompt_rows: list[PromptLogprobRows] = []
+    logits_rows: list[int] = []
+    for i, s in enumerate(items):
+        req = s.request
+        if not req.needs_prompt_logprobs:
+            continue
+        # logits at position p score prompt token p + 1; positions already scored (a resumed request) are skipped
+        first = max(s.num_computed_tokens, len(req.prompt_logprobs) - 1)
+        last = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
+        if first < last:
+            prompt_rows.append(PromptLogprobRows(s, len(logits_rows), req.prompt_token_ids[first + 1:last + 1]))
+            base = int(cu[i]) - s.num_computed_tokens
+            logits_rows.extend(range(base + first, base + last))
+    return prompt_rows, logits_rows
+
+
+def build_sampling_batch(items: list[ScheduledRequest], vocab_size: int, device: torch.device) -> SamplingBatch:
+    params = [s.request.params for s in items]
+    temperature = [0.0 if p.greedy else p.temperature for p in params]
+    top_k = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    logprobs = [p.logprobs for p in params if p.logprobs is not None]
+
+    def f32(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    greedy_all = all(t == 0 for t in temperature)
+    return SamplingBatch(
+        temperature=f32(temperature),
+        top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+        top_p=f32(top_p), min_p=f32(min_p),
+        seeds=torch.tensor([s.request.seed for s in items], dtype=torch.int64, device=device),
+        positions=torch.tensor([s.request.num_tokens for s in items], dtype=torch.int64, device=device),
+        all_greedy=greedy_all,
+        use_top_k=not greedy_all and any(k < vocab_size for k in top_k),
+        use_top_p=not greedy_all and any(p < 1.0 for p in top_p),
+        use_min_p=not greedy_all and any(p > 0.0 for p in min_p),
+        penalties=_penalties(items, vocab_size, device) if any(p.uses_penalties for p in params) else None,
+        logit_bias=_logit_bias(items, vocab_size, device) if any(p.logit_bias for p in params) else None,
+        banned=_banned(items, vocab_size, device),
+        num_logprobs=max(logprobs) if logprobs else None,
+    )
+
+
+def _penalties(items: list[ScheduledRequest], vocab_size: int, device: torch.device) -> Penalties:
+    counts = torch.zeros(len(items), vocab_size, dtype=torch.float32)
+    prompt_mask = torch.zeros(len(items), vocab_size, dtype=torch.bool)
+    for i, s in enumerate(items):
+        out = s.request.output_token_ids
+        if out:
+            counts[i].index_add_(0, torch.tensor(out), torch.ones(len(out)))
+        prompt_mask[i, torch.tensor(s.request.prompt_token_ids)] = True
+    params = [s.request.params for s in items]
+    return Penalties(
+        repetition=torch.tensor([p.repetition_penalty for p in params], device=device),
+        presence=torch.tensor([p.presence_penalty for p in params], device=device),
+        frequency=torch.tensor([p.frequency_penalty for p in params], device=device),
+        output_counts=counts.to(device), prompt_mask=prompt_mask.to(device),
+    )
+
+
+def _logit_bias(items: list[ScheduledRequest], vocab_size: int, device: torch.device) -> torch.Tensor:
+    bias = torch.zeros(len(items), vocab_size, dtype=torch.float32)
+    for i, s in enumerate(items):
+        for tid, value in (s.request.params.logit_bias or {}).items():
+            bias[i, int(tid)] = float(value)
+    return bias.to(device)
+
+
+def _banned(items: list[ScheduledRequest], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """Stop tokens are banned while a request has fewer than min_tokens outputs."""
+    rows = [(i, s.request) for i, s in enumerate(items)
+            if s.request.num_output_tokens < s.request.params.min_tokens]
+    if not rows:
+        return None
+    banned = torch.zeros(len(items), vocab_size, dtype=torch.bool)
+    for i, req in rows:
+        stops = set(req.params.stop_token_ids)
+        if not req.params.ignore_eos:
+            stops |= req.eos_token_ids
+        if stops:
+            banned[i, torch.tensor(sorted(stops))] = True
+    return banned.to(device)

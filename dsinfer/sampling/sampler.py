@@ -1,0 +1,122 @@
+"""The sampler: logits of the rows that sample -> next tokens (+ logprobs), vectorized over the batch.
+
+Order, as in vLLM: logprobs of the raw logits are taken first; then logit bias, the min_tokens mask, penalties;
+greedy rows take the argmax; the others are scaled by temperature, filtered by top-k / top-p / min-p and sampled
+with the Gumbel-max trick using noise keyed by (seed, position) (``sampling/noise.py``), so a seeded request
+draws the same tokens whatever batch it runs in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsinfer import ops
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling inputs (one row per request that samples this step), built by the runner."""
+
+    temperature: torch.Tensor  # [S] float32, 0 for greedy rows
+    top_k: torch.Tensor  # [S] int64, vocab size where disabled
+    top_p: torch.Tensor  # [S] float32
+    min_p: torch.Tensor  # [S] float32
+    seeds: torch.Tensor  # [S] int64
+    positions: torch.Tensor  # [S] int64: position of the token being sampled
+    all_greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+    penalties: Penalties | None = None
+    logit_bias: torch.Tensor | None = None  # [S, V] float32 additive
+    banned: torch.Tensor | None = None  # [S, V] bool: tokens that must not be sampled (min_tokens stops)
+    allowed: torch.Tensor | None = None  # [S, V] bool: structured-output mask (None: all allowed)
+    num_logprobs: int | None = None  # top-k logprobs to return (None: none)
+
+
+@dataclass
+class Penalties:
+    repetition: torch.Tensor  # [S] float32
+    presence: torch.Tensor  # [S] float32
+    frequency: torch.Tensor  # [S] float32
+    output_counts: torch.Tensor  # [S, V] float32: occurrences in the output so far
+    prompt_mask: torch.Tensor  # [S, V] bool: token occurs in the prompt
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [S] int64
+    # When logprobs were asked for: ids [S, K + 1] (sampled token first), their logprobs, and the sampled rank.
+    logprob_token_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    sampled_ranks: torch.Tensor | None = None
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """Repetition (prompt + output, HF rule), then frequency and presence (output only, OpenAI rule)."""
+    seen = p.prompt_mask | (p.output_counts > 0)
+    rep = p.repetition.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - p.frequency.unsqueeze(1) * p.output_counts
+    return logits - p.presence.unsqueeze(1) * (p.output_counts > 0).float()
+
+
+def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Set tokens outside each row's top-k / top-p / min-p set to -inf (the top token always survives)."""
+    if batch.use_top_k:
+        kth = logits.topk(int(batch.top_k.max()), dim=-1).values
+        threshold = kth.gather(1, (batch.top_k.clamp(max=kth.shape[1]) - 1).unsqueeze(1))
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    if batch.use_top_p:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop_sorted = mass_before > batch.top_p.unsqueeze(1)
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if batch.use_min_p:
+        probs = logits.softmax(dim=-1)
+        threshold = batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def _logprobs(raw_logits: torch.Tensor, sampled: torch.Tensor, k: int):
+    logprobs = raw_logits.log_softmax(dim=-1)
+    sampled_lp = logprobs.gather(1, sampled.unsqueeze(1))
+    ranks = (logprobs > sampled_lp).sum(dim=-1) + 1
+    if k > 0:
+        top_lp, top_ids = logprobs.topk(k, dim=-1)
+        ids = torch.cat((sampled.unsqueeze(1), top_ids), dim=1)
+        return ids, torch.cat((sampled_lp, top_lp), dim=1), ranks
+    return sampled.unsqueeze(1), sampled_lp, ranks
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        raw = logits
+        if batch.logit_bias is not None:
+            logits = logits + batch.logit_bias
+        if batch.penalties is not None:
+            logits = apply_penalties(logits, batch.penalties)
+        if batch.banned is not None:
+            logits = logits.masked_fill(batch.banned, float("-inf"))
+        if batch.allowed is not None:
+            logits = logits.masked_fill(~batch.allowed, float("-inf"))
+        if batch.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            # Filter on the temperature-scaled distribution, sample from the unscaled logits (the op divides).
+            greedy = batch.temperature == 0
+            scaled = logits / torch.where(greedy, 1.0, batch.temperature).unsqueeze(1)
+            if batch.use_top_k or batch.use_top_p or batch.use_min_p:
+                dropped = filter_logits(scaled, batch).isneginf() & ~greedy.unsqueeze(1)
+                logits = logits.masked_fill(dropped, float("-inf"))
+            sampled = ops.gumbel_argmax(logits, batch.seeds, batch.positions, batch.temperature)
+        out = SamplerOutput(sampled)
+        if batch.num_logprobs is not None:
+            out.logprob_token_ids, out.logprobs, out.sampled_ranks = _logprobs(raw, sampled, batch.num_logprobs)
+        return out

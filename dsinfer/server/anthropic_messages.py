@@ -1,0 +1,219 @@
+"""POST /v1/messages (streaming: message_start … message_stop) and /v1/messages/count_tokens."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from dsinfer.engine.outputs import CompletionOutput, RequestOutput
+from dsinfer.protocol.anthropic_schemas import CountTokensRequest, MessagesRequest
+from dsinfer.protocol.chat_output import ChatOutputParser, OutputDelta, parse_output
+from dsinfer.protocol.conversation import anthropic_messages, anthropic_tools
+from dsinfer.protocol.sampling import build_sampling_params, resolve_max_tokens
+from dsinfer.server.context import ServingContext, new_id, parse_body
+from dsinfer.server.generation import Generation, primed
+from dsinfer.server.sse import SSE_HEADERS, sse_event
+from dsinfer.server.streaming_errors import anthropic_stream_error_payload
+
+router = APIRouter()
+
+
+def _encode(ctx: ServingContext, req: CountTokensRequest):
+    tools = anthropic_tools(req)
+    kwargs = {"enable_thinking": req.thinking.type != "disabled"} if req.thinking else None
+    return ctx.encode_chat(anthropic_messages(req), tools, template_kwargs=kwargs), tools is not None
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request):
+    ctx: ServingContext = request.app.state.ctx
+    req = await parse_body(request, CountTokensRequest)
+    ctx.check_model(req.model)
+    encoded, _ = _encode(ctx, req)
+    return {"input_tokens": len(encoded.token_ids)}
+
+
+@router.post("/v1/messages")
+async def messages(request: Request):
+    ctx: ServingContext = request.app.state.ctx
+    req = await parse_body(request, MessagesRequest)
+    ctx.check_model(req.model)
+    encoded, use_tools = _encode(ctx, req)
+    fields = dict(
+        max_tokens=resolve_max_tokens(req.max_tokens, len(encoded.token_ids), ctx.max_model_len),
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        stop=req.stop_sequences,
+    )
+    if use_tools and ctx.tool_markers_special:
+        fields["skip_special_tokens"] = False
+    params = build_sampling_params(fields, ctx.vocab_size, req.stream)
+    gen = Generation(ctx, encoded.token_ids, params, new_id("msg_"))
+    parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools)
+    if req.stream:
+        outputs = await primed(request, gen.outputs())
+        return StreamingResponse(
+            _stream(ctx, req, gen, outputs, parser_kwargs),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    out = await gen.final(request)
+    c = out.outputs[0]
+    parsed = parse_output(ctx.strip_eos(c.text), **parser_kwargs)
+    content = _blocks(parsed)
+    reason, sequence = _stop_reason(c, req, bool(parsed.tool_calls))
+    return JSONResponse(
+        {
+            "id": gen.request_id,
+            "type": "message",
+            "role": "assistant",
+            "model": ctx.model_name,
+            "content": content,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": _usage(gen),
+        }
+    )
+
+
+def _usage(gen: Generation) -> dict[str, int]:
+    return {
+        "input_tokens": len(gen.prompt_ids),
+        "output_tokens": gen.num_generated,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": gen.num_cached,
+    }
+
+
+def _blocks(parsed: OutputDelta) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if parsed.reasoning:
+        blocks.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
+    if parsed.content.strip() or not (parsed.tool_calls or blocks):
+        blocks.append({"type": "text", "text": parsed.content})
+    for call in parsed.tool_calls:
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": new_id("toolu_")[:30],
+                "name": call.name,
+                "input": json.loads(call.arguments),
+            }
+        )
+    return blocks
+
+
+def _stop_reason(c: CompletionOutput, req: MessagesRequest, made_calls: bool) -> tuple[str, str | None]:
+    if c.finish_reason == "length":
+        return "max_tokens", None
+    if made_calls:
+        return "tool_use", None
+    if isinstance(c.stop_reason, str) and c.stop_reason in (req.stop_sequences or []):
+        return "stop_sequence", c.stop_reason
+    return "end_turn", None
+
+
+class _BlockWriter:
+    """Opens, fills and closes content blocks as reasoning/text/tool calls arrive."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None
+
+    def _start(self, kind: str, block: dict[str, Any]) -> list[str]:
+        events = self.close()
+        self.index += 1
+        self.open = kind
+        return events + [
+            sse_event(
+                "content_block_start",
+                {"type": "content_block_start", "index": self.index, "content_block": block},
+            )
+        ]
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return sse_event(
+            "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}
+        )
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def open_empty_text(self) -> list[str]:
+        return self._start("text", {"type": "text", "text": ""})
+
+    def write(self, delta: OutputDelta) -> list[str]:
+        events: list[str] = []
+        if delta.reasoning:
+            if self.open != "thinking":
+                events += self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            events.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
+        if delta.content and (self.open == "text" or delta.content.strip()):
+            if self.open != "text":
+                events += self._start("text", {"type": "text", "text": ""})
+            events.append(self._delta({"type": "text_delta", "text": delta.content}))
+        for call in delta.tool_calls:
+            block = {"type": "tool_use", "id": new_id("toolu_")[:30], "name": call.name, "input": {}}
+            events += self._start("tool_use", block)
+            events.append(self._delta({"type": "input_json_delta", "partial_json": call.arguments}))
+        return events
+
+
+async def _stream(
+    ctx: ServingContext,
+    req: MessagesRequest,
+    gen: Generation,
+    outputs: AsyncIterator[RequestOutput],
+    parser_kwargs: dict[str, Any],
+) -> AsyncIterator[str]:
+    message = {
+        "id": gen.request_id,
+        "type": "message",
+        "role": "assistant",
+        "model": ctx.model_name,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": len(gen.prompt_ids), "output_tokens": 0},
+    }
+    yield sse_event("message_start", {"type": "message_start", "message": message})
+    yield sse_event("ping", {"type": "ping"})
+    parser, writer = ChatOutputParser(**parser_kwargs), _BlockWriter()
+    made_calls, last = False, None
+    try:
+        async for out in outputs:
+            c = last = out.outputs[0] if out.outputs else last
+            if c is None:
+                continue
+            delta = parser.feed(c.text)
+            if c.finish_reason is not None:
+                delta.extend(parser.finish())
+            made_calls |= bool(delta.tool_calls)
+            for event in writer.write(delta):
+                yield event
+    except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
+        yield sse_event("error", anthropic_stream_error_payload(exc))
+        return
+    if writer.index < 0:  # nothing generated: still one (empty) text block
+        for event in writer.open_empty_text():
+            yield event
+    for event in writer.close():
+        yield event
+    reason, sequence = _stop_reason(last, req, made_calls) if last is not None else ("end_turn", None)
+    yield sse_event(
+        "message_delta",
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": {"output_tokens": gen.num_generated},
+        },
+    )
+    yield sse_event("message_stop", {"type": "message_stop"})

@@ -1,0 +1,105 @@
+"""ServingContext: what every route needs — the engine, settings, metrics and the model's chat protocol."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from dsinfer.entrypoints.async_engine import AsyncEngine
+from dsinfer.protocol.chat_encoding import ChatEncoder, EncodedChat
+from dsinfer.protocol.chat_formats import BUILTIN_TEMPLATES, default_format_for
+from dsinfer.protocol.errors import ProtocolError, describe_validation_errors
+from dsinfer.protocol.reasoning import THINK_START, prompt_opens_reasoning
+from dsinfer.protocol.tool_parsers import ToolCallParser, tool_parser_for
+from dsinfer.server.metrics import ServerMetrics
+from dsinfer.server.settings import ServerSettings
+
+
+def new_id(prefix: str) -> str:
+    """A server-made id; clients never choose request ids."""
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+class ServingContext:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings):
+        self.engine = engine
+        self.settings = settings
+        self.metrics = ServerMetrics()
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.model_config.max_model_len
+        self.vocab_size: int = min(self.tokenizer.vocab_size, engine.model_config.vocab_size or 1 << 31)
+        special = frozenset(self.tokenizer.special_tokens)
+        template = settings.chat_template or self.tokenizer.chat_template
+        if template is None or settings.chat_format != "auto":
+            fmt = default_format_for(special) if settings.chat_format == "auto" else settings.chat_format
+            template = BUILTIN_TEMPLATES[fmt]
+        self.chat = ChatEncoder(self.tokenizer, template)
+        self.tool_parser: type[ToolCallParser] = tool_parser_for(settings.tool_call_parser, special)
+        self.tool_markers_special = any(m in special for m in self.tool_parser.markers)
+        has_think = self.tokenizer.token_to_id(THINK_START) is not None
+        self.reasoning = settings.reasoning_parser == "think" or (
+            settings.reasoning_parser == "auto" and has_think
+        )
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_names[0] if self.settings.served_model_names else "default"
+
+    def check_model(self, name: str | None) -> None:
+        names = self.settings.served_model_names
+        if name is not None and names and name not in names:
+            raise ProtocolError(
+                f"The model `{name}` does not exist.", status=404, param="model", code="model_not_found"
+            )
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> EncodedChat:
+        if template is not None and not self.settings.trust_request_chat_template:
+            raise ProtocolError(
+                "request-supplied chat templates are disabled on this server "
+                "(start it with --trust-request-chat-template)",
+                param="chat_template",
+            )
+        encoded = self.chat.encode(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            template=template,
+            template_kwargs=template_kwargs,
+        )
+        if not encoded.token_ids:
+            raise ProtocolError("the conversation renders to an empty prompt", param="messages")
+        return encoded
+
+    def output_parser_kwargs(self, prompt_text: str, use_tools: bool) -> dict[str, Any]:
+        in_reasoning = self.reasoning and prompt_opens_reasoning(prompt_text)
+        return {
+            "reasoning": self.reasoning,
+            "in_reasoning": in_reasoning,
+            "tool_parser": self.tool_parser if use_tools else None,
+        }
+
+    def strip_eos(self, text: str) -> str:
+        eos = self.tokenizer.eos_token
+        return text[: -len(eos)] if eos and text.endswith(eos) else text
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    """Validate the JSON body into ``model``; every failure is a 400 naming the field."""
+    body = await request.body()
+    if not body.strip():
+        raise ProtocolError("the request body is empty; expected a JSON object")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        message, param = describe_validation_errors(exc.errors(include_url=False))
+        raise ProtocolError(message, param=param) from None

@@ -1,0 +1,221 @@
+"""POST /v1/chat/completions (streaming and not)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from dsinfer.engine.outputs import RequestOutput
+from dsinfer.engine.sampling_params import SamplingParams
+from dsinfer.protocol.chat_output import ChatOutputParser, OutputDelta, parse_output
+from dsinfer.protocol.conversation import openai_chat_messages, openai_chat_tools
+from dsinfer.protocol.errors import ProtocolError
+from dsinfer.protocol.fields import stop_list
+from dsinfer.protocol.logprobs import chat_logprobs
+from dsinfer.protocol.openai_schemas import ChatCompletionRequest, SamplingFields
+from dsinfer.protocol.sampling import build_sampling_params, logit_bias_ids, resolve_max_tokens
+from dsinfer.server.context import ServingContext, new_id, parse_body
+from dsinfer.server.generation import Generation, primed
+from dsinfer.server.sse import SSE_DONE, SSE_HEADERS, sse_data
+from dsinfer.server.streaming_errors import stream_error_payload
+
+router = APIRouter()
+
+
+def sampling_fields(req: SamplingFields) -> dict[str, Any]:
+    """The SamplingParams fields common to chat and text completions."""
+    return dict(
+        n=req.n,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        seed=req.seed,
+        stop=stop_list(req.stop),
+        stop_token_ids=req.stop_token_ids,
+        min_tokens=req.min_tokens,
+        logit_bias=logit_bias_ids(req.logit_bias),
+        ignore_eos=req.ignore_eos,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    )
+
+
+def _structured(response_format: Any) -> dict[str, Any] | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return {"json_object": True}
+    schema = (response_format.json_schema or {}).get("schema")
+    if not isinstance(schema, dict):
+        raise ProtocolError(
+            "response_format.json_schema.schema must be a JSON schema object",
+            param="response_format.json_schema",
+        )
+    return {"json": schema}
+
+
+def _params(
+    ctx: ServingContext, req: ChatCompletionRequest, prompt_len: int, use_tools: bool
+) -> SamplingParams:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ProtocolError("top_logprobs requires logprobs to be true", param="top_logprobs")
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    fields = sampling_fields(req)
+    fields.update(
+        max_tokens=resolve_max_tokens(requested, prompt_len, ctx.max_model_len, param),
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        structured_outputs=_structured(req.response_format),
+    )
+    if use_tools and ctx.tool_markers_special:
+        fields["skip_special_tokens"] = False
+    return build_sampling_params(fields, ctx.vocab_size, req.stream)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    ctx: ServingContext = request.app.state.ctx
+    req = await parse_body(request, ChatCompletionRequest)
+    ctx.check_model(req.model)
+    use_tools = bool(req.tools) and req.tool_choice != "none"
+    encoded = ctx.encode_chat(
+        openai_chat_messages(req.messages),
+        openai_chat_tools(req.tools) if use_tools else None,
+        req.chat_template,
+        req.chat_template_kwargs,
+        req.add_generation_prompt,
+    )
+    params = _params(ctx, req, len(encoded.token_ids), use_tools)
+    gen = Generation(ctx, encoded.token_ids, params, new_id("chatcmpl-"))
+    parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools)
+    if req.stream:
+        outputs = await primed(request, gen.outputs())
+        body = _stream(ctx, req, gen, outputs, parser_kwargs)
+        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+    out = await gen.final(request)
+    return JSONResponse(_response(ctx, req, gen, out, parser_kwargs))
+
+
+def _tool_calls(delta: OutputDelta, first_index: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "index": first_index + k,
+            "id": new_id("call_")[:29],
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+        for k, call in enumerate(delta.tool_calls)
+    ]
+
+
+def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
+    if reason == "stop" and made_calls:
+        return "tool_calls"
+    return reason
+
+
+def _response(
+    ctx: ServingContext,
+    req: ChatCompletionRequest,
+    gen: Generation,
+    out: RequestOutput,
+    parser_kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    choices = []
+    for c in sorted(out.outputs, key=lambda c: c.index):
+        parsed = parse_output(ctx.strip_eos(c.text), **parser_kwargs)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            message["content"] = parsed.content.strip() or None
+            message["tool_calls"] = [
+                {k: v for k, v in tc.items() if k != "index"} for tc in _tool_calls(parsed, 0)
+            ]
+        if parsed.reasoning:
+            message["reasoning_content"] = parsed.reasoning
+        logprobs = None
+        if req.logprobs:
+            logprobs = {
+                "content": chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0)
+            }
+        choices.append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": _finish_reason(c.finish_reason, bool(parsed.tool_calls)),
+            }
+        )
+    return {
+        "id": gen.request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": ctx.model_name,
+        "choices": choices,
+        "usage": gen.usage(),
+        "system_fingerprint": None,
+    }
+
+
+async def _stream(
+    ctx: ServingContext,
+    req: ChatCompletionRequest,
+    gen: Generation,
+    outputs: AsyncIterator[RequestOutput],
+    parser_kwargs: dict[str, Any],
+) -> AsyncIterator[str]:
+    base = {
+        "id": gen.request_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": ctx.model_name,
+    }
+    parsers = [ChatOutputParser(**parser_kwargs) for _ in range(req.n)]
+    num_calls = [0] * req.n
+    for i in range(req.n):
+        choice = {
+            "index": i,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        yield sse_data({**base, "choices": [choice]})
+    try:
+        async for out in outputs:
+            for c in out.outputs:
+                delta = parsers[c.index].feed(c.text)
+                if c.finish_reason is not None:
+                    delta.extend(parsers[c.index].finish())
+                message: dict[str, Any] = {}
+                if delta.reasoning:
+                    message["reasoning_content"] = delta.reasoning
+                if delta.content:
+                    message["content"] = delta.content
+                if delta.tool_calls:
+                    message["tool_calls"] = _tool_calls(delta, num_calls[c.index])
+                    num_calls[c.index] += len(delta.tool_calls)
+                logprobs = None
+                if req.logprobs and c.token_ids:
+                    logprobs = {
+                        "content": chat_logprobs(
+                            ctx.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0
+                        )
+                    }
+                if not message and logprobs is None and c.finish_reason is None:
+                    continue
+                finish = _finish_reason(c.finish_reason, num_calls[c.index] > 0)
+                choice = {"index": c.index, "delta": message, "logprobs": logprobs, "finish_reason": finish}
+                yield sse_data({**base, "choices": [choice]})
+    except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
+        yield sse_data(stream_error_payload(exc))
+        return
+    if req.stream_options is not None and req.stream_options.include_usage:
+        yield sse_data({**base, "choices": [], "usage": gen.usage()})
+    yield SSE_DONE

@@ -1,0 +1,269 @@
+"""POST /v1/responses (stateless: no ``store``/``previous_response_id``), streaming and not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from dsinfer.engine.outputs import RequestOutput
+from dsinfer.protocol.chat_output import ChatOutputParser, OutputDelta, parse_output
+from dsinfer.protocol.conversation import responses_messages, responses_tools
+from dsinfer.protocol.errors import ProtocolError
+from dsinfer.protocol.responses_schemas import ResponsesRequest
+from dsinfer.protocol.sampling import build_sampling_params, resolve_max_tokens
+from dsinfer.server.context import ServingContext, new_id, parse_body
+from dsinfer.server.generation import Generation, primed
+from dsinfer.server.sse import SSE_HEADERS, sse_event
+from dsinfer.server.streaming_errors import stream_error_payload
+
+router = APIRouter()
+
+
+@router.post("/v1/responses")
+async def responses(request: Request):
+    ctx: ServingContext = request.app.state.ctx
+    req = await parse_body(request, ResponsesRequest)
+    ctx.check_model(req.model)
+    if req.previous_response_id is not None:
+        raise ProtocolError(
+            "previous_response_id is not supported: this server does not store responses",
+            param="previous_response_id",
+        )
+    use_tools = bool(req.tools) and req.tool_choice != "none"
+    encoded = ctx.encode_chat(responses_messages(req), responses_tools(req) if use_tools else None)
+    fields = dict(
+        max_tokens=resolve_max_tokens(
+            req.max_output_tokens, len(encoded.token_ids), ctx.max_model_len, "max_output_tokens", "input"
+        ),
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=req.seed,
+        logprobs=req.top_logprobs,
+    )
+    if use_tools and ctx.tool_markers_special:
+        fields["skip_special_tokens"] = False
+    params = build_sampling_params(fields, ctx.vocab_size, req.stream)
+    gen = Generation(ctx, encoded.token_ids, params, new_id("resp_"))
+    parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools)
+    if req.stream:
+        outputs = await primed(request, gen.outputs())
+        return StreamingResponse(
+            _stream(ctx, req, gen, outputs, parser_kwargs),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    out = await gen.final(request)
+    c = out.outputs[0]
+    items = _items(parse_output(ctx.strip_eos(c.text), **parser_kwargs))
+    return JSONResponse(_response(ctx, req, gen, items, c.finish_reason))
+
+
+def _message_item(text: str, status: str = "completed") -> dict[str, Any]:
+    return {
+        "type": "message",
+        "id": new_id("msg_"),
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
+
+
+def _reasoning_item(text: str) -> dict[str, Any]:
+    return {
+        "type": "reasoning",
+        "id": new_id("rs_"),
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": "completed",
+    }
+
+
+def _call_item(name: str, arguments: str) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": new_id("fc_"),
+        "call_id": new_id("call_")[:29],
+        "name": name,
+        "arguments": arguments,
+        "status": "completed",
+    }
+
+
+def _items(parsed: OutputDelta) -> list[dict[str, Any]]:
+    items = [_reasoning_item(parsed.reasoning)] if parsed.reasoning else []
+    if parsed.content.strip() or not parsed.tool_calls:
+        items.append(_message_item(parsed.content))
+    items.extend(_call_item(c.name, c.arguments) for c in parsed.tool_calls)
+    return items
+
+
+def _response(
+    ctx: ServingContext,
+    req: ResponsesRequest,
+    gen: Generation,
+    items: list[dict[str, Any]],
+    finish_reason: str | None,
+    status: str | None = None,
+) -> dict[str, Any]:
+    incomplete = finish_reason == "length"
+    status = status or ("incomplete" if incomplete else "completed")
+    return {
+        "id": gen.request_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": status,
+        "model": ctx.model_name,
+        "output": items,
+        "instructions": req.instructions,
+        "incomplete_details": {"reason": "max_output_tokens"}
+        if incomplete and status == "incomplete"
+        else None,
+        "error": None,
+        "max_output_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "tools": [t.model_dump() for t in req.tools or []],
+        "tool_choice": "auto",
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "store": False,
+        "metadata": req.metadata or {},
+        "usage": {
+            "input_tokens": len(gen.prompt_ids),
+            "output_tokens": gen.num_generated,
+            "total_tokens": len(gen.prompt_ids) + gen.num_generated,
+            "input_tokens_details": {"cached_tokens": gen.num_cached},
+            "output_tokens_details": {"reasoning_tokens": 0},
+        },
+    }
+
+
+class _EventWriter:
+    """Numbers events and tracks the output items opened so far."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.items: list[dict[str, Any]] = []
+        self.text: dict[str, Any] | None = None  # the open message item
+
+    def event(self, kind: str, **fields: Any) -> str:
+        self.seq += 1
+        return sse_event(kind, {"type": kind, "sequence_number": self.seq - 1, **fields})
+
+    def open_text(self) -> list[str]:
+        self.text = _message_item("", status="in_progress")
+        self.items.append(self.text)
+        idx, part = len(self.items) - 1, self.text["content"][0]
+        return [
+            self.event("response.output_item.added", output_index=idx, item=self.text),
+            self.event(
+                "response.content_part.added",
+                item_id=self.text["id"],
+                output_index=idx,
+                content_index=0,
+                part=part,
+            ),
+        ]
+
+    def text_delta(self, delta: str) -> list[str]:
+        events = [] if self.text is not None else self.open_text()
+        self.text["content"][0]["text"] += delta
+        events.append(
+            self.event(
+                "response.output_text.delta",
+                item_id=self.text["id"],
+                output_index=len(self.items) - 1,
+                content_index=0,
+                delta=delta,
+                logprobs=[],
+            )
+        )
+        return events
+
+    def close_text(self) -> list[str]:
+        if self.text is None:
+            return []
+        item, self.text = self.text, None
+        item["status"] = "completed"
+        idx, part = self.items.index(item), item["content"][0]
+        return [
+            self.event(
+                "response.output_text.done",
+                item_id=item["id"],
+                output_index=idx,
+                content_index=0,
+                text=part["text"],
+                logprobs=[],
+            ),
+            self.event(
+                "response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part
+            ),
+            self.event("response.output_item.done", output_index=idx, item=item),
+        ]
+
+    def call(self, name: str, arguments: str) -> list[str]:
+        events = self.close_text()
+        item = _call_item(name, arguments)
+        self.items.append(item)
+        idx = len(self.items) - 1
+        return events + [
+            self.event(
+                "response.output_item.added",
+                output_index=idx,
+                item={**item, "arguments": "", "status": "in_progress"},
+            ),
+            self.event(
+                "response.function_call_arguments.delta",
+                item_id=item["id"],
+                output_index=idx,
+                delta=arguments,
+            ),
+            self.event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=idx,
+                arguments=arguments,
+            ),
+            self.event("response.output_item.done", output_index=idx, item=item),
+        ]
+
+
+async def _stream(
+    ctx: ServingContext,
+    req: ResponsesRequest,
+    gen: Generation,
+    outputs: AsyncIterator[RequestOutput],
+    parser_kwargs: dict[str, Any],
+) -> AsyncIterator[str]:
+    w = _EventWriter()
+    yield w.event("response.created", response=_response(ctx, req, gen, [], None, status="in_progress"))
+    yield w.event("response.in_progress", response=_response(ctx, req, gen, [], None, status="in_progress"))
+    parser, reasoning, finish = ChatOutputParser(**parser_kwargs), "", None
+    try:
+        async for out in outputs:
+            for c in out.outputs[:1]:
+                delta = parser.feed(c.text)
+                if c.finish_reason is not None:
+                    delta.extend(parser.finish())
+                    finish = c.finish_reason
+                reasoning += delta.reasoning
+                for event in w.text_delta(delta.content) if delta.content else []:
+                    yield event
+                for call in delta.tool_calls:
+                    for event in w.call(call.name, call.arguments):
+                        yield event
+    except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
+        yield w.event("error", **stream_error_payload(exc)["error"])
+        return
+    if not w.items:
+        for event in w.open_text():
+            yield event
+    for event in w.close_text():
+        yield event
+    items = ([_reasoning_item(reasoning)] if reasoning else []) + w.items
+    final = _response(ctx, req, gen, items, finish)
+    kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+    yield w.event(kind, response=final)

@@ -1,0 +1,64 @@
+"""vLLM-compatible POST /tokenize and POST /detokenize."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Request
+from pydantic import Field, StrictBool, StrictStr
+
+from dsinfer.protocol.conversation import openai_chat_messages, openai_chat_tools
+from dsinfer.protocol.errors import ProtocolError
+from dsinfer.protocol.fields import ShortStr, TokenId, WireModel
+from dsinfer.protocol.openai_schemas import ChatMessage, Tool
+from dsinfer.protocol.sampling import check_prompt_ids
+from dsinfer.server.context import ServingContext, parse_body
+
+router = APIRouter()
+
+
+class TokenizeRequest(WireModel):
+    model: ShortStr | None = None
+    prompt: StrictStr | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=256)] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(WireModel):
+    model: ShortStr | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> dict[str, Any]:
+    ctx: ServingContext = request.app.state.ctx
+    req = await parse_body(request, TokenizeRequest)
+    ctx.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise ProtocolError('give exactly one of "prompt" or "messages"', param="prompt")
+    if req.messages is not None:
+        encoded = ctx.encode_chat(
+            openai_chat_messages(req.messages),
+            openai_chat_tools(req.tools),
+            add_generation_prompt=req.add_generation_prompt,
+        )
+        tokens = encoded.token_ids
+    else:
+        tokens = ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    result: dict[str, Any] = {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
+    if req.return_token_strs:
+        result["token_strs"] = [ctx.tokenizer.id_to_token(t) for t in tokens]
+    return result
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> dict[str, Any]:
+    ctx: ServingContext = request.app.state.ctx
+    req = await parse_body(request, DetokenizeRequest)
+    ctx.check_model(req.model)
+    if req.tokens:
+        check_prompt_ids(req.tokens, ctx.vocab_size, param="tokens")
+    return {"prompt": ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)}

@@ -1,0 +1,172 @@
+"""Bad input fails loudly (ValueError / TypeError / FileNotFoundError naming the field) and harms nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from dsinfer import LLM, SamplingParams
+
+NAN = float("nan")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir) -> LLM:
+    return LLM(str(tiny_llama_dir))
+
+
+def serves_a_good_request(llm: LLM) -> bool:
+    (out,) = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4, ignore_eos=True),
+                          use_tqdm=False)
+    engine = llm.engine
+    return (len(out.outputs[0].token_ids) == 4 and not engine.has_unfinished_requests()
+            and engine.kv_manager.num_free_blocks == engine.runner.num_blocks - 1)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-0.5), "temperature must be in"),
+    (dict(temperature=float("inf")), "temperature must be in"),
+    (dict(top_p=0.0), "top_p must be in"),
+    (dict(top_p=1.01), "top_p must be in"),
+    (dict(top_k=-2), "top_k must be -1"),
+    (dict(min_p=1.5), "min_p must be in"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be in"),
+    (dict(presence_penalty=2.5), "presence_penalty must be in"),
+    (dict(frequency_penalty=-3.0), "frequency_penalty must be in"),
+    (dict(n=0), "n must be in"),
+    (dict(max_tokens=0), "max_tokens must be >= 1"),
+    (dict(min_tokens=-1), "min_tokens must be >= 0"),
+    (dict(min_tokens=5, max_tokens=3), r"min_tokens \(5\) must be <= max_tokens \(3\)"),
+    (dict(logprobs=21), "logprobs must be in"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs must be in"),
+    (dict(seed=2**64), "seed must fit"),
+    (dict(stop=[""]), "stop must be non-empty strings"),
+    (dict(stop_token_ids=[-3]), "stop_token_ids must be >= 0"),
+    (dict(logit_bias={3: 101.0}), "logit_bias must map"),
+    (dict(temperature=NAN), "temperature must not be NaN"),
+    (dict(top_p=NAN), "top_p must not be NaN"),
+    (dict(min_p=NAN), "min_p must not be NaN"),
+    (dict(repetition_penalty=NAN), "repetition_penalty must not be NaN"),
+    (dict(presence_penalty=NAN), "presence_penalty must not be NaN"),
+    (dict(frequency_penalty=NAN), "frequency_penalty must not be NaN"),
+    (dict(logit_bias={3: NAN}), "logit_bias value must not be NaN"),
+    (dict(n=True), "n must be an integer"),
+    (dict(n=2.0), "n must be an integer"),
+    (dict(max_tokens="5"), "max_tokens must be an integer"),
+    (dict(max_tokens=8.0), "max_tokens must be an integer"),
+    (dict(min_tokens=True), "min_tokens must be an integer"),
+    (dict(top_k=1.0), "top_k must be an integer"),
+    (dict(seed="1"), "seed must be an integer"),
+    (dict(seed=1.5), "seed must be an integer"),
+    (dict(logprobs=True), "logprobs must be an integer"),
+    (dict(stop_token_ids=[1.0]), "stop_token_ids must be an integer"),
+    (dict(logit_bias={"3": 1.0}), "logit_bias key must be an integer"),
+    (dict(temperature="1"), "temperature must be a number"),
+    (dict(top_p=True), "top_p must be a number"),
+])
+def test_invalid_sampling_params_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ({"prompt_token_ids": [1, 256]}, SamplingParams(), "prompt_token_ids contains 256, outside the vocab"),
+    ({"prompt_token_ids": [-1, 5]}, SamplingParams(), r"prompt_token_ids contains -1"),
+    ({"prompt_token_ids": [1, 2.0]}, SamplingParams(), "prompt_token_ids must be a list of integers"),
+    ({"prompt_token_ids": [True]}, SamplingParams(), "prompt_token_ids must be a list of integers"),
+    ({"prompt_token_ids": []}, SamplingParams(), "the prompt is empty"),
+    ({"prompt": "hello"}, SamplingParams(), "a prompt must be a string or"),
+    ("text without a tokenizer", SamplingParams(), "no tokenizer"),
+    ({"prompt_token_ids": [1]}, SamplingParams(stop_token_ids=[999]), "stop_token_ids contains 999"),
+    ({"prompt_token_ids": [1]}, SamplingParams(logit_bias={300: 1.0}), "logit_bias contains token id 300"),
+    ({"prompt_token_ids": [1] * 512}, SamplingParams(), r"512 tokens; max_model_len is 512"),
+    ({"prompt_token_ids": [1] * 600}, SamplingParams(), r"600 tokens; max_model_len is 512"),
+    ({"prompt_token_ids": [1] * 500}, SamplingParams(max_tokens=20),
+     r"max_tokens \(20\) = 520 exceeds max_model_len"),
+])
+def test_bad_request_is_rejected_and_the_engine_still_serves(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompt, params, use_tqdm=False)
+    assert serves_a_good_request(llm)
+
+
+def test_bad_prompt_inside_a_batch_aborts_the_batch_cleanly(llm):
+    prompts = [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [1, 999]}, {"prompt_token_ids": [3]}]
+    with pytest.raises(ValueError, match="999"):
+        llm.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert serves_a_good_request(llm)
+
+
+def test_wrong_number_of_sampling_params(llm):
+    with pytest.raises(ValueError, match="got 2 SamplingParams for 3 prompts"):
+        llm.generate([{"prompt_token_ids": [1]}] * 3, [SamplingParams()] * 2, use_tqdm=False)
+    assert serves_a_good_request(llm)
+
+
+def test_duplicate_request_id_is_rejected(llm):
+    engine = llm.engine
+    engine.add_request("dup", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="request id 'dup' is already in use"):
+        engine.add_request("dup", {"prompt_token_ids": [3]}, SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert serves_a_good_request(llm)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(block_size=0), ValueError, r"block_size must be an integer in \[1, 1024\], got 0"),
+    (dict(block_size=12), ValueError, "block_size must be a power of two, got 12"),
+    (dict(block_size=16.0), ValueError, "block_size must be an integer"),
+    (dict(max_num_seqs=0), ValueError, "max_num_seqs must be an integer"),
+    (dict(max_num_batched_tokens=0), ValueError, "max_num_batched_tokens must be an integer"),
+    (dict(max_model_len=True), ValueError, "max_model_len must be an integer"),
+    (dict(max_model_len=4096), ValueError, r"max_model_len=4096 exceeds .* max_position_embeddings \(512\)"),
+    (dict(num_kv_blocks=1), ValueError, "num_kv_blocks must be an integer"),
+    (dict(kv_cache_memory_gb=-1.0), ValueError, "kv_cache_memory_gb must be > 0"),
+    (dict(dtype="int8"), ValueError, "dtype must be 'auto' or one of"),
+    (dict(load_format="pickle"), ValueError, "load_format must be one of"),
+    (dict(device="tpu"), ValueError, "device must be 'auto', 'cpu' or 'cuda'"),
+    (dict(seed="0"), ValueError, "seed must be an integer"),
+    (dict(blok_size=16), TypeError, r"unknown argument\(s\) \['blok_size'\]"),
+])
+def test_bad_engine_arguments_name_the_field(tiny_llama_dir, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        LLM(str(tiny_llama_dir), **kwargs)
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        LLM(str(tmp_path / "no-such-model"))
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        LLM(str(tmp_path))
+
+
+def test_unknown_architecture(tiny_llama_dir, tmp_path):
+    model = tmp_path / "foo"
+    shutil.copytree(tiny_llama_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["architectures"] = ["FooForCausalLM"]
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unknown architecture 'FooForCausalLM'; supported: .*Llama"):
+        LLM(str(model))
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_safetensors(tiny_llama_dir, tmp_path, damage):
+    model = tmp_path / "corrupt"
+    shutil.copytree(tiny_llama_dir, model)
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(b"not a safetensors file" * 4 if damage == "garbage" else data[:len(data) // 2])
+    with pytest.raises(ValueError, match="cannot read weights file .*model.safetensors"):
+        LLM(str(model))
+
+
+def test_missing_weights(tiny_llama_dir, tmp_path):
+    model = tmp_path / "empty"
+    model.mkdir()
+    shutil.copy(tiny_llama_dir / "config.json", model / "config.json")
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors weights"):
+        LLM(str(model))

@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsinfer.protocol.errors import ProtocolError
+from dsinfer.protocol.openai_schemas import ChatCompletionRequest, CompletionRequest
+from dsinfer.protocol.sampling import build_sampling_params, resolve_max_tokens
+from dsinfer.server.json_depth import json_depth
+
+BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_tokens", 1.5),
+        ("max_tokens", 2.0),
+        ("max_tokens", "16"),
+        ("max_tokens", True),
+        ("max_tokens", 0),
+        ("max_tokens", -1),
+        ("max_tokens", 2**63),
+        ("n", 10**9),
+        ("n", 0),
+        ("top_logprobs", 21),
+        ("top_logprobs", -1),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("temperature", -0.1),
+        ("seed", 2**64),
+        ("logit_bias", {"-5": 1.0}),
+        ("logit_bias", {"7": 101}),
+        ("stop_token_ids", [-1]),
+        ("stop", [""]),
+        ("logprobs", "yes"),
+    ],
+)
+def test_out_of_range_or_mistyped_fields_are_rejected(field, value):
+    with pytest.raises(ValueError) as err:
+        ChatCompletionRequest.model_validate_json(json.dumps({**BASE, field: value}))
+    assert field in str(err.value)
+
+
+def test_nan_temperature_is_rejected():
+    body = json.dumps(BASE)[:-1] + ', "temperature": NaN}'
+    with pytest.raises(ValueError):
+        ChatCompletionRequest.model_validate_json(body)
+
+
+def test_valid_request_maps_to_sampling_params():
+    req = ChatCompletionRequest.model_validate_json(
+        json.dumps({**BASE, "max_tokens": 8, "temperature": 0, "top_p": 0.9, "seed": 3, "n": 2, "stop": "x"})
+    )
+    params = build_sampling_params(
+        {
+            "max_tokens": req.max_tokens,
+            "temperature": req.temperature,
+            "n": req.n,
+            "top_p": req.top_p,
+            "seed": req.seed,
+            "stop": req.stop,
+        },
+        100,
+        stream=False,
+    )
+    assert (params.max_tokens, params.n, params.seed, params.stop) == (8, 2, 3, ["x"])
+
+
+def test_completion_prompt_accepts_one_prompt_only():
+    CompletionRequest.model_validate_json('{"prompt": [1, 2, 3]}')
+    with pytest.raises(ValueError):
+        CompletionRequest.model_validate_json('{"prompt": ["a", "b"]}')
+
+
+def test_out_of_vocab_logit_bias_is_a_400():
+    with pytest.raises(ProtocolError) as err:
+        build_sampling_params({"logit_bias": {500: 1.0}}, vocab_size=400, stream=False)
+    assert err.value.status == 400 and "500" in err.value.message
+
+
+def test_context_length_check():
+    assert resolve_max_tokens(None, 10, 32) == 22
+    assert resolve_max_tokens(22, 10, 32) == 22
+    with pytest.raises(ProtocolError) as err:
+        resolve_max_tokens(23, 10, 32)
+    assert err.value.param == "max_tokens" and err.value.code == "context_length_exceeded"
+
+
+def test_json_depth_ignores_brackets_in_strings():
+    assert json_depth(b'{"a": [[1]], "s": "[[[[{{{{\\"]]]"}') == 3
+    assert json_depth(b"[" * 100000 + b"]" * 100000) == 100000
+    assert json_depth(b'"no brackets"') == 0

@@ -1,0 +1,101 @@
+"""Client disconnects abort the request; SIGTERM drains in-flight requests, then the server exits."""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from live_server import start_server, stop_server
+
+LONG = {
+    "messages": [{"role": "user", "content": "Tell a long story."}],
+    "max_tokens": 400,
+    "ignore_eos": True,
+}
+
+
+def _gauge(server, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
+def _wait_idle(server, timeout: float = 30.0) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (
+            _gauge(server, "dsinfer_num_requests_running") == 0
+            and _gauge(server, "dsinfer_kv_cache_usage_ratio") == 0
+        ):
+            return time.monotonic()
+        time.sleep(0.1)
+    raise AssertionError("the aborted request still holds the engine")
+
+
+def test_streaming_client_disconnect_aborts_and_frees_kv(server):
+    before = _gauge(server, "dsinfer_generation_tokens_total")
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/chat/completions",
+        json={**LONG, "stream": True},
+        headers=server.headers(),
+        timeout=60,
+    ) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert _gauge(server, "dsinfer_num_requests_running") == 1
+    _wait_idle(server)
+    assert server.alive()
+    assert _gauge(server, "dsinfer_generation_tokens_total") - before < 400  # cut short, not run to the end
+
+
+def test_non_streaming_client_disconnect_aborts(server):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{server.url}/v1/completions",
+            json={"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True},
+            headers=server.headers(),
+            timeout=2,
+        )
+    _wait_idle(server)
+    r = server.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200
+
+
+def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
+    live = start_server(tmp_path, "--drain-timeout", "60")
+    try:
+        chunks: list[str] = []
+        body = {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 12,
+            "ignore_eos": True,
+            "stream": True,
+        }
+
+        def stream() -> None:
+            with httpx.stream(
+                "POST", f"{live.url}/v1/chat/completions", json=body, headers=live.headers(), timeout=120
+            ) as r:
+                chunks.extend(r.iter_lines())
+
+        t = threading.Thread(target=stream)
+        t.start()
+        deadline = time.monotonic() + 60
+        while not chunks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        live.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        health = httpx.get(f"{live.url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        refused = live.post("/v1/chat/completions", json={"messages": body["messages"], "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable_error"
+        t.join(120)
+        assert "data: [DONE]" in chunks  # the in-flight request finished
+        assert live.proc.wait(60) == 0
+    finally:
+        stop_server(live)

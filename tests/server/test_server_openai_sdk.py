@@ -1,0 +1,156 @@
+"""The official openai SDK against a live server: chat, completions, responses, models; streaming and not."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from live_server import API_KEY, MAX_MODEL_LEN
+
+MESSAGES = [{"role": "user", "content": "Name a color."}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather of a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list().data
+    assert len(models) == 1 and models[0].id == "SmolLM2-135M-Instruct"
+
+
+def test_chat_completion_with_usage(client, model):
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, temperature=0)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 4
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_stream_matches_non_stream_under_greedy(client, model):
+    full = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, temperature=0)
+    stream = client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_chat_n_choices_and_logprobs(client, model):
+    r = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=3, n=3, seed=7, logprobs=True, top_logprobs=2
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    for choice in r.choices:
+        content = choice.logprobs.content
+        assert 1 <= len(content) <= 3
+        assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
+
+
+def test_seed_makes_sampling_reproducible(client, model):
+    def run(seed):
+        r = client.chat.completions.create(
+            model=model, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=seed
+        )
+        return r.choices[0].message.content
+
+    first = run(1234)
+    assert run(1234) == first
+
+
+def test_chat_with_tools_is_served(client, model):
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=TOOLS,
+        max_tokens=8,
+        temperature=0,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls"
+
+
+def test_completions_stream_and_not(client, model):
+    r = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=2
+    )
+    assert r.object == "text_completion" and r.usage.prompt_tokens > 0
+    assert len(r.choices[0].logprobs.tokens) == r.usage.completion_tokens
+    chunks = list(
+        client.completions.create(
+            model=model, prompt="The capital of France is", max_tokens=4, temperature=0, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+
+
+def test_completions_echo(client, model):
+    r = client.completions.create(model=model, prompt="One two", max_tokens=2, temperature=0, echo=True)
+    assert r.choices[0].text.startswith("One two")
+
+
+def test_responses_stream_and_not(client, model):
+    r = client.responses.create(model=model, input="Name a fruit.", max_output_tokens=5, temperature=0)
+    assert r.object == "response" and r.status in ("completed", "incomplete")
+    assert r.output_text and r.usage.output_tokens <= 5
+    events = list(
+        client.responses.create(
+            model=model, input="Name a fruit.", max_output_tokens=5, temperature=0, stream=True
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_context_length_error_through_sdk(client, model):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=MAX_MODEL_LEN)
+    assert err.value.status_code == 400
+    assert err.value.body["code"] == "context_length_exceeded" and err.value.body["param"] == "max_tokens"
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="no-such-model", messages=MESSAGES, max_tokens=2)
+    assert err.value.body["param"] == "model" and err.value.body["code"] == "model_not_found"
+
+
+def test_wrong_api_key_is_401(server):
+    bad = openai.OpenAI(base_url=server.v1, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
