@@ -7,7 +7,18 @@ a length drawn uniformly from ``--output-len-range MIN MAX``. Decoding is greedy
 so every request produces exactly the tokens it asked for. HF runs each batch padded to its longest request
 (``min_new_tokens = max_new_tokens``), so its *useful* tokens/s counts only the tokens each prompt asked for;
 the ratio compares dsinfer's output tokens/s with that. With ``--repeat R`` the engines run alternately R
-times each and the fastest run of each is reported (the machine may be shared).
+times each and the fastest run of each is reported (the machine may be shared); ``cpu s`` is the process CPU
+time of the run, less sensitive than wall time to other processes when ``--threads 1``.
+
+On CUDA with dummy weights at real shapes (a directory holding only a config.json):
+
+    python benchmarks/throughput.py --device cuda --dtype bfloat16 --load-format dummy \
+        --model benchmarks/configs/llama-3.1-8b --num-prompts 512 --input-len 1000 --output-len 1000 \
+        --compare-hf --hf-num-prompts 32 --hf-output-len 100
+
+``--compare-hf`` then builds the HF model from the config with dsinfer's random weights copied in, and runs both
+engines on a subset (``--hf-num-prompts`` x ``--hf-output-len``, since HF on the full workload takes too long);
+the HF model is freed before dsinfer's full run.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from pathlib import Path
 class Result:
     engine: str
     elapsed_s: float
+    cpu_s: float  # process CPU time of the run (all threads)
     num_prompts: int
     prompt_tokens: int
     output_tokens: int  # tokens the prompts asked for (HF's padded extra tokens not included)
@@ -55,6 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-hf", type=int, default=None, help="HF batch size (default: all prompts at once)")
     p.add_argument("--repeat", type=int, default=1, help="timed runs per engine, alternating; best kept")
     p.add_argument("--json-out", type=Path, default=None)
+    p.add_argument("--load-format", default="auto", help="auto | dummy (random weights at the config's shapes)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--hf-num-prompts", type=int, default=None, help="HF runs only this many prompts (subset)")
+    p.add_argument("--hf-output-len", type=int, default=None, help="output length of the HF subset")
     args = p.parse_args(argv)
     if args.output_len_range and not 1 <= args.output_len_range[0] <= args.output_len_range[1]:
         p.error(f"--output-len-range needs 1 <= MIN <= MAX, got {args.output_len_range}")
@@ -84,12 +102,12 @@ def run_dsinfer(llm, prompts: list[list[int]], lengths: list[int], ignore_eos: b
     inputs = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(inputs[:2], [params(4)] * min(2, len(inputs)), use_tqdm=False)  # warm-up
     llm.engine.kv_manager.pool.reset_prefix_cache()  # a repeat must not hit the previous run's prefixes
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate(inputs, [params(n) for n in lengths], use_tqdm=False)
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     tokens = [o.outputs[0].token_ids for o in outputs]
     produced = sum(len(t) for t in tokens)
-    return Result("dsinfer", elapsed, len(prompts), sum(map(len, prompts)), produced, produced), tokens
+    return Result("dsinfer", elapsed, cpu, len(prompts), sum(map(len, prompts)), produced, produced), tokens
 
 
 def load_hf(model_dir: Path, dtype, device: str):
@@ -116,25 +134,91 @@ def run_hf(model, device: str, prompts: list[list[int]], lengths: list[int], bat
 
     generate(prompts[:2], 4)  # warm-up
     tokens, generated = [], 0
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     for start in range(0, len(prompts), batch_size):
         batch, wanted = prompts[start:start + batch_size], lengths[start:start + batch_size]
         out = generate(batch, max(wanted))
         generated += out.shape[0] * (out.shape[1] - len(batch[0]))
         tokens += [row[len(batch[0]):len(batch[0]) + n].tolist() for row, n in zip(out, wanted)]
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     useful = sum(len(t) for t in tokens)
-    return Result("hf-transformers", elapsed, len(prompts), sum(map(len, prompts)), useful, generated), tokens
+    return Result("hf-transformers", elapsed, cpu, len(prompts), sum(map(len, prompts)), useful, generated), tokens
+
+
+def hf_from_engine(llm, device: str):
+    """The HF model of llm's config with llm's weights copied in (merged q/k/v and gate/up split back)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ours = llm.engine.runner.model
+    config = AutoConfig.from_pretrained(llm.engine.model_config.path)
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=llm.engine.model_config.dtype).eval()
+    state = hf.state_dict()
+    unpacked = {merged: name for name, merged in type(ours).packed_modules.items()}
+    with torch.no_grad():
+        for name, param in ours.named_parameters():
+            module_name, leaf = name.rsplit(".", 1)
+            shards = getattr(ours.get_submodule(module_name), "shard_offsets", {})
+            if len(shards) > 1:
+                parent, merged = module_name.rsplit(".", 1)
+                for shard_id, (offset, size) in shards.items():
+                    state[f"model.{parent}.{unpacked[(merged, shard_id)]}.{leaf}"].copy_(param[offset:offset + size])
+            elif name.startswith("lm_head."):
+                if not ours.lm_head.tied:
+                    state[name].copy_(param)
+            else:
+                state[f"model.{name}"].copy_(param)
+    return hf
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def compare_with_hf_subset(llm, args, prompts, lengths) -> dict:
+    """dsinfer and HF on the same subset of the workload; HF's model is freed afterwards."""
+    import gc
+
+    import torch
+
+    count = args.hf_num_prompts or len(prompts)
+    sub_prompts = prompts[:count]
+    sub_lengths = [args.hf_output_len or n for n in lengths[:count]]
+    if args.load_format == "dummy":
+        hf_model = hf_from_engine(llm, args.device)
+    else:
+        hf_model = load_hf(llm.engine.model_config.path, llm.engine.model_config.dtype, args.device)
+    hf, hf_tokens = run_hf(hf_model, args.device, sub_prompts, sub_lengths, args.batch_hf or count, args.ignore_eos)
+    del hf_model
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    ours, our_tokens = run_dsinfer(llm, sub_prompts, sub_lengths, args.ignore_eos)
+    same = sum(a == b for a, b in zip(our_tokens, hf_tokens))
+    prefix = sum(common_prefix(a, b) for a, b in zip(our_tokens, hf_tokens)) / count
+    print(f"HF subset ({count} prompts x {args.input_len} in / {sub_lengths[0]} out): identical greedy outputs "
+          f"{same}/{count}, mean common prefix {prefix:.1f} tokens")
+    print_table([ours, hf])
+    return {"subset": {"num_prompts": count, "output_len": sub_lengths[0], "dsinfer": asdict(ours),
+                       "hf": asdict(hf), "dsinfer_output_tok_s": ours.output_tok_s,
+                       "hf_output_tok_s": hf.output_tok_s, "ratio": ours.output_tok_s / hf.output_tok_s,
+                       "identical_outputs": same, "mean_common_prefix": prefix}}
 
 
 def print_table(results: list[Result]) -> None:
-    print(f"{'engine':<16} {'elapsed s':>10} {'output tok/s':>13} {'total tok/s':>12} {'computed tok':>13}")
+    print(f"{'engine':<16} {'elapsed s':>10} {'cpu s':>8} {'output tok/s':>13} {'total tok/s':>12} "
+          f"{'computed tok':>13}")
     for r in results:
-        print(f"{r.engine:<16} {r.elapsed_s:>10.2f} {r.output_tok_s:>13.1f} {r.total_tok_s:>12.1f} "
+        print(f"{r.engine:<16} {r.elapsed_s:>10.2f} {r.cpu_s:>8.2f} {r.output_tok_s:>13.1f} {r.total_tok_s:>12.1f} "
               f"{r.generated_tokens:>13}")
     if len(results) == 2:
         ratio = results[0].output_tok_s / results[1].output_tok_s
-        print(f"ratio dsinfer / HF (useful output tok/s): {ratio:.2f}x")
+        cpu_ratio = results[1].cpu_s / results[0].cpu_s
+        print(f"ratio dsinfer / HF (useful output tok/s): {ratio:.2f}x wall, {cpu_ratio:.2f}x by CPU time")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,13 +229,24 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed)
+    extra = {}
+    if args.device == "cuda":
+        extra = dict(max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
+                     max_model_len=args.input_len + max(args.output_len, *(args.output_len_range or [0])) + 16)
+        if args.max_num_batched_tokens:
+            extra["max_num_batched_tokens"] = args.max_num_batched_tokens
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, load_format=args.load_format,
+              **extra)
     config = llm.engine.model_config
     prompts, lengths = make_workload(args, config.vocab_size)
     print(f"model {config.served_model_name} ({config.path}), dtype {config.dtype}, device {args.device}, "
           f"threads {torch.get_num_threads()}; {len(prompts)} prompts x {args.input_len} tokens, "
           f"outputs {min(lengths)}-{max(lengths)} (sum {sum(lengths)}), ignore_eos={args.ignore_eos}")
-    hf_model = load_hf(config.path, config.dtype, args.device) if args.compare_hf else None
+    report = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    subset = args.compare_hf and (args.hf_num_prompts or args.hf_output_len or args.load_format == "dummy")
+    if subset:
+        report |= compare_with_hf_subset(llm, args, prompts, lengths)
+    hf_model = load_hf(config.path, config.dtype, args.device) if args.compare_hf and not subset else None
     ours = hf = None
     for _ in range(args.repeat):
         run, our_tokens = run_dsinfer(llm, prompts, lengths, args.ignore_eos)
@@ -162,15 +257,19 @@ def main(argv: list[str] | None = None) -> int:
                                     args.ignore_eos)
             hf = run if hf is None or run.elapsed_s < hf.elapsed_s else hf
             print(f"  HF run: {run.elapsed_s:.2f} s")
-    report = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     results = [ours]
     if hf is not None:
         results.append(hf)
         same = sum(a == b for a, b in zip(our_tokens, hf_tokens))
         print(f"greedy outputs identical to HF: {same}/{len(prompts)}")
         report["ratio_output_tok_s"] = ours.output_tok_s / hf.output_tok_s
+        report["ratio_cpu_time"] = hf.cpu_s / ours.cpu_s
         report["identical_outputs"] = same
     print_table(results)
+    if subset:
+        ratio = ours.output_tok_s / report["subset"]["hf_output_tok_s"]
+        report["ratio_full_vs_hf_subset"] = ratio
+        print(f"dsinfer full workload vs HF subset (useful output tok/s): {ratio:.1f}x")
     report["results"] = [asdict(r) | {"output_tok_s": r.output_tok_s, "total_tok_s": r.total_tok_s}
                          for r in results]
     if args.json_out:

@@ -75,7 +75,7 @@ class LoadConfig:
 class DeviceConfig:
     device: torch.device
     deterministic: bool = False  # batch-invariant kernels
-    async_scheduling: bool = True  # overlap CPU scheduling with GPU execution (CUDA only)
+    async_scheduling: bool = True  # overlap CPU scheduling of step N+1 with GPU execution of step N
     enforce_eager: bool = False  # no CUDA graphs
 
 
@@ -136,15 +136,19 @@ class EngineArgs:
         if not self.enable_chunked_prefill:
             batched = max(batched, model.max_model_len)
         deterministic = envs.DETERMINISTIC.get() if self.deterministic is None else self.deterministic
-        async_sched = envs.ASYNC_SCHEDULING.get() if self.async_scheduling is None else self.async_scheduling
+        # Default: on for CUDA (DSINFER_ASYNC_SCHEDULING turns it off); an explicit True also runs the overlap
+        # logic on CPU (tests), where there is nothing to overlap.
+        if self.async_scheduling is None:
+            async_sched = envs.ASYNC_SCHEDULING.get() and device.type == "cuda"
+        else:
+            async_sched = self.async_scheduling
         return EngineConfig(
             model=model,
             cache=CacheConfig(self.block_size, self.enable_prefix_caching, self.kv_cache_memory_gb,
                               self.gpu_memory_utilization, self.num_kv_blocks),
             scheduler=SchedulerConfig(self.max_num_seqs, batched, self.enable_chunked_prefill),
             load=LoadConfig(load_format, self.seed),
-            device=DeviceConfig(device, bool(deterministic), bool(async_sched) and device.type == "cuda",
-                                self.enforce_eager),
+            device=DeviceConfig(device, bool(deterministic), bool(async_sched), self.enforce_eager),
         )
 
     def _validate(self) -> None:

@@ -8,9 +8,10 @@ lists them.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -107,6 +108,16 @@ ASYNC_SCHEDULING = _declare(
 DETERMINISTIC = _declare(
     "DSINFER_DETERMINISTIC", "bool", False,
     "Batch-invariant mode: reduction orders that do not depend on the batch.", _parse_bool,
+)
+STRUCTURED_CACHE_MB = _declare(
+    "DSINFER_STRUCTURED_CACHE_MB", "float", 512.0,
+    "Byte bound (MiB) of the compiled-grammar cache for structured outputs (least recently used evicted).",
+    _parse_positive_float,
+)
+STRUCTURED_COMPILE_THREADS = _declare(
+    "DSINFER_STRUCTURED_COMPILE_THREADS", "int", 2,
+    "Threads that compile structured-output grammars off the scheduler thread (0 is taken as 1).",
+    _parse_non_negative_int,
 )
 USE_TRITON = _declare(
     "DSINFER_USE_TRITON", "str", "auto",

@@ -83,12 +83,17 @@ class Tokenizer:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_literal(self, text: str) -> list[int]:
-        """Tokenize ``text`` with special-token strings kept as literal text (no special ids produced)."""
-        self._tok.encode_special_tokens = True
-        try:
-            return self._tok.encode(text, add_special_tokens=False).ids
-        finally:
-            self._tok.encode_special_tokens = False
+        """Tokenize ``text`` with special-token strings kept as literal text (no special ids produced).
+
+        Uses a second tokenizer instance with ``encode_special_tokens`` set once, so it is thread-safe.
+        """
+        return self._literal_tok.encode(text, add_special_tokens=False).ids
+
+    @cached_property
+    def _literal_tok(self) -> HFTokenizer:
+        tok = HFTokenizer.from_str(self._tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton kernels are tested on CPU through Triton's interpreter. The flag must be set before any module that holds
+# @triton.jit functions is imported (tests in other directories may import them first), and it only matters where
+# DSINFER_USE_TRITON=always routes an op to Triton, which only the op tests do.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)

@@ -1,5 +1,11 @@
 """LLMEngine: requests in, RequestOutputs out; one ``step()`` schedules, runs the model once and applies results.
 
+With async scheduling (``DeviceConfig.async_scheduling``, on by default on CUDA) a step schedules and launches
+step N+1 before it waits for step N's tokens, so the CPU prepares N+1 while the GPU runs N; N+1 reads N's tokens
+on the device (placeholders). Stops, aborts and preemptions are then applied one step late: a request that
+stopped at step N drops the token N+1 sampled for it. Requests whose sampling needs every earlier token on the
+host (penalties, structured outputs) make the engine drain the pipeline and step synchronously while they run.
+
 Bad input raises ``ValueError`` from ``add_request`` before anything reaches the scheduler, so one bad request
 never disturbs the others.
 """
@@ -9,7 +15,8 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from dsinfer.config import EngineArgs, EngineConfig
 from dsinfer.engine.detokenizer import IncrementalDetokenizer
@@ -18,8 +25,8 @@ from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.request import Request, RequestStatus
 from dsinfer.engine.sampling_params import SamplingParams
 from dsinfer.kvcache.manager import KVCacheManager
-from dsinfer.runner.model_runner import ModelRunner, RunnerOutput
-from dsinfer.scheduler.scheduler import Scheduler
+from dsinfer.runner.model_runner import ModelRunner, RunnerOutput, StepHandle
+from dsinfer.scheduler.scheduler import Scheduler, SchedulerOutput
 from dsinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger("dsinfer")
@@ -49,6 +56,10 @@ class LLMEngine:
         self.eos_token_ids = frozenset(config.model.eos_token_ids or (tokenizer.eos_token_ids if tokenizer else []))
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.async_scheduling = config.device.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None  # launched, result not yet applied
+        self._needs_host_tokens: set[str] = set()  # unfinished child ids whose sampling reads earlier tokens
+        self._structured: Any = None  # StructuredOutputManager, made (importing xgrammar) on first use
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -69,6 +80,7 @@ class LLMEngine:
         text, token_ids = self._prompt_ids(prompt)
         max_tokens = self._check_lengths(token_ids, params)
         params.validate_for_vocab(self.model_config.vocab_size)
+        grammar = self._prepare_grammar(params)
         parent = ParentRequest(request_id, text, token_ids, params, arrival_time or time.monotonic())
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         for index in range(params.n):
@@ -77,15 +89,45 @@ class LLMEngine:
                               self.eos_token_ids, text, parent.arrival_time, request_id, index)
             if params.prompt_logprobs is not None:
                 request.prompt_logprobs = [None]
+            if grammar is not None:
+                request.grammar = self._structured.request_grammar(request, *grammar)
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
                                                params.include_stop_str_in_output)
             child = ChildState(request, detok)
+            if params.uses_penalties or getattr(params, "structured_outputs", None) is not None:
+                self._needs_host_tokens.add(child_id)
             parent.children.append(child)
             self._children[child_id] = (parent, child)
             self.scheduler.add_request(request)
         self._parents[request_id] = parent
+
+    def _prepare_grammar(self, params: SamplingParams) -> tuple[Any, Any] | None:
+        """Validate a structured-output constraint and start compiling it; ValueError when invalid."""
+        if params.structured_outputs is None:
+            return None
+        if self._structured is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer, and this model has none")
+            try:
+                from dsinfer.structured.manager import StructuredOutputManager
+            except ImportError as exc:
+                raise ValueError("structured outputs need xgrammar (pip install 'dsinfer[structured]'): "
+                                 f"{exc}") from None
+            self._structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                       self.eos_token_ids)
+        return self._structured.prepare(params.structured_outputs)
+
+    def _fail_uncompilable(self) -> None:
+        """Requests whose grammar failed to compile (after passing validation) finish as aborted."""
+        for request, error in self._structured.take_failed() if self._structured is not None else []:
+            logger.warning("request %s: its grammar failed to compile: %s", request.request_id, error)
+            if not request.is_finished:
+                self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            parent, _ = self._children[request.request_id]
+            if parent.finished:
+                self._finish_parent(parent)
 
     def _prompt_ids(self, prompt: str | dict[str, Any]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -137,17 +179,50 @@ class LLMEngine:
             self._finish_parent(parent)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents) or bool(self._pending_outputs)
+        return bool(self._parents) or bool(self._pending_outputs) or self._in_flight is not None
 
     # ----------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self.async_scheduling and not self._needs_host_tokens:
+            return outputs + self._step_overlapped()
+        outputs += self._finish_step(self._in_flight)  # drain the pipeline before a synchronous step
+        self._in_flight = None
+        self._fail_uncompilable()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
-        result = self.runner.execute(sched)
+        if self._structured is not None:
+            sched.grammar_bitmask = self._structured.bitmask(sched.scheduled)
+        return outputs + self._process(sched, self.runner.execute(sched))
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Launch step N+1, then wait for step N (the one host sync) and apply its tokens."""
+        sched = self.scheduler.schedule()
+        launched = None
+        if not sched.is_empty:
+            handle = self.runner.launch(sched)
+            for item in handle.sample_items:
+                item.request.num_pending += 1  # the scheduler counts it; the next step reads it on the device
+            launched = (sched, handle)
+        previous, self._in_flight = self._in_flight, launched
+        return self._finish_step(previous)
+
+    def _finish_step(self, step: tuple[SchedulerOutput, StepHandle] | None) -> list[RequestOutput]:
+        if step is None:
+            return []
+        sched, handle = step
+        result = handle.result()
+        for item in handle.sample_items:
+            item.request.num_pending -= 1
+        return self._process(sched, result)
+
+    def _process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
         touched: dict[str, ParentRequest] = {}
         for item in sched.scheduled:
+            if item.request.is_finished:  # stopped or aborted while this step ran: its token is dropped
+                continue
             parent, child = self._children[item.request.request_id]
             self._apply(child, result)
             touched[parent.request_id] = parent
@@ -177,8 +252,17 @@ class LLMEngine:
             request.logprobs.append(self._logprob_decoder.position(data))
             request.cumulative_logprob += data.logprobs[0]
         status = self._stop_status(child, token)
+        if status is None and request.grammar is not None:
+            status = self._grammar_status(request)
         if status is not None:
             self.scheduler.finish(request, status)
+
+    def _grammar_status(self, request: Request) -> RequestStatus | None:
+        """Finish when the grammar is complete and allows nothing but a stop token (or was left)."""
+        state = self._structured.advance(request)
+        if state == "continue":
+            return None
+        return RequestStatus.FINISHED_STOPPED if state == "complete" else RequestStatus.FINISHED_ABORTED
 
     def _stop_status(self, child: ChildState, token: int) -> RequestStatus | None:
         request, params = child.request, child.request.params
@@ -206,6 +290,7 @@ class LLMEngine:
         self._parents.pop(parent.request_id, None)
         for child in parent.children:
             self._children.pop(child.request.request_id, None)
+            self._needs_host_tokens.discard(child.request.request_id)
 
     # ----------------------------------------------------------------- introspection
     def get_stats(self) -> dict[str, Any]:

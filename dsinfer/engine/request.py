@@ -46,6 +46,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_pending: int = 0  # tokens sampled by steps still in flight (async scheduling), not yet in all_token_ids
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling (-1: not yet scheduled)
     num_preemptions: int = 0
     blocks: list[KVCacheBlock] = field(default_factory=list)
@@ -57,6 +58,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    grammar: Any = None  # structured outputs: a dsinfer.structured.matcher.RequestGrammar (None: unconstrained)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

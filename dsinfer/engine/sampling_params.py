@@ -85,6 +85,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         self._validate_lengths()
         self._validate_logprobs_and_ids()
+        if self.structured_outputs is not None:
+            from dsinfer.structured.spec import parse_structured_outputs
+
+            parse_structured_outputs(self.structured_outputs)  # shape only; the grammar is checked at add_request
 
     def _validate_lengths(self) -> None:
         if self.max_tokens is not None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from dsinfer.config import EngineArgs
 from dsinfer.engine.llm_engine import LLMEngine

@@ -36,6 +36,8 @@ class Attention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         ops.store_kv(k, v, self.kv_cache, batch.slot_mapping)
+        # the batch's host-side bounds spare the kernels a host sync (and make decode capturable in a graph)
         out = ops.paged_attention(q, self.kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
-                                  self.scale, self.sliding_window)
+                                  self.scale, self.sliding_window, max_query_len=batch.max_query_len,
+                                  max_seq_len=batch.max_seq_len)
         return out.reshape(-1, self.num_heads * self.head_dim)

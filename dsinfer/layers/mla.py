@@ -43,17 +43,20 @@ class MLAMetadata:
 
     decode: MLARows | None
     prefill: MLARows | None
+    max_seq_len: int | None = None  # host-side bound on seq_lens (sizes the decode kernel's split-KV grid)
 
     @classmethod
     def build(cls, batch: ForwardBatch) -> MLAMetadata:
         everything = MLARows(None, batch.block_tables, batch.query_start_loc, batch.seq_lens)
         if batch.max_query_len == 1:
-            return cls(everything, None)
+            return cls(everything, None, batch.max_seq_len)
         q_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
         is_decode = q_lens == 1
         if not bool(is_decode.any()):
-            return cls(None, everything)
-        return cls(cls._subset(batch, is_decode, q_lens), cls._subset(batch, ~is_decode, q_lens))
+            return cls(None, everything, batch.max_seq_len)
+        return cls(
+            cls._subset(batch, is_decode, q_lens), cls._subset(batch, ~is_decode, q_lens), batch.max_seq_len
+        )
 
     @staticmethod
     def _subset(batch: ForwardBatch, keep: torch.Tensor, q_lens: torch.Tensor) -> MLARows:
@@ -137,7 +140,8 @@ class MLAAttention(nn.Module):
             qn, qp = (q_nope, q_pe) if d.rows is None else (q_nope[d.rows], q_pe[d.rows])
             q_absorbed = torch.einsum("thn,hnr->thr", qn, w_kv_b[:, : self.nope_dim])
             latent = mla_decode(
-                q_absorbed, qp, self.kv_cache, d.block_tables, d.query_start_loc, d.seq_lens, self.scale
+                q_absorbed, qp, self.kv_cache, d.block_tables, d.query_start_loc, d.seq_lens, self.scale,
+                max_seq_len=meta.max_seq_len,
             )
             o = torch.einsum("thr,hvr->thv", latent, w_kv_b[:, self.nope_dim :])
             if d.rows is None:

@@ -3,7 +3,8 @@
 Checkpoints store one tensor per expert (``experts.{e}.{gate,up,down}_proj.weight``); the weight loader copies
 each into its slice of ``w13 [E, 2I, H]`` ([gate; up]) or ``w2 [E, H, I]``. transformers' fused layout
 (``experts.gate_up_proj`` / ``experts.down_proj``) loads whole. FP8 checkpoints keep FP8 experts with their
-block scales and dequantize them once after loading (until a block-scaled fused MoE kernel takes them).
+block scales: on CUDA the block-scaled fused MoE kernel multiplies them as FP8; on CPU (or with an intermediate
+size off the scale grid) they are dequantized once after loading.
 """
 
 from __future__ import annotations
@@ -163,8 +164,10 @@ class FusedExperts(nn.Module):
         return init
 
     def process_weights_after_loading(self) -> None:
-        """FP8 experts: dequantize once (FP8 weights and scales stay, for a block-scaled fused MoE kernel)."""
-        if self.quant:
+        """FP8 experts on CPU or off the scale grid: dequantize once; on CUDA they stay FP8."""
+        w13 = self.w13
+        on_grid = self.quant and (w13.shape[1] // 2) % self.quant.block_size[0] == 0
+        if self.quant and (w13.device.type == "cpu" or not on_grid):
             self.dense = tuple(
                 self.shards[n].dequantize(getattr(self, n), getattr(self, f"{n}_scale_inv"), self.dtype)
                 for n in ("w13", "w2")
@@ -173,5 +176,11 @@ class FusedExperts(nn.Module):
     def forward(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        w13, w2 = self.dense if self.dense is not None else (self.w13, self.w2)
-        return fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+        if self.dense is not None:
+            return fused_moe(hidden, *self.dense, topk_weights, topk_ids)
+        if self.quant:
+            return fused_moe(
+                hidden, self.w13, self.w2, topk_weights, topk_ids, w13_scale_inv=self.w13_scale_inv,
+                w2_scale_inv=self.w2_scale_inv, block_size=self.quant.block_size,
+            )
+        return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids)

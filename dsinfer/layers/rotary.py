@@ -85,16 +85,30 @@ def compute_inv_freq(rotary_dim: int, params: dict[str, Any], max_position: int)
     raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3, yarn")
 
 
+_CACHES: dict[tuple, torch.Tensor] = {}
+
+
+def _cos_sin_cache(rotary_dim: int, max_position: int, params: dict[str, Any]) -> torch.Tensor:
+    """One cache per distinct rope setup and device, shared by every layer (V3: 61 layers x 42 MB otherwise)."""
+    device = torch.get_default_device()
+    key = (rotary_dim, max_position, repr(sorted(params.items())), str(device))
+    cache = _CACHES.get(key)
+    if cache is None:
+        with torch.device("cpu"):  # computed on the host whatever the default device (meta, for sizing)
+            inv_freq, attention_factor = compute_inv_freq(rotary_dim, params, max_position)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32, device="cpu"), inv_freq.cpu())
+        cache = torch.cat((freqs.cos() * attention_factor, freqs.sin() * attention_factor), dim=-1).to(device)
+        _CACHES[key] = cache
+    return cache
+
+
 class RotaryEmbedding(nn.Module):
-    """Applies rope to q and k at given positions from a cos/sin cache built once at construction."""
+    """Applies rope to q and k at given positions from a cos/sin cache (float32, built once per setup)."""
 
     def __init__(self, rotary_dim: int, max_position: int, params: dict[str, Any], is_neox: bool = True):
         super().__init__()
         self.rotary_dim, self.is_neox = rotary_dim, is_neox
-        inv_freq, attention_factor = compute_inv_freq(rotary_dim, params, max_position)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        cache = torch.cat((freqs.cos() * attention_factor, freqs.sin() * attention_factor), dim=-1)
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.register_buffer("cos_sin_cache", _cos_sin_cache(rotary_dim, max_position, params), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         return ops.apply_rotary(positions, q, k, self.cos_sin_cache, self.is_neox)

@@ -5,7 +5,8 @@ Reads like the HF reference, with q/k/v and gate/up merged into one matmul each 
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn

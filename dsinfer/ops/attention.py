@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsinfer import batch_invariant
 from dsinfer.ops.dispatch import use_triton
 
 
@@ -101,6 +102,10 @@ def paged_attention(
     decode kernel, no host sync, so the call can be captured in a CUDA graph); None: read query_start_loc.
     ``max_seq_len``: a fixed bound on seq_lens that sets the decode split count (None: block_tables' width).
     """
+    if batch_invariant.is_enabled():  # deterministic mode: one fixed-order recipe for every query row
+        from dsinfer.batch_invariant.attention import paged_attention_invariant
+
+        return paged_attention_invariant(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window)
     if use_triton(q):
         from dsinfer.ops.triton.attention import paged_attention_triton
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsinfer.ops.dispatch import use_triton
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 
@@ -67,5 +69,10 @@ def fp8_block_linear(
     block_size: tuple[int, int],
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """See ``fp8_block_linear_ref``; the GPU block-scaled GEMM plugs in here, with the same signature."""
+    """See ``fp8_block_linear_ref``. The Triton path quantizes x per token and group of ``block_size[1]``
+    (e4m3, w8a8) and runs the block-scaled GEMM."""
+    if use_triton(x):
+        from dsinfer.ops.triton.fp8 import fp8_block_linear_triton
+
+        return fp8_block_linear_triton(x, weight, weight_scale_inv, block_size, bias)
     return fp8_block_linear_ref(x, weight, weight_scale_inv, block_size, bias)

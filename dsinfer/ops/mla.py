@@ -23,11 +23,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsinfer.ops.dispatch import use_triton
+
 
 def store_mla_kv(
     kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """kv_c [T, R], k_pe [T, P] -> cache rows ``slot_mapping`` (negative slots are padding, skipped)."""
+    if use_triton(kv_c):
+        from dsinfer.ops.triton.mla import store_mla_kv_triton
+
+        return store_mla_kv_triton(kv_c, k_pe, kv_cache, slot_mapping)
+    store_mla_kv_ref(kv_c, k_pe, kv_cache, slot_mapping)
+
+
+def store_mla_kv_ref(
+    kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Torch path of ``store_mla_kv``."""
     flat = kv_cache.view(-1, kv_cache.shape[-1])
     rows = torch.cat((kv_c, k_pe), dim=-1).to(kv_cache.dtype)
     keep = slot_mapping >= 0
@@ -133,14 +146,25 @@ def mla_prefill_ref(
 
 
 def mla_decode(
-    q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, scale
+    q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, scale, *, max_seq_len=None
 ) -> torch.Tensor:
-    """See ``mla_decode_ref``; a Triton paged-MLA decode kernel plugs in here, with the same signature."""
+    """See ``mla_decode_ref``. On the Triton path no tensor is read on the host (CUDA-graph safe);
+    ``max_seq_len`` (host int, optional) only sizes the split-KV grid."""
+    if use_triton(q_nope_absorbed):
+        from dsinfer.ops.triton.mla import mla_decode_triton
+
+        return mla_decode_triton(q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens,
+                                 scale, max_seq_len=max_seq_len)
     return mla_decode_ref(q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, scale)
 
 
 def mla_prefill(
     q_nope, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, w_kv_b, scale
 ) -> torch.Tensor:
-    """See ``mla_prefill_ref``; a Triton prefill kernel plugs in here, with the same signature."""
+    """See ``mla_prefill_ref``."""
+    if use_triton(q_nope):
+        from dsinfer.ops.triton.mla import mla_prefill_triton
+
+        return mla_prefill_triton(q_nope, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, w_kv_b,
+                                  scale)
     return mla_prefill_ref(q_nope, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, w_kv_b, scale)

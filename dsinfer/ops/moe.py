@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsinfer.ops.dispatch import use_triton
+
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
@@ -105,6 +107,22 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None,
+    block_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """See ``fused_moe_ref``. The Triton grouped GEMM plugs in here, with the same signature."""
+    """See ``fused_moe_ref``. FP8 experts (e4m3 ``w13``/``w2``) come with their block scales
+    (``[E, rows / bn, cols / bk]``) and ``block_size``; the Triton path multiplies them as FP8 (w8a8,
+    activations quantized per token and group of bk), the torch path dequantizes first."""
+    if use_triton(hidden):
+        from dsinfer.ops.triton.moe import fused_moe_triton
+
+        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, w13_scale_inv=w13_scale_inv,
+                                w2_scale_inv=w2_scale_inv, block_size=block_size)
+    if w13.dtype == torch.float8_e4m3fn:
+        from dsinfer.ops.fp8 import block_dequantize
+
+        w13 = block_dequantize(w13, w13_scale_inv, block_size, hidden.dtype)
+        w2 = block_dequantize(w2, w2_scale_inv, block_size, hidden.dtype)
     return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -22,11 +22,55 @@ class PromptLogprobRows:
 
 
 @dataclass
+class HostInputs:
+    """The step's batch as host arrays (what ``ForwardBatch`` holds on the device), for the CUDA-graph path."""
+
+    input_ids: np.ndarray  # [T] int64; placeholder rows hold 0 until filled on the device
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    block_tables: np.ndarray  # [B, max_blocks] int32
+    query_start_loc: np.ndarray  # [B + 1] int32
+    seq_lens: np.ndarray  # [B] int32
+
+
+@dataclass
 class StepInputs:
     batch: ForwardBatch
     sample_items: list[ScheduledRequest]  # requests that sample, in sampling-row order
     sample_rows: torch.Tensor  # [S]: rows of the logits tensor to sample from
     prompt_rows: list[PromptLogprobRows]
+    host: HostInputs | None = None
+    # Async scheduling: token rows whose id was sampled by the step in flight (not yet on the host), and the
+    # request each belongs to; the runner copies them from that step's sampled-token tensor on the device.
+    placeholder_rows: list[int] = field(default_factory=list)
+    placeholder_requests: list[str] = field(default_factory=list)
+
+
+def to_device(array: np.ndarray | list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host data to the device without a host sync: through pinned memory with a non-blocking copy on CUDA
+    (a pageable copy would wait for every kernel already queued); on CPU the tensor itself."""
+    tensor = torch.from_numpy(array) if isinstance(array, np.ndarray) else torch.tensor(array, dtype=dtype)
+    if dtype is not None and tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def _token_ids(items: list[ScheduledRequest], num_tokens: int) -> tuple[np.ndarray, list[int], list[str]]:
+    """Input ids of every scheduled chunk; a chunk reaching past the known tokens ends in a placeholder (0)."""
+    ids = np.zeros(num_tokens, dtype=np.int64)
+    rows: list[int] = []
+    owners: list[str] = []
+    row = 0
+    for s in items:
+        known = s.request.all_token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]
+        ids[row:row + len(known)] = known
+        for missing in range(len(known), s.num_new_tokens):
+            rows.append(row + missing)
+            owners.append(s.request.request_id)
+        row += s.num_new_tokens
+    return ids, rows, owners
 
 
 def build_step_inputs(items: list[ScheduledRequest], block_size: int, device: torch.device) -> StepInputs:
@@ -36,34 +80,32 @@ def build_step_inputs(items: list[ScheduledRequest], block_size: int, device: to
     cu = np.zeros(len(items) + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu[1:])
     num_tokens = int(cu[-1])
-    input_ids = np.fromiter(
-        (t for s in items
-         for t in s.request.all_token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]),
-        dtype=np.int64, count=num_tokens)
+    input_ids, placeholder_rows, placeholder_requests = _token_ids(items, num_tokens)
     row = np.repeat(np.arange(len(items)), q_lens)
     positions = np.arange(num_tokens) - cu[:-1][row] + starts[row]
     tables = np.zeros((len(items), max(len(s.request.blocks) for s in items)), dtype=np.int32)
     for i, s in enumerate(items):
-        tables[i, :len(s.request.blocks)] = [b.block_id for b in s.request.blocks]
+        blocks = s.request.blocks
+        tables[i, :len(blocks)] = np.fromiter((b.block_id for b in blocks), dtype=np.int32, count=len(blocks))
     slots = tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
     prompt_rows, logits_rows = _prompt_logprob_rows(items, cu)
     sample_idx = [i for i, s in enumerate(items) if s.samples]
     logits_rows.extend(int(cu[i + 1]) - 1 for i in sample_idx)
-    seq_lens = starts + q_lens
-
-    def dev(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(device, non_blocking=True)
+    seq_lens = (starts + q_lens).astype(np.int32)
+    host = HostInputs(input_ids, positions, slots, tables, cu.astype(np.int32), seq_lens)
 
     batch = ForwardBatch(
-        input_ids=dev(input_ids), positions=dev(positions), slot_mapping=dev(slots), block_tables=dev(tables),
-        query_start_loc=dev(cu.astype(np.int32)), seq_lens=dev(seq_lens.astype(np.int32)),
-        logits_indices=dev(np.asarray(logits_rows, dtype=np.int64)),
+        input_ids=to_device(input_ids, device), positions=to_device(positions, device),
+        slot_mapping=to_device(slots, device), block_tables=to_device(tables, device),
+        query_start_loc=to_device(host.query_start_loc, device), seq_lens=to_device(seq_lens, device),
+        logits_indices=to_device(np.asarray(logits_rows, dtype=np.int64), device),
         max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()),
     )
     num_prompt_rows = len(logits_rows) - len(sample_idx)
     return StepInputs(batch, [items[i] for i in sample_idx],
-                      torch.arange(num_prompt_rows, len(logits_rows), device=device), prompt_rows)
+                      torch.arange(num_prompt_rows, len(logits_rows), device=device), prompt_rows, host,
+                      placeholder_rows, placeholder_requests)
 
 
 def _prompt_logprob_rows(items: list[ScheduledRequest], cu: np.ndarray) -> tuple[list[PromptLogprobRows], list[int]]:
@@ -83,7 +125,8 @@ def _prompt_logprob_rows(items: list[ScheduledRequest], cu: np.ndarray) -> tuple
     return prompt_rows, logits_rows
 
 
-def build_sampling_batch(items: list[ScheduledRequest], vocab_size: int, device: torch.device) -> SamplingBatch:
+def build_sampling_batch(items: list[ScheduledRequest], vocab_size: int, device: torch.device,
+                         token_bitmask: torch.Tensor | None = None) -> SamplingBatch:
     params = [s.request.params for s in items]
     temperature = [0.0 if p.greedy else p.temperature for p in params]
     top_k = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
@@ -92,15 +135,16 @@ def build_sampling_batch(items: list[ScheduledRequest], vocab_size: int, device:
     logprobs = [p.logprobs for p in params if p.logprobs is not None]
 
     def f32(values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)
+        return to_device(values, device, torch.float32)
 
     greedy_all = all(t == 0 for t in temperature)
     return SamplingBatch(
         temperature=f32(temperature),
-        top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+        top_k=to_device(top_k, device, torch.int64),
         top_p=f32(top_p), min_p=f32(min_p),
-        seeds=torch.tensor([s.request.seed for s in items], dtype=torch.int64, device=device),
-        positions=torch.tensor([s.request.num_tokens for s in items], dtype=torch.int64, device=device),
+        seeds=to_device([s.request.seed for s in items], device, torch.int64),
+        # the sampled token's position: after the known tokens and any still in flight (async scheduling)
+        positions=to_device([s.request.num_tokens + s.request.num_pending for s in items], device, torch.int64),
         all_greedy=greedy_all,
         use_top_k=not greedy_all and any(k < vocab_size for k in top_k),
         use_top_p=not greedy_all and any(p < 1.0 for p in top_p),
@@ -109,6 +153,7 @@ def build_sampling_batch(items: list[ScheduledRequest], vocab_size: int, device:
         logit_bias=_logit_bias(items, vocab_size, device) if any(p.logit_bias for p in params) else None,
         banned=_banned(items, vocab_size, device),
         num_logprobs=max(logprobs) if logprobs else None,
+        token_bitmask=None if token_bitmask is None else to_device(token_bitmask.numpy(), device),
     )
 
 
@@ -140,7 +185,7 @@ def _logit_bias(items: list[ScheduledRequest], vocab_size: int, device: torch.de
 def _banned(items: list[ScheduledRequest], vocab_size: int, device: torch.device) -> torch.Tensor | None:
     """Stop tokens are banned while a request has fewer than min_tokens outputs."""
     rows = [(i, s.request) for i, s in enumerate(items)
-            if s.request.num_output_tokens < s.request.params.min_tokens]
+            if s.request.num_output_tokens + s.request.num_pending < s.request.params.min_tokens]
     if not rows:
         return None
     banned = torch.zeros(len(items), vocab_size, dtype=torch.bool)

@@ -1,22 +1,29 @@
 """ModelRunner: SchedulerOutput -> ForwardBatch -> logits -> sampled tokens (+ logprobs).
 
-It owns the model and the KV cache tensors (sized from the memory budget after the model loads).
+It owns the model, the KV cache tensors (sized from the memory budget after the model loads) and, on CUDA, the
+decode CUDA graphs. ``launch`` queues a step and returns a ``StepHandle`` without waiting for the GPU;
+``execute`` is ``launch(...).result()``.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from dsinfer import envs
+from dsinfer.batch_invariant import batch_invariant
 from dsinfer.config import EngineConfig
 from dsinfer.kvcache.spec import KVCacheSpec
-from dsinfer.models.loader.model_loader import load_model
-from dsinfer.runner.input_batch import build_sampling_batch, build_step_inputs
+from dsinfer.models.loader.model_loader import _default_dtype_and_device, load_model
+from dsinfer.models.registry import model_class
+from dsinfer.runner.cuda_graphs import DecodeGraphs
+from dsinfer.runner.input_batch import StepInputs, build_sampling_batch, build_step_inputs, to_device
 from dsinfer.sampling.sampler import Sampler
-from dsinfer.scheduler.scheduler import SchedulerOutput
+from dsinfer.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger("dsinfer")
 
@@ -39,12 +46,48 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
+class StepHandle:
+    """A launched step: its GPU work is queued and its sampled tokens are on their way to pinned host memory.
+
+    ``result()`` waits for that copy (the step's one host sync) and returns the RunnerOutput. With async
+    scheduling the engine launches the next step before calling it, so the CPU work overlaps the GPU's.
+    """
+
+    def __init__(self, sample_items: list[ScheduledRequest], copies: dict[str, torch.Tensor],
+                 prompt_logprobs: dict[str, list[TokenLogprobs]], done: torch.cuda.Event | None):
+        self.sample_items = sample_items
+        self._copies = copies
+        self._prompt_logprobs = prompt_logprobs
+        self._done = done
+
+    def result(self) -> RunnerOutput:
+        if self._done is not None:
+            self._done.synchronize()
+        out = RunnerOutput(prompt_logprobs=self._prompt_logprobs)
+        if not self.sample_items:
+            return out
+        tokens = self._copies["tokens"].tolist()
+        for item, token in zip(self.sample_items, tokens):
+            out.sampled[item.request.request_id] = token
+        if "logprobs" not in self._copies:
+            return out
+        ids, lps = self._copies["logprob_ids"].tolist(), self._copies["logprobs"].tolist()
+        ranks = self._copies["ranks"].tolist()
+        for row, item in enumerate(self.sample_items):
+            k = item.request.params.logprobs
+            if k is not None:
+                out.logprobs[item.request.request_id] = TokenLogprobs(ids[row][:k + 1], lps[row][:k + 1], ranks[row])
+        return out
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = config.device.device
         if self.device.type == "cpu" and envs.CPU_THREADS.get():
             torch.set_num_threads(envs.CPU_THREADS.get())
+        if self.device.type == "cuda":
+            _check_weights_fit(config)
         self.model = load_model(config)
         self.vocab_size = config.model.vocab_size
         self.block_size = config.cache.block_size
@@ -55,6 +98,17 @@ class ModelRunner:
         for layer, spec in zip(layers, self.kv_specs):
             layer.kv_cache = spec.allocate(self.num_blocks, self.device)
         self.sampler = Sampler()
+        # the last launched step's sampled tokens (device) and each request's row in them: async scheduling
+        # fills the next step's placeholder input ids from here, on the device
+        self._last_sampled: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
+        self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] | None = None  # benchmarks
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.device.enforce_eager:
+            max_len = config.model.max_model_len
+            self.graphs = DecodeGraphs(self.model, config.scheduler.max_num_seqs, -(-max_len // self.block_size),
+                                       max_len, self.device)
+            self.graphs.capture()
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -95,36 +149,107 @@ class ModelRunner:
                 f"{total * cache.gpu_memory_utilization / GiB:.1f} GiB; short by {-budget / GiB:.1f} GiB")
         return budget
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run one step and wait for its result (the synchronous path)."""
+        return self.launch(sched).result()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        """Queue one step's GPU work (inputs, forward, sampling, copy of the tokens to the host); no host sync,
+        except for prompt logprobs, which are scored at once."""
+        cuda = self.device.type == "cuda"
         inputs = build_step_inputs(sched.scheduled, self.block_size, self.device)
-        batch = inputs.batch
-        hidden = self.model(batch.input_ids, batch.positions, batch)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        out = RunnerOutput()
+        start = torch.cuda.Event(enable_timing=True) if cuda and self.step_events is not None else None
+        if start is not None:  # after the host built the inputs: a GPU waiting on the host shows as idle
+            start.record()
+        with batch_invariant(self.config.device.deterministic):
+            logits = self._forward(inputs)
+        copies: dict[str, torch.Tensor] = {}
         if inputs.sample_items:
-            self._sample(logits[inputs.sample_rows], inputs.sample_items, out)
+            # without prompt-logprob rows the logits rows are exactly the sampling rows
+            rows = logits if not inputs.prompt_rows else logits[inputs.sample_rows]
+            sampled = self._sample(rows, inputs.sample_items, copies, sched.grammar_bitmask)
+            self._last_sampled = sampled
+            self._last_rows = {item.request.request_id: row for row, item in enumerate(inputs.sample_items)}
+        prompt_logprobs = {}
         for rows in inputs.prompt_rows:
             n = len(rows.target_ids)
             chunk = logits[rows.first_row:rows.first_row + n]
             k = rows.item.request.params.prompt_logprobs
             targets = torch.tensor(rows.target_ids, device=chunk.device)
-            out.prompt_logprobs[rows.item.request.request_id] = _score_tokens(chunk, targets, k)
-        return out
+            prompt_logprobs[rows.item.request.request_id] = _score_tokens(chunk, targets, k)
+        done = None
+        if cuda:
+            done = torch.cuda.Event(enable_timing=start is not None)
+            done.record()
+            if start is not None:
+                self.step_events.append((start, done, inputs.batch.num_seqs if inputs.batch.is_decode_only else -1))
+        return StepHandle(inputs.sample_items, copies, prompt_logprobs, done)
 
-    def _sample(self, logits: torch.Tensor, items, out: RunnerOutput) -> None:
-        sbatch = build_sampling_batch(items, self.vocab_size, self.device)
-        result = self.sampler(logits, sbatch)
-        tokens = result.token_ids.tolist()  # the step's one host sync
-        for item, token in zip(items, tokens):
-            out.sampled[item.request.request_id] = token
-        if result.logprobs is None:
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits of the step's logits rows: a decode graph's replay when one fits, else the eager model."""
+        batch = inputs.batch
+        size = None
+        if self.graphs is not None and batch.is_decode_only and not inputs.prompt_rows:
+            size = self.graphs.padded_size(batch.num_seqs)
+        if size is None:
+            self._fill_placeholders(batch.input_ids, inputs)
+            hidden = self.model(batch.input_ids, batch.positions, batch)
+            return self.model.compute_logits(hidden[batch.logits_indices])
+        self.graphs.load_inputs(inputs.host, size)
+        self._fill_placeholders(self.graphs.input_ids, inputs)
+        logits = self.graphs.replay(size)
+        if len(inputs.sample_items) == batch.num_seqs:  # every row samples: logits rows are rows 0..n-1
+            return logits[:batch.num_seqs]
+        return logits[batch.logits_indices]
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, inputs: StepInputs) -> None:
+        """Async scheduling: copy tokens sampled by the previous step into this step's input ids, on device."""
+        if not inputs.placeholder_rows:
             return
-        ids, lps, ranks = result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.sampled_ranks.tolist()
-        for row, item in enumerate(items):
-            k = item.request.params.logprobs
-            if k is not None:
-                out.logprobs[item.request.request_id] = TokenLogprobs(ids[row][:k + 1], lps[row][:k + 1], ranks[row])
+        src = [self._last_rows[rid] for rid in inputs.placeholder_requests]
+        rows = to_device(np.asarray(inputs.placeholder_rows, dtype=np.int64), self.device)
+        input_ids.index_copy_(0, rows, self._last_sampled[to_device(np.asarray(src, dtype=np.int64), self.device)])
+
+    def _sample(self, logits: torch.Tensor, items, copies: dict[str, torch.Tensor],
+                token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        sbatch = build_sampling_batch(items, self.vocab_size, self.device, token_bitmask)
+        result = self.sampler(logits, sbatch)
+        copies["tokens"] = _to_host(result.token_ids)
+        if result.logprobs is not None:
+            copies["logprob_ids"] = _to_host(result.logprob_token_ids)
+            copies["logprobs"] = _to_host(result.logprobs)
+            copies["ranks"] = _to_host(result.sampled_ranks)
+        return result.token_ids
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A non-blocking copy into pinned host memory (complete once the step's done event has fired)."""
+    if not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+def _check_weights_fit(config: EngineConfig) -> None:
+    """Fail before loading when the weights alone exceed what gpu_memory_utilization allows, saying by how much."""
+    cls = model_class(config.model.architecture)
+    try:
+        with _default_dtype_and_device(config.model.dtype, torch.device("meta")):
+            meta = cls(dict(config.model.hf_config))
+    except Exception:  # a model that cannot be built on the meta device: loading will tell
+        return
+    weight_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(meta.parameters(), meta.buffers()))
+    free, total = torch.cuda.mem_get_info(config.device.device)
+    util = config.cache.gpu_memory_utilization
+    allowed = total * util - (total - free)
+    if weight_bytes > allowed:
+        raise ValueError(
+            f"the model does not fit: its weights need {weight_bytes / GiB:.2f} GiB, but "
+            f"gpu_memory_utilization={util} of {total / GiB:.1f} GiB with {(total - free) / GiB:.1f} GiB already "
+            f"in use leaves {allowed / GiB:.2f} GiB: short by {(weight_bytes - allowed) / GiB:.2f} GiB (before "
+            "any KV cache); raise gpu_memory_utilization, free GPU memory or pick a smaller model or dtype")
 
 
 def _score_tokens(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprobs]:

@@ -33,6 +33,7 @@ class SamplingBatch:
     logit_bias: torch.Tensor | None = None  # [S, V] float32 additive
     banned: torch.Tensor | None = None  # [S, V] bool: tokens that must not be sampled (min_tokens stops)
     allowed: torch.Tensor | None = None  # [S, V] bool: structured-output mask (None: all allowed)
+    token_bitmask: torch.Tensor | None = None  # [S, ceil(V/32)] int32 packed grammar mask (ops.apply_token_bitmask)
     num_logprobs: int | None = None  # top-k logprobs to return (None: none)
 
 
@@ -106,6 +107,8 @@ class Sampler:
             logits = logits.masked_fill(batch.banned, float("-inf"))
         if batch.allowed is not None:
             logits = logits.masked_fill(~batch.allowed, float("-inf"))
+        if batch.token_bitmask is not None:
+            logits = ops.apply_token_bitmask(logits, batch.token_bitmask)
         if batch.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:

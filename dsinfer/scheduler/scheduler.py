@@ -4,6 +4,10 @@ Each step: running requests first (in arrival order), each gets ``min(num_tokens
 tokens; when KV blocks run out the most recent running request is preempted (blocks freed, recomputed later).
 Then waiting requests are admitted while budget, sequence slots and blocks last, starting after their cached
 prefix. Chunked prefill is just a request getting fewer tokens than it lacks. The scheduler never touches a tensor.
+
+Overlap (async scheduling): a token sampled by a step still in flight is a placeholder the scheduler already
+counts (``request.num_pending``), so the next step decodes it before its value reaches the host; the runner
+fills it in on the device. A request whose pending tokens already reach ``max_tokens`` is not scheduled again.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from dsinfer.config import SchedulerConfig
 from dsinfer.engine.request import Request, RequestStatus
@@ -25,14 +30,20 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """True when this step computes the request's last known token, so it samples the next one."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        """True when this step computes the request's last token (known or pending), so it samples the next one.
+
+        Read when the step's inputs are built, before the engine counts this step's own sample as pending.
+        """
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens + self.request.num_pending
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Structured outputs (set by the engine, not the scheduler): packed int32 token bitmask, one row per
+    # scheduled item that samples, in scheduled order; None when no sampling row is constrained.
+    grammar_bitmask: Any = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -73,8 +84,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = min(request.num_tokens + request.num_pending - request.num_computed_tokens, budget)
+            if num_new <= 0 or request.num_output_tokens + request.num_pending >= request.max_tokens:
                 i += 1
                 continue
             while not self.kv.allocate_slots(request, num_new):
@@ -89,8 +100,14 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        compiling: list[Request] = []  # structured-output grammar not compiled yet: they wait, others proceed
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.grammar is not None and not request.grammar.ready:
+                compiling.append(self.waiting.popleft())
+                continue
+            if request.num_pending:  # preempted with a token in flight: wait until it lands
+                break
             computed, num_cached = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -108,6 +125,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new, num_cached))
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+# The CPU interpreter truncates float32 -> bf16 instead of rounding, so bf16 gets twice the room there.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2 if HAS_CUDA else 2e-2}
 
 
 @pytest.fixture(autouse=True)

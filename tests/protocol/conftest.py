@@ -1,9 +1,10 @@
 from __future__ import annotations
 
 import pytest
-from tiny_tokenizer import write_tiny_tokenizer
 
 from dsinfer.tokenizer import Tokenizer
+
+from .tiny_tokenizer import write_tiny_tokenizer
 
 
 @pytest.fixture(scope="session")

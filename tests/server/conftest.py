@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from live_server import LiveServer, start_server, stop_server
+
+from .live_server import LiveServer, start_server, stop_server
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import anthropic
 import pytest
-from live_server import API_KEY
+
+from .live_server import API_KEY
 
 MESSAGES = [{"role": "user", "content": "Name a color."}]
 GREEDY = {"temperature": 0}  # this SDK version has no temperature argument

@@ -8,7 +8,8 @@ import threading
 
 import httpx
 import pytest
-from live_server import MAX_MODEL_LEN
+
+from .live_server import MAX_MODEL_LEN
 
 CHAT = "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "Hi"}]

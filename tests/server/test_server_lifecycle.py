@@ -9,7 +9,8 @@ import time
 
 import httpx
 import pytest
-from live_server import start_server, stop_server
+
+from .live_server import start_server, stop_server
 
 LONG = {
     "messages": [{"role": "user", "content": "Tell a long story."}],

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import openai
 import pytest
-from live_server import API_KEY, MAX_MODEL_LEN
+
+from .live_server import API_KEY, MAX_MODEL_LEN
 
 MESSAGES = [{"role": "user", "content": "Name a color."}]
 TOOLS = [

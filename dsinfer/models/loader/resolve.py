@@ -7,9 +7,9 @@ from pathlib import Path
 
 def resolve_model_dir(model: str | None, load_format: str) -> tuple[Path, str]:
     """(HF-style directory, effective load format) for ``LLM(model=..., load_format=...)``."""
-    from dsinfer.models.loader.gguf import cached_gguf_dir, default_model_path
-
     if model is None:
+        from dsinfer.models.loader.gguf import default_model_path  # the gguf package only when needed
+
         path = default_model_path()
     else:
         path = Path(model).expanduser()
@@ -23,6 +23,8 @@ def resolve_model_dir(model: str | None, load_format: str) -> tuple[Path, str]:
             raise ValueError(f"model file {path} is not a .gguf file; pass a directory or a .gguf file")
         if load_format not in ("auto", "gguf"):
             raise ValueError(f"load_format={load_format!r} does not apply to the GGUF file {path}")
+        from dsinfer.models.loader.gguf import cached_gguf_dir
+
         return cached_gguf_dir(path), "safetensors"
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
@@ -30,5 +32,7 @@ def resolve_model_dir(model: str | None, load_format: str) -> tuple[Path, str]:
         ggufs = sorted(path.glob("*.gguf"))
         if not ggufs:
             raise FileNotFoundError(f"load_format='gguf' but {path} holds no .gguf file")
+        from dsinfer.models.loader.gguf import cached_gguf_dir
+
         return cached_gguf_dir(ggufs[0]), "safetensors"
     return path, "dummy" if load_format == "dummy" else "safetensors"

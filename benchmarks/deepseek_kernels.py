@@ -1,0 +1,288 @@
+"""DeepSeek kernel benchmarks on CUDA: MLA (decode, prefill, latent store), fused MoE (bf16, FP8 block-scaled),
+the FP8 block-scaled dense GEMM, each against its floor measured in the same run.
+
+Ceilings (same run): copy bandwidth and bf16 matmul (``benchmarks/roofline.py``), and an FP8 e4m3 matmul
+(``torch._scaled_mm``, 8192^3, random). Floor = max(fewest bytes / bandwidth, FLOPs / matmul rate of the
+kernel's precision). MoE rows report the distinct experts touched (random routing over all experts, like a
+trained router's spread) and count only their weights as bytes.
+
+    python benchmarks/deepseek_kernels.py [--sweep] [--out DIR]
+
+``--sweep`` times a few tile configs for MLA decode and the FP8 MoE GEMMs and writes the best to
+DIR/mla_decode.json, DIR/moe.json (the format of dsinfer/ops/triton/configs/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.roofline import bench_ms, measure_bandwidth, measure_bf16_matmul  # noqa: E402
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+R, P = 512, 64  # kv_lora_rank, qk_rope_head_dim (V2-Lite and V3)
+BLOCK = (128, 128)
+
+
+@functools.cache
+def measure_fp8_matmul(n: int = 8192) -> float:
+    """FP8 e4m3 matrix-product rate (FLOP/s), torch._scaled_mm with unit scales, bf16 output."""
+    a = torch.randn(n, n, device="cuda").to(FP8)
+    b = torch.randn(n, n, device="cuda").to(FP8).t()
+    one = torch.ones((), device="cuda")
+    ms = bench_ms(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=BF16))
+    return 2 * n**3 / (ms * 1e-3)
+
+
+@dataclass
+class Row:
+    name: str
+    shape: str
+    ms: float
+    num_bytes: float
+    flops: float
+    fp8: bool = False
+    note: str = ""
+
+    @property
+    def floor_ms(self) -> float:
+        rate = measure_fp8_matmul() if self.fp8 else measure_bf16_matmul()
+        return 1e3 * max(self.num_bytes / measure_bandwidth(), self.flops / rate)
+
+    def line(self) -> str:
+        gbs = self.num_bytes / self.ms / 1e6
+        tfs = self.flops / self.ms / 1e9
+        bw = gbs * 1e9 / measure_bandwidth()
+        peak = tfs * 1e12 / (measure_fp8_matmul() if self.fp8 else measure_bf16_matmul())
+        return (f"| {self.name} | {self.shape} | {self.ms:.4f} | {gbs:,.0f} GB/s ({bw:.0%}) | "
+                f"{tfs:,.1f} TFLOP/s ({peak:.0%}) | {self.floor_ms:.4f} | {self.floor_ms / self.ms:.0%} | "
+                f"{self.note} |")
+
+
+def graph_ms(fn: Callable[[], object]) -> float:
+    """Median replay time of a CUDA graph holding one call of fn (no launch cost); events, L2 flushed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench_ms(graph.replay)
+
+
+# ---- MLA ----
+
+def _latent_cache(batch: int, ctx: int, block_size: int = 64):
+    blocks = batch * (ctx // block_size)
+    cache = torch.randn(blocks, block_size, R + P, device="cuda", dtype=BF16)
+    tables = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(batch, -1)
+    seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    return cache, tables, seq_lens
+
+
+def mla_decode_rows(sweep: bool, best: dict) -> list[Row]:
+    from dsinfer.ops.triton.mla import decode_config, mla_decode_triton
+
+    rows = []
+    for heads, batch, ctx in ((16, 128, 4096), (16, 1, 4096), (128, 128, 4096), (128, 32, 4096)):
+        cache, tables, seq_lens = _latent_cache(batch, ctx)
+        qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+        q = torch.randn(batch, heads, R, device="cuda", dtype=BF16)
+        qp = torch.randn(batch, heads, P, device="cuda", dtype=BF16)
+        nbytes = batch * ctx * (R + P) * 2 + batch * heads * (2 * R + P) * 2
+        flops = 2 * batch * heads * ctx * (R + P + R)
+        configs = [None]
+        if sweep and batch >= 32:
+            configs += [dict(block_h=bh, block_n=bn, num_warps=w, num_stages=s)
+                        for bh, bn, w, s in ((16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 4, 2), (64, 32, 8, 2),
+                                             (64, 16, 8, 2), (32, 64, 8, 2)) if bh <= max(16, heads)]
+        results = []
+        for cfg in configs:
+            fn = functools.partial(mla_decode_triton, q, qp, cache, tables, qsl, seq_lens, 192**-0.5,
+                                   max_seq_len=ctx, config=cfg)
+            try:
+                results.append((graph_ms(fn), cfg or decode_config(heads, True)))
+            except Exception as exc:  # noqa: BLE001 (a config that does not compile)
+                print(f"  mla decode h={heads} cfg={cfg}: failed {type(exc).__name__}: {str(exc)[:100]}")
+            if sweep and cfg is not None:
+                print(f"  mla decode h={heads} B={batch} cfg={cfg}: {results[-1][0]:.4f} ms", flush=True)
+        ms, cfg = min(results, key=lambda r: r[0])
+        if batch >= 32:
+            best.setdefault(str(heads), cfg)
+        rows.append(Row("mla decode", f"H={heads} B={batch} ctx={ctx}", ms, nbytes, flops, note=str(cfg)))
+        del cache
+    return rows
+
+
+def mla_other_rows() -> list[Row]:
+    from dsinfer.ops.mla import mla_prefill, store_mla_kv
+
+    rows = []
+    tokens = 16384
+    cache = torch.empty(tokens // 64 + 1, 64, R + P, device="cuda", dtype=BF16)
+    kv_c = torch.randn(tokens, R, device="cuda", dtype=BF16)
+    k_pe = torch.randn(tokens, P, device="cuda", dtype=BF16)
+    slots = torch.arange(tokens, device="cuda")
+    ms = graph_ms(lambda: store_mla_kv(kv_c, k_pe, cache, slots))
+    rows.append(Row("mla store", f"T={tokens}", ms, 2 * tokens * (R + P) * 2 + tokens * 8, 0))
+    heads, seqs, n = 16, 4, 2048
+    cache, tables, seq_lens = _latent_cache(seqs, n)
+    qsl = torch.arange(0, seqs * n + 1, n, device="cuda", dtype=torch.int32)
+    qn = torch.randn(seqs * n, heads, 128, device="cuda", dtype=BF16)
+    qp = torch.randn(seqs * n, heads, P, device="cuda", dtype=BF16)
+    w = torch.randn(heads, 256, R, device="cuda", dtype=BF16) * 0.04
+    ms = bench_ms(lambda: mla_prefill(qn, qp, cache, tables, qsl, seq_lens, w, 192**-0.5))
+    attn = seqs * heads * n * (n + 1) / 2 * 2 * (192 + 128)
+    expand = 2 * seqs * n * R * heads * 256
+    rows.append(Row("mla prefill", f"H={heads} {seqs}x{n} causal", ms, 0, attn + expand))
+    return rows
+
+
+# ---- MoE ----
+
+def _fp8_experts(num_experts: int, rows: int, cols: int):
+    w = torch.empty(num_experts, rows, cols, device="cuda", dtype=FP8)
+    for e in range(0, num_experts, 16):
+        w[e : e + 16] = (torch.randn(min(16, num_experts - e), rows, cols, device="cuda", dtype=BF16) * 100).to(FP8)
+    s = torch.rand(num_experts, rows // 128, cols // 128, device="cuda") * 1e-4 + 1e-4
+    return w, s
+
+
+def _routing(tokens: int, num_experts: int, top_k: int):
+    logits = torch.randn(tokens, num_experts, device="cuda")
+    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    return weights, ids, int(ids.unique().numel())
+
+
+def moe_rows(sweep: bool, best: dict) -> list[Row]:
+    from dsinfer.ops.moe import fused_moe
+    from dsinfer.ops.triton.fp8 import per_token_group_quant
+    from dsinfer.ops.triton.moe import grouped_gemm, moe_align, moe_config
+
+    rows = []
+    # DeepSeek-V3 experts, FP8: E=256, H=7168, I=2048, top-8.
+    e, h, i, k = 256, 7168, 2048, 8
+    w13, s13 = _fp8_experts(e, 2 * i, h)
+    w2, s2 = _fp8_experts(e, h, i)
+    per_expert = 3 * h * i + 3 * (h // 128) * (i // 128) * 4
+    for tokens in (64, 8192):
+        x = torch.randn(tokens, h, device="cuda", dtype=BF16)
+        weights, ids, touched = _routing(tokens, e, k)
+        pairs = tokens * k
+        kw = dict(w13_scale_inv=s13, w2_scale_inv=s2, block_size=BLOCK)
+        fn = functools.partial(fused_moe, x, w13, w2, weights, ids, **kw)
+        ms = graph_ms(fn) if tokens <= 256 else bench_ms(fn)
+        flops = 6 * pairs * h * i
+        rows.append(Row("moe fp8 (all)", f"V3 T={tokens}", ms, touched * per_expert + 4 * tokens * h, flops,
+                        fp8=True, note=f"{touched} experts"))
+        if tokens < 1024:
+            continue
+        # The two grouped GEMMs alone, per config.
+        key = f"{e},{i},{h},fp8"
+        a, a_s = per_token_group_quant(x, 128)
+        inter = torch.randn(pairs, i, device="cuda", dtype=BF16)
+        a2, a2_s = per_token_group_quant(inter, 128)
+        down = torch.empty(pairs, h, device="cuda", dtype=BF16)
+        wflat = weights.reshape(-1).float()
+        configs = [moe_config(key, pairs / e, True, True)]
+        if sweep:
+            configs += [dict(block_m=bm, block_n=bn, block_k=128, group_m=gm, num_warps=w, num_stages=s)
+                        for bm, bn, gm, w, s in ((64, 128, 8, 4, 4), (128, 128, 8, 8, 3), (64, 64, 8, 4, 4),
+                                                 (128, 64, 8, 4, 3), (64, 128, 32, 8, 3))]
+        results = []
+        for cfg in configs:
+            align = moe_align(ids, e, cfg["block_m"])
+            gemm1 = functools.partial(grouped_gemm, a, w13, inter, cfg, a_scale=a_s, b_scale=s13,
+                                      block_size=BLOCK, align=align, a_div=k, gated=True)
+            gemm2 = functools.partial(grouped_gemm, a2, w2, down, cfg, a_scale=a2_s, b_scale=s2,
+                                      block_size=BLOCK, align=align, topk_weights=wflat)
+            try:
+                t1, t2 = bench_ms(gemm1), bench_ms(gemm2)
+            except Exception as exc:  # noqa: BLE001
+                print(f"  moe cfg={cfg}: failed {type(exc).__name__}: {str(exc)[:100]}")
+                continue
+            results.append((t1, t2, cfg))
+            if sweep:
+                print(f"  moe fp8 T={tokens} cfg={cfg}: gate/up {t1:.3f} ms, down {t2:.3f} ms", flush=True)
+        t1, t2, cfg = min(results, key=lambda r: r[0] + r[1])
+        best.setdefault(key, {})[str(round(pairs / e))] = cfg
+        w_bytes = touched * per_expert
+        rows.append(Row("moe fp8 gate/up", f"V3 T={tokens}", t1, 2 / 3 * w_bytes + tokens * h + pairs * i * 2,
+                        4 * pairs * h * i, fp8=True, note=str(cfg)))
+        rows.append(Row("moe fp8 down", f"V3 T={tokens}", t2, 1 / 3 * w_bytes + pairs * i + pairs * h * 2,
+                        2 * pairs * h * i, fp8=True))
+        del inter, down, a2
+    del w13, w2
+    # DeepSeek-V2-Lite experts, bf16: E=64, H=2048, I=1408, top-6.
+    e, h, i, k = 64, 2048, 1408, 6
+    w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=BF16) * 0.02
+    w2 = torch.randn(e, h, i, device="cuda", dtype=BF16) * 0.02
+    for tokens in (64, 8192):
+        x = torch.randn(tokens, h, device="cuda", dtype=BF16)
+        weights, ids, touched = _routing(tokens, e, k)
+        fn = functools.partial(fused_moe, x, w13, w2, weights, ids)
+        ms = graph_ms(fn) if tokens <= 256 else bench_ms(fn)
+        rows.append(Row("moe bf16 (all)", f"V2-Lite T={tokens}", ms, touched * 3 * h * i * 2 + 4 * tokens * h,
+                        6 * tokens * k * h * i, note=f"{touched} experts"))
+    return rows
+
+
+def fp8_dense_rows() -> list[Row]:
+    from dsinfer.ops.fp8 import fp8_block_linear
+
+    rows = []
+    n, k = 7168, 16384  # V3 o_proj
+    w, s = _fp8_experts(1, n, k)
+    w, s = w[0], s[0]
+    for m in (64, 4096):
+        x = torch.randn(m, k, device="cuda", dtype=BF16)
+        fn = functools.partial(fp8_block_linear, x, w, s, BLOCK)
+        ms = graph_ms(fn) if m <= 256 else bench_ms(fn)
+        rows.append(Row("fp8 dense", f"{m}x{n}x{k}", ms, n * k + m * k * 2 + m * n * 2, 2 * m * n * k, fp8=True))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--only", default=None, help="mla | moe | fp8")
+    args = parser.parse_args()
+    bw, bf16, fp8 = measure_bandwidth(), measure_bf16_matmul(), measure_fp8_matmul()
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 {bf16 / 1e12:.0f} TFLOP/s, "
+          f"fp8 {fp8 / 1e12:.0f} TFLOP/s", flush=True)
+    best_mla: dict = {}
+    best_moe: dict = {}
+    rows: list[Row] = []
+    groups = {"mla": lambda: mla_decode_rows(args.sweep, best_mla) + mla_other_rows(),
+              "moe": lambda: moe_rows(args.sweep, best_moe), "fp8": fp8_dense_rows}
+    for name, make in groups.items():
+        if args.only in (None, name):
+            try:
+                rows += make()
+            except Exception as exc:  # noqa: BLE001 (report the other groups)
+                print(f"{name}: failed {type(exc).__name__}: {exc}", flush=True)
+            torch.cuda.empty_cache()
+    print("\n| kernel | shape | ms | bytes rate (of BW) | FLOP rate (of peak) | floor ms | of floor | note |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(r.line())
+    print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 {bf16 / 1e12:.0f} TFLOP/s, fp8 {fp8 / 1e12:.0f} TFLOP/s")
+    if args.out:
+        Path(args.out, "mla_decode.json").write_text(json.dumps(best_mla, indent=1))
+        Path(args.out, "moe.json").write_text(json.dumps(best_moe, indent=1))
+
+
+if __name__ == "__main__":
+    main()

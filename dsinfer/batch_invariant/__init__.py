@@ -1,0 +1,18 @@
+"""Batch-invariant (deterministic) mode: every op on the forward path reduces in an order that does not depend
+on the batch size, a row's position in the batch, chunked prefill or prefix-cache hits.
+
+``batch_invariant(enabled)`` is a context manager (the runner enters it around the forward pass; nesting is
+refused). Inside it:
+- matmuls (``aten.linear/mm/addmm/bmm/matmul``) go to ``matmul.py``: on CPU, MKL is called only with shapes whose
+  per-element accumulation order is the same for every row (rows chunked to at most 256 and padded to at least
+  16: MKL's small-M paths accumulate differently); on CUDA a Triton GEMM with one fixed tile configuration and
+  no split-K;
+- ``ops.paged_attention`` goes to ``attention.py``: every query row, prefill or decode, is computed the same way
+  (fixed 64-key chunks combined sequentially), whatever its companions;
+- norms, rotary, activations, sampling and logprobs are already per-row (one row's reduction never depends on
+  other rows) and stay as they are.
+"""
+
+from dsinfer.batch_invariant.mode import batch_invariant, is_enabled
+
+__all__ = ["batch_invariant", "is_enabled"]

@@ -1,0 +1,97 @@
+"""Batch-invariant paged attention: a query row gets the same bits in a prefill chunk, in a decode batch, alone.
+
+Every query row is computed by one recipe that sees only its own sequence's keys: scores against the keys
+padded (with zeros, masked) to a multiple of ``CHUNK`` keys, the max over them (exact), ``exp``, and the
+weighted sum of values done per fixed ``CHUNK``-key chunk and then accumulated over the chunks in order with a
+sequential ``cumsum`` (masked keys and padded chunks add exact zeros, so extra padding never changes a bit).
+Matmuls go through ``matmul.bmm_invariant`` (M padded to 16). Decode rows of a step are batched together (one
+padded query row per sequence); longer query chunks run per sequence in groups of up to 256 rows. On CUDA the
+Triton kernel in ``triton_kernels`` (one program per query row and head, fixed 64-key blocks in order).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsinfer.batch_invariant.matmul import MIN_ROWS, bmm_invariant
+
+CHUNK = 64
+MAX_QUERY_ROWS = 256
+
+
+def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor, length: int):
+    """K, V of positions [0, length) per row of block_tables ([G, length, Hkv, D]); positions >= lens are 0."""
+    block_size = kv_cache.shape[2]
+    pos = torch.arange(length, device=block_tables.device)
+    valid = pos.unsqueeze(0) < lens.unsqueeze(1)  # [G, length]
+    col = torch.minimum(pos // block_size, torch.tensor(block_tables.shape[1] - 1, device=pos.device))
+    slots = block_tables[:, col].long() * block_size + pos % block_size
+    flat = kv_cache.flatten(1, 2)
+    k = flat[0][slots].masked_fill(~valid[..., None, None], 0.0)
+    v = flat[1][slots].masked_fill(~valid[..., None, None], 0.0)
+    return k, v
+
+
+def _attend(q, k, v, q_pos, lens, scale, sliding_window):
+    """q [G, Q, Hq, D], k/v [G, L, Hkv, D] (L a multiple of CHUNK), q_pos [G, Q] -> [G, Q, Hq, D] (float32)."""
+    g, nq, hq, d = q.shape
+    length, hkv = k.shape[1], k.shape[2]
+    rep = hq // hkv
+    qh = q.float().permute(0, 2, 1, 3).reshape(g * hq, nq, d)
+    kh = k.float().repeat_interleave(rep, dim=2).permute(0, 2, 3, 1).reshape(g * hq, d, length)
+    vh = v.float().repeat_interleave(rep, dim=2).permute(0, 2, 1, 3)  # [G, Hq, L, D]
+    scores = bmm_invariant(qh, kh).view(g, hq, nq, length) * scale
+    k_pos = torch.arange(length, device=q.device)
+    visible = (k_pos <= q_pos.unsqueeze(-1)) & (k_pos < lens.view(g, 1, 1))
+    if sliding_window is not None:
+        visible &= k_pos > q_pos.unsqueeze(-1) - sliding_window
+    scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    peak = scores.amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
+    probs = torch.exp(scores - peak)  # [G, Hq, Q, L]
+    denom = probs.cumsum(-1)[..., -1:]
+    nc = length // CHUNK
+    p_chunks = probs.view(g, hq, nq, nc, CHUNK).permute(0, 1, 3, 2, 4).reshape(g * hq * nc, nq, CHUNK)
+    v_chunks = vh.reshape(g * hq * nc, CHUNK, d)
+    partial = bmm_invariant(p_chunks, v_chunks).view(g, hq, nc, nq, d)
+    out = partial.cumsum(2)[:, :, -1] / denom  # [G, Hq, Q, D]
+    return out.permute(0, 2, 1, 3)
+
+
+def paged_attention_invariant(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Same contract as ``ops.paged_attention``."""
+    if q.is_cuda:
+        from dsinfer.batch_invariant.triton_kernels import paged_attention_invariant_triton
+
+        return paged_attention_invariant_triton(q, kv_cache, block_tables, query_start_loc, seq_lens, scale,
+                                                sliding_window)
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
+    decode = [b for b, n in enumerate(q_lens) if n == 1]
+    if decode:
+        idx = torch.tensor(decode, device=q.device)
+        rows = query_start_loc[idx].long()
+        qd = q[rows].unsqueeze(1)  # [G, 1, Hq, D]
+        pad = torch.zeros(len(decode), MIN_ROWS - 1, *q.shape[1:], dtype=q.dtype, device=q.device)
+        length = -(-max(lens[b] for b in decode) // CHUNK) * CHUNK
+        k, v = _gather(kv_cache, block_tables[idx], seq_lens[idx], length)
+        q_pos = (seq_lens[idx] - 1).long().unsqueeze(1).expand(-1, MIN_ROWS)
+        res = _attend(torch.cat((qd, pad), 1), k, v, q_pos, seq_lens[idx], scale, sliding_window)
+        out[rows] = res[:, 0].to(q.dtype)
+    for b, n in enumerate(q_lens):
+        if n <= 1:
+            continue
+        for first in range(0, n, MAX_QUERY_ROWS):
+            rows = min(MAX_QUERY_ROWS, n - first)
+            last_pos = lens[b] - n + first + rows  # keys needed: positions < last_pos
+            length = -(-last_pos // CHUNK) * CHUNK
+            k, v = _gather(kv_cache, block_tables[b:b + 1], seq_lens[b:b + 1], length)
+            q_pos = torch.arange(lens[b] - n + first, last_pos, device=q.device).unsqueeze(0)
+            qs = q[starts[b] + first:starts[b] + first + rows].unsqueeze(0)
+            res = _attend(qs, k, v, q_pos, seq_lens[b:b + 1], scale, sliding_window)
+            out[starts[b] + first:starts[b] + first + rows] = res[0].to(q.dtype)
+    return out

@@ -1,0 +1,53 @@
+"""The batch-invariant context: a flag read by ``ops.paged_attention`` and a dispatch mode for the matmuls."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dsinfer.batch_invariant import matmul
+
+_state = threading.local()
+aten = torch.ops.aten
+
+
+def is_enabled() -> bool:
+    return getattr(_state, "enabled", False)
+
+
+class _InvariantMatmuls(TorchDispatchMode):
+    """Routes aten matmuls to ``matmul.py``; every other op runs unchanged."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten.linear.default:
+            return matmul.linear_invariant(*args, **kwargs)
+        if func is aten.mm.default:
+            return matmul.mm_invariant(*args)
+        if func is aten.addmm.default and not kwargs:
+            return args[0] + matmul.mm_invariant(args[1], args[2])
+        if func is aten.bmm.default:
+            return matmul.bmm_invariant(*args)
+        if func is aten.matmul.default:
+            return matmul.matmul_invariant(*args)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def batch_invariant(enabled: bool = True) -> Iterator[None]:
+    """Run the enclosed forward pass batch-invariantly (a no-op when ``enabled`` is false); not re-entrant."""
+    if not enabled:
+        yield
+        return
+    if is_enabled():
+        raise RuntimeError("batch_invariant() is already active on this thread; it does not nest")
+    _state.enabled = True
+    try:
+        with _InvariantMatmuls():
+            yield
+    finally:
+        _state.enabled = False

@@ -1,0 +1,387 @@
+"""Triton MLA kernels over the paged latent cache: latent store, absorbed split-KV decode, expanded prefill.
+
+Cache rows are ``[c | k_pe]`` (R + P values, shared by every head); see ``ops.mla``.
+
+Decode (absorbed): grid (head tiles, splits, query rows), head tiles fastest so the programs that share one
+split of one sequence's latent run side by side (the second head tile of V3's 128 heads reads it from L2).
+A program holds ``BLOCK_H`` heads of one query row and walks its split in tiles of ``BLOCK_N`` cache rows:
+each tile of the latent is loaded once and serves as the key (``q_absorbed . c + q_pe . k_pe``) and as the
+value (``p @ c``) for all heads of the tile. With one split the program writes the output; with several it
+writes a float32 partial and its log-sum-exp and ``_mla_reduce_kernel`` combines them. A row's sequence is
+found by binary search over ``query_start_loc``, so several query rows per sequence (draft verification) work,
+each with its causal limit. The split count comes from shapes and the ``max_seq_len`` hint only: no host read
+(CUDA-graph safe).
+
+Prefill (expanded): the context latent of each prefill sequence (cached prefix included) is gathered and
+expanded through ``kv_b_proj`` by one matmul; a flash-attention kernel then attends with the score split as
+``q_nope . k_nope + q_pe . k_pe`` (k_pe read once per token, not per head) and a value width of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from dsinfer.ops.triton.utils import num_sms
+
+_LOG2E = 1.4426950408889634
+_MIN_SPLIT_KEYS = 256  # fewest cache rows a decode split is worth
+_CONFIGS = Path(__file__).parent / "configs" / "mla_decode.json"
+
+
+@functools.cache
+def _decode_configs() -> dict:
+    return json.loads(_CONFIGS.read_text()) if _CONFIGS.exists() else {}
+
+
+def decode_config(num_heads: int, is_cuda: bool) -> dict:
+    """BLOCK_H / BLOCK_N / num_warps / num_stages for a head count (tuned table, else a default)."""
+    if not is_cuda:
+        return dict(block_h=16, block_n=16, num_warps=4, num_stages=1)
+    table = _decode_configs()
+    if str(num_heads) in table:
+        return dict(table[str(num_heads)])
+    return dict(block_h=min(64, max(16, triton.next_power_of_2(num_heads))), block_n=32,
+                num_warps=4 if num_heads <= 16 else 8, num_stages=2)
+
+
+# ---- latent store ----
+
+@triton.jit
+def _store_kernel(kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, stride_c, stride_p, stride_slot,
+                  RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_p = tl.arange(0, BLOCK_P)
+    c = tl.load(kv_c_ptr + t.to(tl.int64) * stride_c + offs_r, mask=offs_r < RANK)
+    p = tl.load(k_pe_ptr + t.to(tl.int64) * stride_p + offs_p, mask=offs_p < ROPE)
+    row = cache_ptr + slot * stride_slot
+    tl.store(row + offs_r, c.to(cache_ptr.dtype.element_ty), mask=offs_r < RANK)
+    tl.store(row + RANK + offs_p, p.to(cache_ptr.dtype.element_ty), mask=offs_p < ROPE)
+
+
+def store_mla_kv_triton(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+    """kv_c [T, R], k_pe [T, P] -> cache rows ``slot_mapping`` (negative slots skipped); no host sync."""
+    num_tokens, rank = kv_c.shape
+    rope = k_pe.shape[-1]
+    if num_tokens == 0:
+        return
+    if kv_c.stride(-1) != 1 or k_pe.stride(-1) != 1:
+        kv_c, k_pe = kv_c.contiguous(), k_pe.contiguous()
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    _store_kernel[(num_tokens,)](
+        kv_c, k_pe, flat, slot_mapping, kv_c.stride(0), k_pe.stride(0), flat.stride(0),
+        RANK=rank, ROPE=rope, BLOCK_R=triton.next_power_of_2(rank), BLOCK_P=triton.next_power_of_2(rope),
+        num_warps=4,
+    )
+
+
+# ---- decode ----
+
+@triton.jit
+def _find_row_seq(query_start_loc_ptr, num_seqs, row):
+    """Largest b with query_start_loc[b] <= row: the sequence that owns query row ``row``."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) <= row:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    """tl.dot; UPCAST (the CPU interpreter, whose dot mishandles bf16) multiplies in float32."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _mla_decode_kernel(
+    qn_ptr, qp_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    num_seqs, num_heads, scale_log2, num_splits,
+    stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+    stride_c_blk, stride_c_off, stride_bt, block_size, stride_ot, stride_oh,
+    RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    head_tile = tl.program_id(0)
+    split = tl.program_id(1)
+    row = tl.program_id(2)
+    if row >= tl.load(query_start_loc_ptr + num_seqs):
+        return  # padding row
+    seq = _find_row_seq(query_start_loc_ptr, num_seqs, row)
+    q_end = tl.load(query_start_loc_ptr + seq + 1)
+    ctx_len = tl.load(seq_lens_ptr + seq) - (q_end - 1 - row)  # causal: keys up to this row's position
+    split_len = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, ctx_len)
+
+    offs_h = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_p = tl.arange(0, BLOCK_P)
+    h_valid = offs_h < num_heads
+    r_valid = offs_r < RANK
+    p_valid = offs_p < ROPE
+    row64 = row.to(tl.int64)
+    qn = tl.load(qn_ptr + row64 * stride_qn_t + offs_h[:, None] * stride_qn_h + offs_r[None, :],
+                 mask=h_valid[:, None] & r_valid[None, :], other=0.0).to(cache_ptr.dtype.element_ty)
+    qp = tl.load(qp_ptr + row64 * stride_qp_t + offs_h[:, None] * stride_qp_h + offs_p[None, :],
+                 mask=h_valid[:, None] & p_valid[None, :], other=0.0).to(cache_ptr.dtype.element_ty)
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_R), tl.float32)
+    block_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < end
+        block = tl.load(block_row_ptr + offs_n // block_size, mask=n_valid, other=0).to(tl.int64)
+        base = cache_ptr + block * stride_c_blk + (offs_n % block_size) * stride_c_off
+        c = tl.load(base[:, None] + offs_r[None, :], mask=n_valid[:, None] & r_valid[None, :], other=0.0)
+        k_pe = tl.load(base[:, None] + RANK + offs_p[None, :], mask=n_valid[:, None] & p_valid[None, :],
+                       other=0.0)
+        s = _dot(qn, tl.trans(c), UPCAST) + _dot(qp, tl.trans(k_pe), UPCAST)  # [BLOCK_H, BLOCK_N]
+        s = tl.where(n_valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, UPCAST)
+        m_i = m_new
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    io_mask = h_valid[:, None] & r_valid[None, :]
+    if SINGLE:
+        tl.store(out_ptr + row64 * stride_ot + offs_h[:, None] * stride_oh + offs_r[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        part = (row64 * num_heads + offs_h) * num_splits + split  # part_* [T, H, S(, R)]
+        tl.store(part_out_ptr + part[:, None] * RANK + offs_r[None, :], out, mask=io_mask)
+        tl.store(part_lse_ptr + part, lse, mask=h_valid)
+
+
+@triton.jit
+def _mla_reduce_kernel(
+    part_out_ptr, part_lse_ptr, query_start_loc_ptr, out_ptr, num_seqs, num_heads, num_splits,
+    stride_ot, stride_oh,
+    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    if row >= tl.load(query_start_loc_ptr + num_seqs):
+        return
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_r = tl.arange(0, BLOCK_R)
+    part = (row.to(tl.int64) * num_heads + head) * num_splits + offs_s
+    lse = tl.load(part_lse_ptr + part, mask=offs_s < num_splits, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+    mask = (offs_s[:, None] < num_splits) & (offs_r[None, :] < RANK)
+    parts = tl.load(part_out_ptr + part[:, None] * RANK + offs_r[None, :], mask=mask, other=0.0)
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + offs_r,
+             out.to(out_ptr.dtype.element_ty), mask=offs_r < RANK)
+
+
+def decode_num_splits(num_rows: int, head_tiles: int, max_seq_len: int, device: torch.device) -> int:
+    """Splits so that the grid has ~4 programs per multiprocessor, each split >= _MIN_SPLIT_KEYS rows."""
+    want = max(1, (4 * num_sms(device)) // max(num_rows * head_tiles, 1))
+    return max(1, min(want, triton.cdiv(max_seq_len, _MIN_SPLIT_KEYS), 64))
+
+
+def mla_decode_triton(
+    q_nope_absorbed: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """See ``ops.mla.mla_decode_ref``. ``max_seq_len`` (host int) sizes the splits; without it the bound
+    comes from block_tables' width. ``num_splits`` / ``config`` override the heuristics (tuning)."""
+    num_rows, num_heads, rank = q_nope_absorbed.shape
+    rope = q_pe.shape[-1]
+    if kv_cache.shape[-1] != rank + rope:
+        raise ValueError(f"cache rows hold {kv_cache.shape[-1]} values, expected R + P = {rank} + {rope}")
+    out = q_nope_absorbed.new_empty(num_rows, num_heads, rank)
+    if num_rows == 0:
+        return out
+    cfg = config or decode_config(num_heads, q_nope_absorbed.is_cuda)
+    block_h = max(16, min(cfg["block_h"], triton.next_power_of_2(num_heads)))
+    head_tiles = triton.cdiv(num_heads, block_h)
+    if num_splits is None:
+        bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * kv_cache.shape[1]
+        num_splits = decode_num_splits(num_rows, head_tiles, bound, q_nope_absorbed.device)
+    num_seqs = query_start_loc.shape[0] - 1
+    single = num_splits == 1
+    part_out = part_lse = out
+    if not single:
+        part_out = torch.empty(num_rows, num_heads, num_splits, rank, dtype=torch.float32, device=out.device)
+        part_lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=out.device)
+    _mla_decode_kernel[(head_tiles, num_splits, num_rows)](
+        q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, out, part_out, part_lse,
+        num_seqs, num_heads, scale * _LOG2E, num_splits,
+        q_nope_absorbed.stride(0), q_nope_absorbed.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), kv_cache.shape[1],
+        out.stride(0), out.stride(1),
+        RANK=rank, ROPE=rope, BLOCK_R=triton.next_power_of_2(rank), BLOCK_P=triton.next_power_of_2(rope),
+        BLOCK_H=block_h, BLOCK_N=cfg["block_n"], SINGLE=single, UPCAST=not q_nope_absorbed.is_cuda,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if not single:
+        _mla_reduce_kernel[(num_rows, num_heads)](
+            part_out, part_lse, query_start_loc, out, num_seqs, num_heads, num_splits,
+            out.stride(0), out.stride(1),
+            RANK=rank, BLOCK_R=triton.next_power_of_2(rank), BLOCK_S=max(triton.next_power_of_2(num_splits), 2),
+            num_warps=4,
+        )
+    return out
+
+
+# ---- prefill ----
+
+@triton.jit
+def _find_tile_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_M: tl.constexpr):
+    """Largest b with query_start_loc[b] // BLOCK_M + b <= tile: the sequence that owns this query tile."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _mla_prefill_kernel(
+    qn_ptr, qp_ptr, kv_ptr, ctx_ptr, cu_ctx_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    num_seqs, scale_log2,
+    stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_kv_t, stride_kv_h, stride_ctx_t,
+    stride_ot, stride_oh,
+    NOPE: tl.constexpr, ROPE: tl.constexpr, VDIM: tl.constexpr, RANK: tl.constexpr,
+    BLOCK_NOPE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+):
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last, causal) tiles first
+    head = tl.program_id(1)
+    seq = _find_tile_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_M)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile = tile - (q_start // BLOCK_M + seq)
+    if q_tile * BLOCK_M >= q_len:
+        return
+    ctx_len = tl.load(seq_lens_ptr + seq)
+    ctx0 = tl.load(cu_ctx_ptr + seq).to(tl.int64)
+    offs_m = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_valid = offs_m < q_len
+    q_pos = ctx_len - q_len + offs_m
+    rows = (q_start + offs_m).to(tl.int64)
+    offs_dn = tl.arange(0, BLOCK_NOPE)
+    offs_dp = tl.arange(0, BLOCK_P)
+    offs_dv = tl.arange(0, BLOCK_V)
+    qn = tl.load(qn_ptr + rows[:, None] * stride_qn_t + head * stride_qn_h + offs_dn[None, :],
+                 mask=m_valid[:, None] & (offs_dn[None, :] < NOPE), other=0.0)
+    qp = tl.load(qp_ptr + rows[:, None] * stride_qp_t + head * stride_qp_h + offs_dp[None, :],
+                 mask=m_valid[:, None] & (offs_dp[None, :] < ROPE), other=0.0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_V), tl.float32)
+    hi = tl.minimum(ctx_len - q_len + tl.minimum(q_tile * BLOCK_M + BLOCK_M, q_len), ctx_len)
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < hi
+        tok = ctx0 + offs_n
+        kv_row = kv_ptr + tok[:, None] * stride_kv_t + head * stride_kv_h
+        k_nope = tl.load(kv_row + offs_dn[None, :], mask=n_valid[:, None] & (offs_dn[None, :] < NOPE), other=0.0)
+        k_pe = tl.load(ctx_ptr + tok[:, None] * stride_ctx_t + RANK + offs_dp[None, :],
+                       mask=n_valid[:, None] & (offs_dp[None, :] < ROPE), other=0.0)
+        s = _dot(qn, tl.trans(k_nope), UPCAST) + _dot(qp, tl.trans(k_pe.to(qp.dtype)), UPCAST)
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        s = tl.where(visible, s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(kv_row + NOPE + offs_dv[None, :], mask=n_valid[:, None] & (offs_dv[None, :] < VDIM),
+                    other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_dv[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & (offs_dv[None, :] < VDIM))
+
+
+def _gather_contexts(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor):
+    """Every sequence's context rows packed back to back: ([L_total, R + P], cu [B + 1]). One host sync
+    (the packed length); prefill steps are not graph-captured."""
+    block_size = kv_cache.shape[1]
+    lens = seq_lens.long()
+    cu = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
+    torch.cumsum(lens, 0, out=cu[1:])
+    total = int(cu[-1])
+    seq_of = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens, output_size=total)
+    pos = torch.arange(total, device=lens.device) - cu[seq_of]
+    slots = block_tables[seq_of, pos // block_size].long() * block_size + pos % block_size
+    return kv_cache.view(-1, kv_cache.shape[-1])[slots], cu
+
+
+def mla_prefill_triton(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    w_kv_b: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """See ``ops.mla.mla_prefill_ref``."""
+    num_heads, nope_v, rank = w_kv_b.shape
+    num_rows, nope, rope = q_nope.shape[0], q_nope.shape[-1], q_pe.shape[-1]
+    vdim = nope_v - nope
+    out = q_nope.new_empty(num_rows, num_heads, vdim)
+    if num_rows == 0:
+        return out
+    ctx, cu = _gather_contexts(kv_cache, block_tables, seq_lens)
+    ctx = ctx.to(q_nope.dtype)
+    kv = torch.nn.functional.linear(ctx[:, :rank], w_kv_b.reshape(-1, rank).to(q_nope.dtype))
+    kv = kv.view(-1, num_heads, nope_v)
+    num_seqs = query_start_loc.shape[0] - 1
+    is_cuda = q_nope.is_cuda
+    block_m, block_n, warps, stages = (64, 64, 4, 2) if is_cuda else (16, 16, 4, 1)
+    grid = (num_rows // block_m + num_seqs, num_heads)
+    _mla_prefill_kernel[grid](
+        q_nope, q_pe, kv, ctx, cu, query_start_loc, seq_lens, out, num_seqs, scale * _LOG2E,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), kv.stride(1),
+        ctx.stride(0), out.stride(0), out.stride(1),
+        NOPE=nope, ROPE=rope, VDIM=vdim, RANK=rank,
+        BLOCK_NOPE=triton.next_power_of_2(nope), BLOCK_P=triton.next_power_of_2(rope),
+        BLOCK_V=triton.next_power_of_2(vdim), BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=not is_cuda,
+        num_warps=warps, num_stages=stages,
+    )
+    return out

@@ -1,0 +1,261 @@
+"""Fused MoE in Triton: expert alignment on the GPU and one grouped GEMM kernel used twice.
+
+1. ``moe_align``: the T * top_k (token, expert) pairs, sorted by expert, each expert's run padded to a multiple
+   of ``BLOCK_M`` (padding entries hold the sentinel ``T * top_k``), with the expert of every block of rows.
+   Torch ops only, sized from shapes (a capacity of ``pairs + min(pairs, E) * (BLOCK_M - 1)`` rows), so no
+   host sync; blocks past the real total exit at once.
+2. Gate/up: ``_gemm_kernel`` with ``GATED``: each program multiplies a block of sorted pairs (rows gathered
+   from ``hidden`` by ``pair // top_k``) by the gate and the up rows of its expert's ``w13`` and stores
+   ``silu(gate) * up`` per pair ([pairs, I]).
+3. Down: the same kernel over the pair rows of the intermediate with ``w2``, scaled by each pair's top-k
+   weight; the top-k sum is a reduce over ``[T, top_k, H]``.
+
+FP8 (w8a8, block-scaled): weights e4m3 with a float32 scale per [GROUP_N, GROUP_K] block (128 x 128), the
+activations quantized per token and group of GROUP_K (``ops.triton.fp8.per_token_group_quant``). The kernel
+multiplies e4m3 tiles (BLOCK_K divides GROUP_K) and applies ``a_scale[m] * b_scale[n]`` per K step.
+The same kernel without the gather is the dense block-scaled GEMM (``ops.triton.fp8``).
+
+Tile configs: ``configs/moe.json`` maps "E,N,K,dtype" to configs per average pairs-per-expert bucket.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+_CONFIGS = Path(__file__).parent / "configs" / "moe.json"
+
+
+@functools.cache
+def _config_table() -> dict:
+    return json.loads(_CONFIGS.read_text()) if _CONFIGS.exists() else {}
+
+
+def default_config(rows_per_expert: float, fp8: bool, is_cuda: bool) -> dict:
+    if not is_cuda:
+        return dict(block_m=16, block_n=16, block_k=16, group_m=1, num_warps=4, num_stages=1)
+    if rows_per_expert <= 16:
+        return dict(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+    if rows_per_expert <= 64:
+        return dict(block_m=32, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3)
+    if fp8:
+        return dict(block_m=64, block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=3)
+    return dict(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=3)
+
+
+def moe_config(key: str, rows_per_expert: float, fp8: bool, is_cuda: bool) -> dict:
+    """The tuned config of the nearest bucket (``key`` = "E,N,K,dtype", buckets = average pairs per expert)
+    within a factor of 4, else ``default_config``."""
+    table = _config_table().get(key, {}) if is_cuda else {}
+    near = [b for b in table if 0.25 <= float(b) / max(rows_per_expert, 1e-9) <= 4]
+    if not near:
+        return default_config(rows_per_expert, fp8, is_cuda)
+    return dict(table[min(near, key=lambda b: abs(float(b) - rows_per_expert))])
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """-> (sorted_ids [cap] int32, expert_ids [cap // block_m] int32, num_padded [1] int32); no host sync."""
+    flat = topk_ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = flat.argsort(stable=True)
+    sorted_e = flat[order]
+    first = counts.cumsum(0) - counts
+    dest = (ends - padded)[sorted_e] + torch.arange(num_pairs, device=device) - first[sorted_e]
+    capacity = triton.cdiv(num_pairs + min(num_pairs, num_experts) * (block_m - 1), block_m) * block_m
+    sorted_ids = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids[dest] = order.int()
+    block_start = torch.arange(0, capacity, block_m, device=device)
+    expert_ids = torch.searchsorted(ends, block_start, right=True).clamp_max_(num_experts - 1).int()
+    return sorted_ids, expert_ids, ends[-1:].int()
+
+
+@triton.jit
+def _gemm_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, bias_ptr, weight_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    M, N, K, num_pairs, up_offset,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+    A_DIV: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """C[rows] = A[rows] @ B[e]^T (rows: pairs sorted by expert when GATHER, else 0..M); see module doc."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if GATHER:
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        rows = tl.load(sorted_ids_ptr + offs_m)
+        m_valid = rows < num_pairs
+        a_rows = (rows // A_DIV).to(tl.int64)
+    else:
+        expert = 0
+        rows = offs_m
+        m_valid = offs_m < M
+        a_rows = offs_m.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    bs_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn
+    bs_up_ptrs = b_scale_ptr + expert * stride_bse + ((offs_n + up_offset) // GROUP_N) * stride_bsn
+    for k0 in range(0, K, BLOCK_K):
+        k_valid = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=m_valid[:, None] & k_valid[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if FP8:
+            kg = k0 // GROUP_K
+            a_s = tl.load(a_scale_ptr + a_rows * stride_asm + kg * stride_ask, mask=m_valid, other=0.0)
+            b_s = tl.load(bs_ptrs + kg * stride_bsk, mask=n_valid, other=0.0)
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+        else:
+            acc = tl.dot(a, b, acc)
+        if GATED:
+            b_up = tl.load(b_ptrs + up_offset * stride_bn, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
+            if UPCAST:
+                b_up = b_up.to(tl.float32)
+            if FP8:
+                b_up_s = tl.load(bs_up_ptrs + kg * stride_bsk, mask=n_valid, other=0.0)
+                acc_up += tl.dot(a, b_up) * (a_s[:, None] * b_up_s[None, :])
+            else:
+                acc_up = tl.dot(a, b_up, acc_up)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weight_ptr + rows, mask=m_valid, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    cfg: dict,
+    *,
+    a_scale: torch.Tensor | None = None,
+    b_scale: torch.Tensor | None = None,
+    block_size: tuple[int, int] | None = None,
+    align: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    a_div: int = 1,
+    gated: bool = False,
+    topk_weights: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out[rows, :N] = f(a[rows // a_div] @ b[expert]^T); b [E, N(*2 if gated), K] (or [N, K] for dense).
+
+    ``align`` = ``moe_align``'s output (rows are sorted pairs), else dense rows 0..a.shape[0].
+    FP8 when ``a_scale`` / ``b_scale`` are given (scales per [block_size] of b, per (row, block_size[1]) of a).
+    """
+    if b.dim() == 2:
+        b = b.unsqueeze(0)
+        b_scale = b_scale.unsqueeze(0) if b_scale is not None else None
+    n_out = out.shape[1]
+    k = b.shape[2]
+    fp8 = a_scale is not None
+    if fp8 and (block_size is None or block_size[1] % cfg["block_k"] and cfg["block_k"] % block_size[1]):
+        raise ValueError(f"block_k={cfg['block_k']} must divide the scale block {block_size} along K")
+    block_k = min(cfg["block_k"], block_size[1]) if fp8 else cfg["block_k"]
+    if align is not None:
+        sorted_ids, expert_ids, num_padded = align
+        rows, num_pairs = sorted_ids.shape[0], out.shape[0]
+    else:
+        sorted_ids = expert_ids = num_padded = out  # unused
+        rows = num_pairs = a.shape[0]
+    dummy = out
+    a_s = a_scale if fp8 else dummy
+    b_s = b_scale if fp8 else dummy
+    grid = (triton.cdiv(rows, cfg["block_m"]) * triton.cdiv(n_out, cfg["block_n"]),)
+    _gemm_kernel[grid](
+        a, a_s, b, b_s, out, bias if bias is not None else dummy,
+        topk_weights if topk_weights is not None else dummy,
+        sorted_ids, expert_ids, num_padded,
+        rows, n_out, k, num_pairs, n_out if gated else 0,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+        a_s.stride(0) if fp8 else 0, a_s.stride(1) if fp8 else 0,
+        b_s.stride(0) if fp8 else 0, b_s.stride(1) if fp8 else 0, b_s.stride(2) if fp8 else 0,
+        A_DIV=a_div, GATHER=align is not None, GATED=gated, MUL_WEIGHT=topk_weights is not None,
+        HAS_BIAS=bias is not None, FP8=fp8,
+        GROUP_N=block_size[0] if fp8 else 1, GROUP_K=block_size[1] if fp8 else 1,
+        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k, GROUP_M=cfg["group_m"],
+        UPCAST=not a.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def fused_moe_triton(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None,
+    block_size: tuple[int, int] | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """See ``ops.moe.fused_moe``; FP8 experts (e4m3 ``w13``/``w2``) take their block scales."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if num_tokens == 0:
+        return hidden.new_zeros(0, hidden_size)
+    fp8 = w13.dtype == torch.float8_e4m3fn
+    if fp8 and (w13_scale_inv is None or w2_scale_inv is None or block_size is None):
+        raise ValueError("FP8 experts need w13_scale_inv, w2_scale_inv and block_size")
+    if fp8 and inter % block_size[0]:
+        raise ValueError(f"FP8 fused MoE needs the intermediate size ({inter}) to be a multiple of "
+                         f"the scale block height {block_size[0]} (gate and up share the scale grid)")
+    dtype = "fp8" if fp8 else str(w13.dtype).removeprefix("torch.")
+    cfg = config or moe_config(f"{num_experts},{inter},{hidden_size},{dtype}", num_pairs / num_experts, fp8,
+                               hidden.is_cuda)
+    align = moe_align(topk_ids, num_experts, cfg["block_m"])
+    weights = topk_weights.reshape(-1).float()
+    inter_out = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    down = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    if fp8:
+        from dsinfer.ops.triton.fp8 import per_token_group_quant
+
+        a, a_s = per_token_group_quant(hidden, block_size[1])
+        grouped_gemm(a, w13, inter_out, cfg, a_scale=a_s, b_scale=w13_scale_inv, block_size=block_size,
+                     align=align, a_div=top_k, gated=True)
+        a2, a2_s = per_token_group_quant(inter_out, block_size[1])
+        grouped_gemm(a2, w2, down, cfg, a_scale=a2_s, b_scale=w2_scale_inv, block_size=block_size,
+                     align=align, topk_weights=weights)
+    else:
+        grouped_gemm(hidden, w13, inter_out, cfg, align=align, a_div=top_k, gated=True)
+        grouped_gemm(inter_out, w2, down, cfg, align=align, topk_weights=weights)
+    return down.view(num_tokens, top_k, hidden_size).sum(dim=1)

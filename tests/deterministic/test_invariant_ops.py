@@ -1,0 +1,116 @@
+"""Batch-invariant ops: a row's bits do not depend on its companions (CPU torch path and Triton interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsinfer.batch_invariant import batch_invariant, is_enabled
+from dsinfer.batch_invariant.attention import paged_attention_invariant
+from dsinfer.batch_invariant.matmul import bmm_invariant, mm_invariant
+from dsinfer.ops.attention import paged_attention_ref
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def test_linear_rows_are_invariant_to_batch_size_and_position():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 96, generator=gen)
+    x = torch.randn(600, 96, generator=gen)
+    full = mm_invariant(x, w.t())
+    for m in (1, 2, 3, 5, 17, 255, 256, 257, 600):
+        assert torch.equal(mm_invariant(x[:m], w.t()), full[:m]), m
+    for start in (1, 7, 300, 599):
+        assert torch.equal(mm_invariant(x[start:start + 1], w.t()), full[start:start + 1])
+    torch.testing.assert_close(full, x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_mode_routes_linear_and_refuses_nesting():
+    gen = torch.Generator().manual_seed(1)
+    w, x = torch.randn(64, 32, generator=gen), torch.randn(9, 32, generator=gen)
+    with batch_invariant():
+        assert is_enabled()
+        one = F.linear(x[:1], w)
+        many = F.linear(x, w)
+        with pytest.raises(RuntimeError, match="does not nest"), batch_invariant():
+            pass
+    assert not is_enabled()
+    assert torch.equal(one, many[:1])
+    with batch_invariant(False):
+        assert not is_enabled()
+
+
+def test_bmm_invariant_to_batch_count():
+    gen = torch.Generator().manual_seed(2)
+    a, b = torch.randn(6, 3, 64, generator=gen), torch.randn(6, 64, 80, generator=gen)
+    full = bmm_invariant(a, b)
+    assert torch.equal(bmm_invariant(a[:1], b[:1]), full[:1])
+    assert torch.equal(bmm_invariant(a[2:5], b[2:5]), full[2:5])
+
+
+def _cache(num_blocks=40, block_size=4, hkv=2, d=16, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(2, num_blocks, block_size, hkv, d, generator=gen)
+
+
+def _call(fn, q, cache, tables, q_lens, seq_lens, window=None):
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
+    return fn(q, cache, torch.tensor(tables, dtype=torch.int32), qsl, torch.tensor(seq_lens, dtype=torch.int32),
+              0.25, window)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_attention_row_same_in_prefill_chunk_decode_batch_and_alone(window):
+    cache = _cache()
+    gen = torch.Generator().manual_seed(4)
+    table_a = list(range(0, 10))
+    table_b = list(range(10, 40))
+    q = torch.randn(20, 4, 16, generator=gen)
+    # sequence A: a prefill chunk of 20 queries ending at position 29 (context 30)
+    chunk = _call(paged_attention_invariant, q, cache, [table_a], [20], [30], window)
+    # its last row as a decode, alone and next to a long companion
+    alone = _call(paged_attention_invariant, q[-1:], cache, [table_a], [1], [30], window)
+    q2 = torch.cat((torch.randn(1, 4, 16, generator=gen), q[-1:]))
+    batched = _call(paged_attention_invariant, q2, cache, [table_b, table_a + [0] * 20], [1, 1], [117, 30], window)
+    assert torch.equal(alone[0], chunk[-1])
+    assert torch.equal(batched[1], chunk[-1])
+    ref = _call(paged_attention_ref, q, cache, [table_a], [20], [30], window)
+    torch.testing.assert_close(chunk, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    if not HAS_CUDA:  # set before triton's first import, which reads it
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    return "cuda" if HAS_CUDA else "cpu"
+
+
+def test_triton_matmul_rows_invariant(triton_interpreter):
+    from dsinfer.batch_invariant.triton_kernels import matmul_invariant_triton
+
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(130, 48, generator=gen).to(triton_interpreter)
+    b = torch.randn(48, 70, generator=gen).to(triton_interpreter)
+    full = matmul_invariant_triton(a, b)
+    torch.testing.assert_close(full.cpu(), (a @ b).cpu(), rtol=1e-4, atol=1e-4)
+    for m, start in ((1, 0), (3, 64), (1, 129), (70, 60)):
+        assert torch.equal(matmul_invariant_triton(a[start:start + m], b), full[start:start + m])
+
+
+def test_triton_attention_matches_reference_and_is_invariant(triton_interpreter):
+    from dsinfer.batch_invariant.triton_kernels import paged_attention_invariant_triton
+
+    dev = triton_interpreter
+    cache = _cache().to(dev)
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(20, 4, 16, generator=gen).to(dev)
+    tables = [list(range(0, 10))]
+    chunk = _call(paged_attention_invariant_triton, q, cache, [t for t in tables], [20], [30])
+    ref = _call(paged_attention_ref, q.cpu(), cache.cpu(), tables, [20], [30])
+    torch.testing.assert_close(chunk.cpu(), ref, rtol=1e-4, atol=1e-4)
+    q2 = torch.cat((torch.randn(1, 4, 16, generator=gen).to(dev), q[-1:]))
+    batched = _call(paged_attention_invariant_triton, q2, cache, [list(range(10, 40)), tables[0] + [0] * 20],
+                    [1, 1], [117, 30])
+    assert torch.equal(batched[1], chunk[-1])

@@ -1,0 +1,135 @@
+"""Triton MLA kernels (latent store, absorbed decode, expanded prefill) against the torch references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsinfer.ops.mla import (
+    mla_decode,
+    mla_decode_ref,
+    mla_prefill,
+    mla_prefill_ref,
+    store_mla_kv,
+    store_mla_kv_ref,
+)
+
+
+def _latent_batch(q_lens, ctx_lens, heads, rank, rope, block_size, dtype, device, seed=0):
+    """A paged latent cache over shuffled blocks; rows no sequence owns are NaN (a kernel reading one shows)."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = [math.ceil(n / block_size) for n in ctx_lens]
+    num_blocks = sum(per_seq) + 1
+    order = torch.randperm(num_blocks, generator=gen)
+    width = max(per_seq) + 1
+    tables = torch.full((len(ctx_lens), width), int(order[-1]), dtype=torch.int32)
+    cache = torch.full((num_blocks, block_size, rank + rope), float("nan"))
+    used = 0
+    for b, n in enumerate(ctx_lens):
+        ids = order[used : used + per_seq[b]]
+        used += per_seq[b]
+        tables[b, : len(ids)] = ids.int()
+        pos = torch.arange(n)
+        cache[ids[pos // block_size], pos % block_size] = torch.randn(n, rank + rope, generator=gen)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    to = dict(device=device)
+    return (cache.to(dtype).to(**to), tables.to(**to), qsl.to(**to),
+            torch.tensor(ctx_lens, dtype=torch.int32, device=device), gen)
+
+
+def _clean(cache):
+    return torch.nan_to_num(cache.double().cpu(), nan=0.0)
+
+
+DECODE_CASES = [
+    # (q_lens, ctx_lens, heads, rank, rope, block_size, dtype, num_splits)
+    ([1, 1, 1, 1], [1, 17, 40, 33], 4, 32, 16, 16, torch.float32, None),
+    ([1, 1, 1], [50, 9, 64], 20, 32, 16, 8, torch.bfloat16, 3),  # two head tiles, three splits
+    ([3, 1, 2], [20, 7, 33], 4, 16, 8, 16, torch.float32, 2),  # several rows per sequence (drafts)
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"h{c[2]}-r{c[3]}-{str(c[6])[6:]}-s{c[7]}")
+def test_mla_decode_matches_reference(case, device, poisoned, assert_close):
+    from dsinfer.ops.triton.mla import mla_decode_triton
+
+    q_lens, ctx_lens, heads, rank, rope, block_size, dtype, splits = case
+    cache, tables, qsl, seq_lens, gen = _latent_batch(q_lens, ctx_lens, heads, rank, rope, block_size, dtype,
+                                                      device)
+    q_nope = torch.randn(sum(q_lens), heads, rank, generator=gen).to(dtype).to(device)
+    q_pe = torch.randn(sum(q_lens), heads, rope, generator=gen).to(dtype).to(device)
+    scale = 0.3
+    out = mla_decode_triton(q_nope, q_pe, cache, tables, qsl, seq_lens, scale, num_splits=splits)
+    ref = mla_decode_ref(q_nope.double().cpu(), q_pe.double().cpu(), _clean(cache), tables.cpu(), qsl.cpu(),
+                         seq_lens.cpu(), scale)
+    assert_close(out, ref, dtype)
+
+
+def test_mla_decode_skips_padding_rows_and_uses_public_op(device, assert_close):
+    cache, tables, qsl, seq_lens, gen = _latent_batch([1, 1], [5, 21], 4, 16, 8, 4, torch.float32, device)
+    q_nope = torch.randn(3, 4, 16, generator=gen).to(device)  # row 2 is graph padding: no sequence owns it
+    q_pe = torch.randn(3, 4, 8, generator=gen).to(device)
+    out = mla_decode(q_nope, q_pe, cache, tables, qsl, seq_lens, 0.25, max_seq_len=21)
+    ref = mla_decode_ref(q_nope[:2].double().cpu(), q_pe[:2].double().cpu(), _clean(cache), tables.cpu(),
+                         qsl.cpu(), seq_lens.cpu(), 0.25)
+    assert_close(out[:2], ref, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_prefill_with_cached_prefix_matches_reference(dtype, device, poisoned, assert_close):
+    heads, nope, rope, vdim, rank = 3, 16, 8, 16, 32
+    q_lens, ctx_lens = [5, 20, 1, 7], [37, 20, 9, 7]  # cached prefix, whole prompt, decode-like, prompt
+    cache, tables, qsl, seq_lens, gen = _latent_batch(q_lens, ctx_lens, heads, rank, rope, 16, dtype, device)
+    q_nope = torch.randn(sum(q_lens), heads, nope, generator=gen).to(dtype).to(device)
+    q_pe = torch.randn(sum(q_lens), heads, rope, generator=gen).to(dtype).to(device)
+    w_kv_b = (torch.randn(heads, nope + vdim, rank, generator=gen) / rank**0.5).to(dtype).to(device)
+    out = mla_prefill(q_nope, q_pe, cache, tables, qsl, seq_lens, w_kv_b, 0.2)
+    ref = mla_prefill_ref(q_nope.double().cpu(), q_pe.double().cpu(), _clean(cache), tables.cpu(), qsl.cpu(),
+                          seq_lens.cpu(), w_kv_b.double().cpu(), 0.2)
+    assert_close(out, ref, dtype)
+
+
+def test_store_mla_kv_writes_rows_and_skips_padding(device):
+    cache = torch.zeros(3, 4, 24, device=device)
+    cache_ref = cache.clone()
+    kv_c = torch.randn(5, 32, device=device)[:, :16]  # strided rows, as after a split
+    k_pe = torch.randn(5, 8, device=device)
+    slots = torch.tensor([7, -1, 0, 11, 2], device=device)
+    store_mla_kv(kv_c, k_pe, cache, slots)
+    store_mla_kv_ref(kv_c, k_pe, cache_ref, slots)
+    assert torch.equal(cache, cache_ref)
+    assert cache.view(-1, 24)[1].abs().sum() == 0  # the padded token wrote nothing
+
+
+# ---- GPU, real shapes ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])  # DeepSeek-V2-Lite, V3
+def test_mla_decode_real_shapes(heads, assert_close):
+    batch, ctx = 32, 1000
+    cache, tables, qsl, seq_lens, gen = _latent_batch(
+        [1] * batch, [ctx - 29 * b for b in range(batch)][::-1], heads, 512, 64, 64, torch.bfloat16, "cuda"
+    )
+    q_nope = torch.randn(batch, heads, 512, generator=gen).bfloat16().cuda()
+    q_pe = torch.randn(batch, heads, 64, generator=gen).bfloat16().cuda()
+    scale = 192**-0.5
+    out = mla_decode(q_nope, q_pe, cache, tables, qsl, seq_lens, scale, max_seq_len=ctx)
+    ref = mla_decode_ref(q_nope.float(), q_pe.float(), torch.nan_to_num(cache.float()), tables, qsl, seq_lens,
+                         scale)
+    assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_mla_prefill_real_shapes(assert_close):
+    heads, q_lens, ctx_lens = 16, [300, 77], [812, 77]
+    cache, tables, qsl, seq_lens, gen = _latent_batch(q_lens, ctx_lens, heads, 512, 64, 64, torch.bfloat16,
+                                                      "cuda")
+    q_nope = torch.randn(sum(q_lens), heads, 128, generator=gen).bfloat16().cuda()
+    q_pe = torch.randn(sum(q_lens), heads, 64, generator=gen).bfloat16().cuda()
+    w_kv_b = (torch.randn(heads, 256, 512, generator=gen) / 512**0.5).bfloat16().cuda()
+    out = mla_prefill(q_nope, q_pe, cache, tables, qsl, seq_lens, w_kv_b, 192**-0.5)
+    ref = mla_prefill_ref(q_nope.float(), q_pe.float(), torch.nan_to_num(cache.float()), tables, qsl, seq_lens,
+                          w_kv_b.float(), 192**-0.5)
+    assert_close(out, ref, torch.bfloat16)

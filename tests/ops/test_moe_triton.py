@@ -1,0 +1,120 @@
+"""Triton fused MoE (GPU alignment, grouped gate/up + down GEMMs, bf16 and FP8 block-scaled) vs the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsinfer.ops.fp8 import block_dequantize, block_quantize
+from dsinfer.ops.moe import fused_moe, fused_moe_ref, select_experts
+
+
+def _experts(num_experts, hidden, inter, gen, std=0.1):
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * std
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) * std
+    return w13, w2
+
+
+def _route(num_tokens, num_experts, top_k, gen, device):
+    logits = torch.randn(num_tokens, num_experts, generator=gen).to(device)
+    return select_experts(logits, top_k, norm_topk_prob=True)
+
+
+def _quantize_stack(w, block):
+    parts = [block_quantize(w_e, block) for w_e in w]
+    return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+
+
+def _qdq(x, group):
+    """Per-token-group e4m3 quantize-dequantize, as the kernel's activation path (float64)."""
+    g = x.view(x.shape[0], -1, group)
+    scale = g.abs().amax(-1, keepdim=True).clamp_min(1e-10) / 448.0
+    return ((g / scale).float().to(torch.float8_e4m3fn).double() * scale).view_as(x)
+
+
+def _emulated_fp8_moe(x, w13, w2, weights, ids, group):
+    """w8a8 MoE in float64 per (token, expert) pair: quantized hidden, bf16 intermediate quantized again."""
+    top_k, inter = ids.shape[1], w2.shape[2]
+    xq = _qdq(x.double(), group).repeat_interleave(top_k, dim=0)  # [pairs, H]
+    flat = ids.reshape(-1)
+    gate_up = torch.einsum("ph,pnh->pn", xq, w13[flat])
+    h = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]).bfloat16().double()
+    down = torch.einsum("pi,phi->ph", _qdq(h, group), w2[flat]) * weights.reshape(-1, 1).double()
+    return down.view(x.shape[0], top_k, -1).sum(1)
+
+
+def test_moe_align_sorts_pairs_by_expert_in_padded_blocks():
+    from dsinfer.ops.triton.moe import moe_align
+
+    topk_ids = torch.tensor([[2, 0], [2, 3], [0, 2]])
+    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, 5, 4)
+    sentinel = 6
+    assert int(num_padded) == 12  # experts 0 (2 pairs), 2 (3), 3 (1): one block of 4 each
+    assert sorted_ids[:12].tolist() == [1, 4, sentinel, sentinel, 0, 2, 5, sentinel, 3, sentinel, sentinel,
+                                        sentinel]
+    assert expert_ids[:3].tolist() == [0, 2, 3]
+    assert (sorted_ids[12:] == sentinel).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 13])
+def test_fused_moe_matches_reference(dtype, num_tokens, device, poisoned, assert_close):
+    gen = torch.Generator().manual_seed(num_tokens)
+    num_experts, hidden, inter, top_k = 8, 32, 24, 3
+    w13, w2 = _experts(num_experts, hidden, inter, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    weights, ids = _route(num_tokens, num_experts, top_k, gen, device)
+    to = dict(dtype=dtype, device=device)
+    out = fused_moe(x.to(**to), w13.to(**to), w2.to(**to), weights, ids)
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double().cpu(), ids.cpu())
+    assert_close(out, ref, dtype)
+
+
+def test_fused_moe_fp8_block_scaled_matches_dequantized_reference(device, poisoned, assert_close):
+    gen = torch.Generator().manual_seed(5)
+    num_experts, hidden, inter, top_k, block = 4, 64, 32, 2, (16, 32)
+    w13, w2 = _experts(num_experts, hidden, inter, gen)
+    w13_q, w13_s = _quantize_stack(w13, block)
+    w2_q, w2_s = _quantize_stack(w2, block)
+    x = torch.randn(9, hidden, generator=gen)
+    weights, ids = _route(9, num_experts, top_k, gen, device)
+    out = fused_moe(x.bfloat16().to(device), w13_q.to(device), w2_q.to(device), weights, ids,
+                    w13_scale_inv=w13_s.to(device), w2_scale_inv=w2_s.to(device), block_size=block)
+    w13_d = block_dequantize(w13_q, w13_s, block, torch.float64)
+    w2_d = block_dequantize(w2_q, w2_s, block, torch.float64)
+    xb = x.bfloat16()
+    emulated = _emulated_fp8_moe(xb, w13_d, w2_d, weights.cpu(), ids.cpu(), block[1])
+    assert_close(out, emulated, torch.bfloat16, tol=3e-2)  # bf16 intermediate: a few e4m3 rounding flips
+    ref = fused_moe_ref(xb.double(), w13_d, w2_d, weights.double().cpu(), ids.cpu())
+    assert_close(out, ref, torch.bfloat16, tol=0.15)  # activations quantized to e4m3 per token group
+
+
+# ---- GPU, real shapes ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [4, 300])
+def test_fused_moe_bf16_v2_lite_shapes(num_tokens, assert_close):
+    gen = torch.Generator().manual_seed(0)
+    w13, w2 = _experts(64, 2048, 1408, gen, std=0.02)
+    x = torch.randn(num_tokens, 2048, generator=gen)
+    weights, ids = _route(num_tokens, 64, 6, gen, "cuda")
+    out = fused_moe(x.bfloat16().cuda(), w13.bfloat16().cuda(), w2.bfloat16().cuda(), weights, ids)
+    ref = fused_moe_ref(x.cuda(), w13.cuda(), w2.cuda(), weights, ids)
+    assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [3, 512])
+def test_fused_moe_fp8_v3_expert_shapes(num_tokens, assert_close):
+    gen = torch.Generator().manual_seed(1)
+    num_experts, hidden, inter, block = 16, 7168, 2048, (128, 128)  # V3 expert shapes, fewer experts
+    w13, w2 = _experts(num_experts, hidden, inter, gen, std=0.02)
+    w13_q, w13_s = _quantize_stack(w13, block)
+    w2_q, w2_s = _quantize_stack(w2, block)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    weights, ids = _route(num_tokens, num_experts, 8, gen, "cuda")
+    out = fused_moe(x.bfloat16().cuda(), w13_q.cuda(), w2_q.cuda(), weights, ids, w13_scale_inv=w13_s.cuda(),
+                    w2_scale_inv=w2_s.cuda(), block_size=block)
+    ref = fused_moe_ref(x.bfloat16().float().cuda(), block_dequantize(w13_q, w13_s, block).cuda(),
+                        block_dequantize(w2_q, w2_s, block).cuda(), weights, ids)
+    assert_close(out, ref, torch.bfloat16, tol=0.15)  # two e4m3 activation quantizations (see the CPU test)

@@ -1,0 +1,115 @@
+"""Units without the model: spec parsing, the byte-bounded cache (10,000 schemas), matcher rollback, bitmask op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsinfer import ops
+from dsinfer.ops.bitmask import apply_token_bitmask_ref, unpack_bitmask
+from dsinfer.structured.cache import ByteBoundedLRU
+from dsinfer.structured.spec import parse_structured_outputs
+
+
+def test_spec_key_is_canonical_and_json_object_is_json_kind():
+    a = parse_structured_outputs({"json": {"type": "object", "properties": {"a": {"type": "integer"}}}})
+    b = parse_structured_outputs({"json": '{"properties": {"a": {"type": "integer"}}, "type": "object"}'})
+    assert a.key == b.key
+    assert parse_structured_outputs({"json_object": True}).kind == "json"
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({}, "exactly one"), ({"regex": ""}, "non-empty string"), ({"choice": ["a", 3]}, "non-empty list"),
+    ({"json": 3}, "JSON schema object"), ({"json_object": "yes"}, "must be true"), ({"foo": 1}, "unknown"),
+])
+def test_bad_specs_say_what_is_wrong(raw, message):
+    with pytest.raises(ValueError, match=message):
+        parse_structured_outputs(raw)
+
+
+def test_lru_evicts_to_stay_within_bytes():
+    cache = ByteBoundedLRU(100, size_of=len)
+    for i in range(50):
+        cache.put(f"k{i}", "x" * 30)
+        assert cache.bytes_used <= 100
+    assert len(cache) == 3 and cache.get("k49") is not None and cache.get("k0") is None
+    cache.put("huge", "x" * 1000)  # larger than the bound: not kept
+    assert cache.get("huge") is None and cache.bytes_used <= 100
+
+
+@pytest.fixture(scope="module")
+def manager(tmp_path_factory):
+    pytest.importorskip("xgrammar")
+    from dsinfer.structured.manager import StructuredOutputManager
+    from dsinfer.tokenizer import Tokenizer
+    from tests.protocol.tiny_tokenizer import write_tiny_tokenizer
+
+    tok = Tokenizer.from_dir(write_tiny_tokenizer(tmp_path_factory.mktemp("tok")))
+    eos = tok.token_to_id("<|im_end|>")
+    return tok, StructuredOutputManager(tok, tok.vocab_size, [eos], cache_bytes=256 << 10, compile_threads=2)
+
+
+def test_ten_thousand_schemas_stay_within_the_cache_bound(manager):
+    _, mgr = manager
+    peak = 0
+    futures = []
+    for i in range(10_000):
+        schema = {"type": "object", "properties": {f"field_{i}": {"type": "integer", "maximum": i}},
+                  "required": [f"field_{i}"]}
+        futures.append(mgr.prepare({"json": schema})[1])
+        if len(futures) >= 64:
+            for f in futures:
+                f.result()
+            futures.clear()
+            peak = max(peak, mgr.cache.bytes_used)
+    for f in futures:
+        f.result()
+    peak = max(peak, mgr.cache.bytes_used)
+    assert peak <= mgr.cache.limit_bytes
+    assert mgr.cache.evictions > 0 and len(mgr.cache) > 0
+
+
+def test_matcher_sync_rolls_back_and_checks_drafts(manager):
+    tok, mgr = manager
+    spec, future = mgr.prepare({"regex": "ab(c|d)e"})
+    future.result()
+    grammar = mgr.request_grammar(object(), spec, future)
+    ids = tok.encode("abce", add_special_tokens=False)
+    grammar.sync(ids[:2])
+    assert grammar.accepted == ids[:2]
+    grammar.sync(ids[:1])  # withdrawn tokens (rejected drafts) roll the matcher back
+    assert grammar.accepted == ids[:1]
+    assert grammar.check_drafts(ids[1:]) == len(ids) - 1
+    wrong = tok.encode("abx", add_special_tokens=False)
+    assert grammar.check_drafts(wrong[1:]) < len(wrong) - 1
+    assert grammar.accepted == ids[:1]  # checking drafts leaves the matcher unchanged
+    mask = torch.zeros(len(ids) + 1, (tok.vocab_size + 31) // 32, dtype=torch.int32)
+    assert grammar.fill_draft_bitmasks(mask, 0, ids[1:]) == len(ids)
+    allowed = unpack_bitmask(mask, tok.vocab_size)
+    assert all(allowed[i, t] for i, t in enumerate(ids[1:]))
+    grammar.sync(ids)
+    assert grammar.is_complete_and_closed(torch.zeros(1, mask.shape[1], dtype=torch.int32), mgr.stop_token_ids)
+
+
+def test_bitmask_op_masks_exactly_the_cleared_bits():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 70, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 3), generator=gen, dtype=torch.int64).to(torch.int32)
+    out = ops.apply_token_bitmask(logits, bitmask)
+    for r in range(3):
+        for t in range(70):
+            bit = (int(bitmask[r, t // 32]) >> (t % 32)) & 1
+            assert (out[r, t] == logits[r, t]) if bit else out[r, t] == float("-inf")
+
+
+def test_bitmask_triton_matches_torch(monkeypatch):
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("DSINFER_USE_TRITON", "always")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 2100, generator=gen).to(device)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (4, 66), generator=gen, dtype=torch.int64).to(torch.int32)
+    out = ops.apply_token_bitmask(logits, bitmask.to(device))
+    assert torch.equal(out.cpu(), apply_token_bitmask_ref(logits.cpu(), bitmask))
