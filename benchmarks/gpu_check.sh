@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_check.sh            # logs and JSON under $OUT (the device tool's folder) or /tmp
 #
 # Runs: pytest on every test file with a `gpu` mark; roofline.py (the two ceilings); kernels.py (each Triton op vs
-# its torch reference); latency.py (decode step vs batch at 1k context, prefill vs length, GPU idle between
+# its torch reference); deepseek_kernels.py (MLA decode/prefill, fused MoE bf16/FP8, FP8 GEMM); latency.py (decode step vs batch at 1k context, prefill vs length, GPU idle between
 # engine steps); throughput.py (Llama-3.1-8B dummy weights, 512 x 1000 in / 1000 out, and an HF subset).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +26,7 @@ mapfile -t GPU_TESTS < <(grep -rl "mark.gpu" tests --include='*.py' | sort -u)
 step pytest "$PY" -m pytest "${GPU_TESTS[@]}" -m gpu -q -p no:cacheprovider
 step roofline "$PY" benchmarks/roofline.py
 step kernels "$PY" benchmarks/kernels.py
+step deepseek_kernels "$PY" benchmarks/deepseek_kernels.py
 step latency "$PY" benchmarks/latency.py --model "$MODEL" --json-out "$OUT/latency.json"
 step throughput "$PY" benchmarks/throughput.py --device cuda --dtype bfloat16 --load-format dummy --model "$MODEL" \
     --num-prompts 512 --input-len 1000 --output-len 1000 --max-num-seqs 256 --max-num-batched-tokens 8192 \

@@ -65,10 +65,16 @@ class EnvVar:
         raw = self.raw
         if raw is None:
             return self.default
-        try:
-            return self.parse(raw)
-        except ValueError as exc:
-            raise ValueError(f"environment variable {self.name}={raw!r} is invalid: {exc}") from None
+        key = (self.name, raw)
+        if key not in _PARSED:  # ops read some variables per call: parse each distinct value once
+            try:
+                _PARSED[key] = self.parse(raw)
+            except ValueError as exc:
+                raise ValueError(f"environment variable {self.name}={raw!r} is invalid: {exc}") from None
+        return _PARSED[key]
+
+
+_PARSED: dict[tuple[str, str], Any] = {}
 
 
 _REGISTRY: dict[str, EnvVar] = {}

@@ -10,6 +10,8 @@ ignored).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -17,15 +19,22 @@ from dsinfer import batch_invariant
 from dsinfer.ops.dispatch import use_triton
 
 
-def _gather_context(
-    kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int
-) -> tuple[torch.Tensor, ...]:
-    """K and V of positions [0, length) for every row of block_tables: [B, length, Hkv, D] each."""
-    block_size = kv_cache.shape[2]
+@dataclass
+class _Plan:
+    """Gather indices and masks of one batch layout; every layer of a step shares it (see ``_plan``)."""
+
+    decode_rows: torch.Tensor | None  # [Bd] query rows of one-token sequences
+    decode_slots: torch.Tensor | None  # [Bd, L] cache slots of their contexts (padded)
+    decode_mask: torch.Tensor | None  # [Bd, 1, L]; None when every key is visible to every row
+    prefills: list[tuple[slice, torch.Tensor, torch.Tensor | None]]  # (rows, slots [1, L], mask [1, Q, L] / causal)
+
+
+_last_plan: tuple[tuple, _Plan] | None = None
+
+
+def _slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
     pos = torch.arange(length, device=block_tables.device)
-    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size
-    flat = kv_cache.flatten(1, 2)  # [2, num_blocks * block_size, Hkv, D]
-    return flat[0][slots], flat[1][slots]
+    return block_tables[:, pos // block_size].long() * block_size + pos % block_size
 
 
 def _context_mask(q_pos: torch.Tensor, length: int, sliding_window: int | None) -> torch.Tensor:
@@ -37,11 +46,48 @@ def _context_mask(q_pos: torch.Tensor, length: int, sliding_window: int | None) 
     return mask
 
 
-def _attend(q, k, v, mask, scale):
-    # q: [B, Q, Hq, D]; k/v: [B, S, Hkv, D]; mask: [B, Q, S]
+def _build_plan(block_tables, query_start_loc, seq_lens, sliding_window, block_size) -> _Plan:
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    lens, starts = seq_lens.tolist(), query_start_loc[:-1].tolist()
+    decode = [b for b, n in enumerate(q_lens) if n == 1]
+    plan = _Plan(None, None, None, [])
+    if decode:
+        idx = torch.tensor(decode, device=block_tables.device)
+        length = max(lens[b] for b in decode)
+        plan.decode_rows = query_start_loc[idx].long()
+        plan.decode_slots = _slots(block_tables[idx], length, block_size)
+        uniform = all(lens[b] == length for b in decode) and (sliding_window is None or length <= sliding_window)
+        if not uniform:  # with equal lengths and no window every key is visible: no mask needed
+            plan.decode_mask = _context_mask((seq_lens[idx] - 1).unsqueeze(1), length, sliding_window)
+    for b, n in enumerate(q_lens):
+        if n > 1:
+            mask = None  # a whole prompt without a window is plain causal attention
+            if lens[b] != n or (sliding_window is not None and n > sliding_window):
+                q_pos = torch.arange(lens[b] - n, lens[b], device=block_tables.device).unsqueeze(0)
+                mask = _context_mask(q_pos, lens[b], sliding_window)
+            plan.prefills.append((slice(starts[b], starts[b] + n), _slots(block_tables[b:b + 1], lens[b], block_size),
+                                  mask))
+    return plan
+
+
+def _plan(block_tables, query_start_loc, seq_lens, sliding_window, block_size) -> _Plan:
+    """The plan for this batch, built once per step: the layers of a forward pass share the batch tensors, so the
+    last plan is reused while they are the very same objects (the memo keeps them alive, so ids cannot recur)."""
+    global _last_plan
+    key = (block_tables, query_start_loc, seq_lens, sliding_window, block_size)
+    if _last_plan is not None and all(a is b for a, b in zip(_last_plan[0], key)):
+        return _last_plan[1]
+    plan = _build_plan(*key)
+    _last_plan = (key, plan)
+    return plan
+
+
+def _attend(q, k, v, mask, scale, causal: bool = False):
+    # q: [B, Q, Hq, D]; k/v: [B, S, Hkv, D]; mask: [B, Q, S], or None (all visible / plain causal when Q == S)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=q.shape[2] != k.shape[2],
+        attn_mask=None if mask is None else mask.unsqueeze(1), is_causal=causal and mask is None, scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)
 
@@ -63,26 +109,15 @@ def paged_attention_ref(
     ``max_query_len`` / ``max_seq_len`` are hints for the Triton path (see ``paged_attention``); ignored here.
     """
     out = torch.empty_like(q)
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
-    lens = seq_lens.tolist()
-    starts = query_start_loc[:-1].tolist()
-    decode = [b for b, n in enumerate(q_lens) if n == 1]
-    if decode:
-        idx = torch.tensor(decode, device=q.device)
-        length = max(lens[b] for b in decode)
-        k, v = _gather_context(kv_cache, block_tables[idx], length)
-        rows = query_start_loc[idx].long()
-        q_pos = (seq_lens[idx] - 1).unsqueeze(1)  # [B, 1]
-        mask = _context_mask(q_pos, length, sliding_window)
-        out[rows] = _attend(q[rows].unsqueeze(1), k, v, mask, scale).squeeze(1).to(q.dtype)
-    for b, n in enumerate(q_lens):
-        if n <= 1:
-            continue
-        k, v = _gather_context(kv_cache, block_tables[b : b + 1], lens[b])
-        q_pos = torch.arange(lens[b] - n, lens[b], device=q.device).unsqueeze(0)
-        mask = _context_mask(q_pos, lens[b], sliding_window)
-        rows = slice(starts[b], starts[b] + n)
-        out[rows] = _attend(q[rows].unsqueeze(0), k, v, mask, scale).squeeze(0).to(q.dtype)
+    plan = _plan(block_tables, query_start_loc, seq_lens, sliding_window, kv_cache.shape[2])
+    flat = kv_cache.flatten(1, 2)  # [2, num_blocks * block_size, Hkv, D]
+    if plan.decode_rows is not None:
+        rows = plan.decode_rows
+        k, v = flat[0][plan.decode_slots], flat[1][plan.decode_slots]
+        out[rows] = _attend(q[rows].unsqueeze(1), k, v, plan.decode_mask, scale).squeeze(1).to(q.dtype)
+    for rows, slots, mask in plan.prefills:
+        out[rows] = _attend(q[rows].unsqueeze(0), flat[0][slots], flat[1][slots], mask, scale,
+                            causal=True).squeeze(0).to(q.dtype)
     return out
 
 

@@ -12,13 +12,25 @@ import torch
 from dsinfer.ops.dispatch import use_triton
 
 
+_last: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+
+def _stored_rows(slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """Rows with a real slot, or None when all have one; every layer of a step passes the same slot_mapping."""
+    global _last
+    if _last is None or _last[0] is not slot_mapping:
+        keep = slot_mapping >= 0
+        _last = (slot_mapping, None if bool(keep.all()) else keep)
+    return _last[1]
+
+
 def store_kv_ref(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
+    keep = _stored_rows(slot_mapping)
+    if keep is not None:
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))

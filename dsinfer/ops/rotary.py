@@ -22,12 +22,28 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool
     return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
 
+_last: tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, 1, rot/2] at the positions; layers of one step pass the same tensors, so reuse the last.
+
+    Batch tensors are never modified in place (a step builds new ones), and the memo keeps them alive, so an
+    identity match always means the same values."""
+    global _last
+    if _last is not None and _last[0] is positions and _last[1] is cos_sin_cache:
+        return _last[2]
+    cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)
+    _last = (positions, cos_sin_cache, (cos, sin))
+    return cos, sin
+
+
 def apply_rotary_ref(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, Dq], k: [T, Hk, Dk] (Dq, Dk >= rotary_dim). Returns new (q, k) of the same dtype."""
     rot = cos_sin_cache.shape[-1]
-    cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)
+    cos, sin = _cos_sin(positions, cos_sin_cache)
     out = []
     for x in (q, k):
         x_rot = _rotate(x[..., :rot].float(), cos, sin, is_neox).to(x.dtype)

@@ -38,7 +38,7 @@ def test_outputs_identical_alone_and_in_batches(tiny_llama_dir, chunked):
     llm = LLM(str(tiny_llama_dir), dtype="float32", deterministic=True, **kwargs)
     rng = random.Random(0)
     target = [rng.randrange(256) for _ in range(TARGET_LEN)]
-    results = {_run_with_companions(llm, target, k, rng, 256) for k in (0, 1, 2, 5, 16, 33, 64)}
+    results = {_run_with_companions(llm, target, k, rng, 256) for k in (0, 1, 7, 64)}
     assert len(results) == 1
     # prefix-cache hit: the target prompt is cached by now
     hit = llm.generate([{"prompt_token_ids": target}], SamplingParams(temperature=0.0, max_tokens=20,
@@ -65,7 +65,7 @@ def test_real_model_deterministic_alone_and_batched():
     rng = random.Random(2)
     target = tok.encode("The three most important inventions of the last century are")
     vocab = llm.engine.model_config.vocab_size
-    results = {_run_with_companions(llm, target, k, rng, vocab) for k in (0, 3, 12)}
+    results = {_run_with_companions(llm, target, k, rng, vocab) for k in (0, 6)}
     assert len(results) == 1
 
 
