@@ -18,7 +18,8 @@ def test_preempted_requests_still_validate():
     llm = LLM(dtype="float32", num_kv_blocks=14, block_size=16, max_num_batched_tokens=64, max_model_len=192)
     schema = SCHEMAS["book"]
     prompt = [{"role": "user", "content": "A book as JSON, with its title, authors and year. " * 3}]
-    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=64, structured_outputs={"json": schema, "disable_any_whitespace": True}) for i in range(6)]
+    compact = {"json": schema, "disable_any_whitespace": True}
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=64, structured_outputs=compact) for i in range(6)]
     outputs = llm.chat([prompt] * 6, params, use_tqdm=False)
     for out in outputs:
         assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
