@@ -148,7 +148,8 @@ class EngineArgs:
                               self.gpu_memory_utilization, self.num_kv_blocks),
             scheduler=SchedulerConfig(self.max_num_seqs, batched, self.enable_chunked_prefill),
             load=LoadConfig(load_format, self.seed),
-            device=DeviceConfig(device, bool(deterministic), bool(async_sched), self.enforce_eager),
+            # CUDA graphs would replay the non-invariant kernels captured outside the batch-invariant mode
+            device=DeviceConfig(device, bool(deterministic), bool(async_sched), self.enforce_eager or bool(deterministic)),
         )
 
     def _validate(self) -> None:

@@ -11,7 +11,6 @@ import torch
 
 from dsinfer.ops.dispatch import use_triton
 
-
 _last: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
 

@@ -13,7 +13,7 @@ from dsinfer import LLM, SamplingParams
 from dsinfer.kvcache.spec import MLASpec
 from dsinfer.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 
-CONFIGS = Path(__file__).resolve().parents[2] / ".." / "shared" / "model-configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"  # copies of ../shared/model-configs
 
 
 def _config_dir(name: str, tmp_path: Path) -> Path:

@@ -107,6 +107,8 @@ def _dot(a, b, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
+        if a.dtype == tl.float32:  # float32 models stay exact (no TF32) so they match the CPU path
+            return tl.dot(a, b, input_precision="ieee")
         return tl.dot(a, b)
 
 

@@ -81,6 +81,14 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 @triton.jit
+def _mma(a, b, acc):
+    """acc + a @ b; float32 operands stay exact (no TF32) so float32 models match the CPU path."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, bias_ptr, weight_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -136,7 +144,7 @@ def _gemm_kernel(
             b_s = tl.load(bs_ptrs + kg * stride_bsk, mask=n_valid, other=0.0)
             acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
         else:
-            acc = tl.dot(a, b, acc)
+            acc = _mma(a, b, acc)
         if GATED:
             b_up = tl.load(b_ptrs + up_offset * stride_bn, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
             if UPCAST:
@@ -145,7 +153,7 @@ def _gemm_kernel(
                 b_up_s = tl.load(bs_up_ptrs + kg * stride_bsk, mask=n_valid, other=0.0)
                 acc_up += tl.dot(a, b_up) * (a_s[:, None] * b_up_s[None, :])
             else:
-                acc_up = tl.dot(a, b_up, acc_up)
+                acc_up = _mma(a, b_up, acc_up)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if GATED:
