@@ -149,7 +149,8 @@ class EngineArgs:
             scheduler=SchedulerConfig(self.max_num_seqs, batched, self.enable_chunked_prefill),
             load=LoadConfig(load_format, self.seed),
             # CUDA graphs would replay the non-invariant kernels captured outside the batch-invariant mode
-            device=DeviceConfig(device, bool(deterministic), bool(async_sched), self.enforce_eager or bool(deterministic)),
+            device=DeviceConfig(device, bool(deterministic), bool(async_sched),
+                                self.enforce_eager or bool(deterministic)),
         )
 
     def _validate(self) -> None:

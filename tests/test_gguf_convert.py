@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from dsinfer.models.loader import gguf as gguf_loader
+from dsinfer.models.loader import gguf_tokenizer
 from dsinfer.models.loader.gguf import cached_gguf_dir, convert_gguf, default_model_path
 
 transformers = pytest.importorskip("transformers")
@@ -207,7 +208,7 @@ def _sentencepiece_vocab() -> tuple[list[str], list[float], list[int]]:
 
 
 def _byte_level_vocab() -> tuple[list[str], list[str], list[int]]:
-    alphabet = list(gguf_loader._bytes_to_unicode().values())
+    alphabet = list(gguf_tokenizer._bytes_to_unicode().values())
     merges = ["Ġ t", "h e", "Ġt he", "l l", "ll o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld", "1 2"]
     tokens = ["<|endoftext|>", *alphabet, *(m.replace(" ", "") for m in merges), "<think>"]
     return tokens, merges, [3, *[1] * (len(tokens) - 2), 4]

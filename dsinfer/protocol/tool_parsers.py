@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from dsinfer.protocol.streaming_text import split_at_marker
@@ -20,7 +21,7 @@ class ParsedToolCall:
     arguments: str  # a JSON object as text
 
 
-class ToolCallParser:
+class ToolCallParser(ABC):
     start = ""  # the text that opens the tool-call section
     markers: tuple[str, ...] = ()  # strings that must survive detokenization (skip_special_tokens=False)
 
@@ -49,9 +50,9 @@ class ToolCallParser:
         rest, self._buf = self._buf, ""
         return rest, []
 
+    @abstractmethod
     def _step(self, content: list[str], calls: list[ParsedToolCall]) -> bool:
         """Consume one unit of the tool-call section; False when more text is needed."""
-        raise NotImplementedError
 
     def _leave_calls(self, head: str) -> bool:
         if any(m.startswith(head) for m in self.markers):
