@@ -147,6 +147,7 @@ def build_sampling_batch(items: list[ScheduledRequest], vocab_size: int, device:
         positions=to_device([s.request.num_tokens + s.request.num_pending for s in items], device, torch.int64),
         all_greedy=greedy_all,
         use_top_k=not greedy_all and any(k < vocab_size for k in top_k),
+        max_top_k=max(top_k),
         use_top_p=not greedy_all and any(p < 1.0 for p in top_p),
         use_min_p=not greedy_all and any(p > 0.0 for p in min_p),
         penalties=_penalties(items, vocab_size, device) if any(p.uses_penalties for p in params) else None,

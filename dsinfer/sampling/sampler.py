@@ -27,6 +27,7 @@ class SamplingBatch:
     positions: torch.Tensor  # [S] int64: position of the token being sampled
     all_greedy: bool
     use_top_k: bool
+    max_top_k: int  # host-side max of top_k (sizes the topk call without reading the tensor)
     use_top_p: bool
     use_min_p: bool
     penalties: Penalties | None = None
@@ -68,7 +69,7 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
 def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Set tokens outside each row's top-k / top-p / min-p set to -inf (the top token always survives)."""
     if batch.use_top_k:
-        kth = logits.topk(int(batch.top_k.max()), dim=-1).values
+        kth = logits.topk(batch.max_top_k, dim=-1).values
         threshold = kth.gather(1, (batch.top_k.clamp(max=kth.shape[1]) - 1).unsqueeze(1))
         logits = logits.masked_fill(logits < threshold, float("-inf"))
     if batch.use_top_p:

@@ -28,7 +28,7 @@ def make_batch(rows: int, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, seed0
         seeds=torch.arange(seed0, seed0 + rows, dtype=torch.int64),
         positions=torch.full((rows,), position, dtype=torch.int64),
         all_greedy=temperature == 0, use_top_k=top_k > 0, use_top_p=top_p < 1.0, use_min_p=min_p > 0.0,
-        **extra)
+        max_top_k=int(k.max()), **extra)
 
 
 def random_logits(rows: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
