@@ -106,6 +106,13 @@ class SamplingFields(WireModel):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     user: Annotated[str, Field(max_length=1024)] | None = None
+    # vLLM-style structured outputs (at most one of these and response_format)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | Annotated[str, Field(max_length=1 << 20)] | None = None
+    guided_regex: Annotated[str, Field(min_length=1, max_length=65536)] | None = None
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1, max_length=65536)]],
+                             Field(min_length=1, max_length=1024)] | None = None
+    guided_grammar: Annotated[str, Field(min_length=1, max_length=1 << 20)] | None = None
 
     @field_validator("logit_bias")
     @classmethod

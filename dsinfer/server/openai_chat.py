@@ -18,6 +18,7 @@ from dsinfer.protocol.fields import stop_list
 from dsinfer.protocol.logprobs import chat_logprobs
 from dsinfer.protocol.openai_schemas import ChatCompletionRequest, SamplingFields
 from dsinfer.protocol.sampling import build_sampling_params, logit_bias_ids, resolve_max_tokens
+from dsinfer.protocol.structured_request import structured_outputs_of, validate_structured_outputs
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.generation import Generation, primed
 from dsinfer.server.sse import SSE_DONE, SSE_HEADERS, sse_data
@@ -48,22 +49,9 @@ def sampling_fields(req: SamplingFields) -> dict[str, Any]:
     )
 
 
-def _structured(response_format: Any) -> dict[str, Any] | None:
-    if response_format is None or response_format.type == "text":
-        return None
-    if response_format.type == "json_object":
-        return {"json_object": True}
-    schema = (response_format.json_schema or {}).get("schema")
-    if not isinstance(schema, dict):
-        raise ProtocolError(
-            "response_format.json_schema.schema must be a JSON schema object",
-            param="response_format.json_schema",
-        )
-    return {"json": schema}
-
-
 def _params(
-    ctx: ServingContext, req: ChatCompletionRequest, prompt_len: int, use_tools: bool
+    ctx: ServingContext, req: ChatCompletionRequest, prompt_len: int, use_tools: bool,
+    structured: dict[str, Any] | None,
 ) -> SamplingParams:
     if req.top_logprobs is not None and not req.logprobs:
         raise ProtocolError("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -73,7 +61,7 @@ def _params(
     fields.update(
         max_tokens=resolve_max_tokens(requested, prompt_len, ctx.max_model_len, param),
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        structured_outputs=_structured(req.response_format),
+        structured_outputs=structured,
     )
     if use_tools and ctx.tool_markers_special:
         fields["skip_special_tokens"] = False
@@ -93,7 +81,9 @@ async def chat_completions(request: Request):
         req.chat_template_kwargs,
         req.add_generation_prompt,
     )
-    params = _params(ctx, req, len(encoded.token_ids), use_tools)
+    structured, field = structured_outputs_of(req)
+    params = _params(ctx, req, len(encoded.token_ids), use_tools, structured)
+    await validate_structured_outputs(structured, field)
     gen = Generation(ctx, encoded.token_ids, params, new_id("chatcmpl-"))
     parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools)
     if req.stream:

@@ -14,6 +14,7 @@ from dsinfer.protocol.errors import ProtocolError
 from dsinfer.protocol.logprobs import completion_logprobs
 from dsinfer.protocol.openai_schemas import CompletionRequest
 from dsinfer.protocol.sampling import build_sampling_params, check_prompt_ids, resolve_max_tokens
+from dsinfer.protocol.structured_request import structured_outputs_of, validate_structured_outputs
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.generation import Generation, primed
 from dsinfer.server.openai_chat import sampling_fields
@@ -47,7 +48,10 @@ async def completions(request: Request):
         max_tokens=resolve_max_tokens(req.max_tokens, len(ids), ctx.max_model_len, "max_tokens", "prompt"),
         logprobs=req.logprobs,
     )
+    structured, field = structured_outputs_of(req)
+    fields["structured_outputs"] = structured
     params = build_sampling_params(fields, ctx.vocab_size, req.stream)
+    await validate_structured_outputs(structured, field)
     gen = Generation(ctx, ids, params, new_id("cmpl-"))
     echo = ctx.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else ""
     if req.stream:

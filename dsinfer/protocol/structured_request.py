@@ -1,0 +1,79 @@
+"""Structured-output constraints of an OpenAI-style request: ``response_format``, vLLM's ``structured_outputs``
+and the older ``guided_*`` fields, merged into the one ``SamplingParams.structured_outputs`` dict.
+
+At most one source may be set. ``check_grammar_syntax`` parses the constraint with xgrammar (no tokenizer needed,
+milliseconds) so that an invalid schema, regex or grammar is a 400 before the engine sees the request; it runs in
+a worker thread, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from dsinfer.protocol.errors import ProtocolError
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _from_response_format(response_format: Any) -> dict[str, Any] | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return {"json_object": True}
+    schema = (response_format.json_schema or {}).get("schema")
+    if not isinstance(schema, dict):
+        raise ProtocolError("response_format.json_schema.schema must be a JSON schema object",
+                            param="response_format.json_schema")
+    return {"json": schema}
+
+
+def structured_outputs_of(req: Any) -> tuple[dict[str, Any] | None, str | None]:
+    """(the constraint dict, the request field it came from) or (None, None)."""
+    sources: list[tuple[str, dict[str, Any]]] = []
+    from_format = _from_response_format(getattr(req, "response_format", None))
+    if from_format is not None:
+        sources.append(("response_format", from_format))
+    if getattr(req, "structured_outputs", None) is not None:
+        sources.append(("structured_outputs", dict(req.structured_outputs)))
+    for field, kind in _GUIDED.items():
+        value = getattr(req, field, None)
+        if value is None:
+            continue
+        if field == "guided_json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ProtocolError(f"guided_json is not valid JSON: {exc}", param=field) from None
+        sources.append((field, {kind: value}))
+    if len(sources) > 1:
+        names = [name for name, _ in sources]
+        raise ProtocolError(f"set at most one structured-output constraint, got {names}", param=names[1])
+    return (sources[0][1], sources[0][0]) if sources else (None, None)
+
+
+def check_grammar_syntax(constraint: dict[str, Any]) -> None:
+    """Parse the constraint with xgrammar; raise ValueError naming what is wrong."""
+    import xgrammar as xgr
+
+    try:
+        if "json" in constraint:
+            schema = constraint["json"]
+            xgr.Grammar.from_json_schema(schema if isinstance(schema, str) else json.dumps(schema))
+        elif "regex" in constraint:
+            xgr.Grammar.from_regex(constraint["regex"])
+        elif "grammar" in constraint:
+            xgr.Grammar.from_ebnf(constraint["grammar"])
+    except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports parse errors as RuntimeError
+        kind = next(iter(constraint))
+        raise ValueError(f"invalid {kind} constraint: {str(exc).strip().splitlines()[0][:500]}") from None
+
+
+async def validate_structured_outputs(constraint: dict[str, Any] | None, field: str | None) -> None:
+    if constraint is None:
+        return
+    try:
+        await asyncio.to_thread(check_grammar_syntax, constraint)
+    except ValueError as exc:
+        raise ProtocolError(str(exc), param=field) from None

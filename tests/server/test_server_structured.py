@@ -1,0 +1,63 @@
+"""Structured outputs over the wire: response_format, vLLM's guided_* fields, and 400s for invalid constraints."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from .test_server_bad_inputs import check_bad
+
+CHAT = "/v1/chat/completions"
+MSGS = [{"role": "user", "content": "Give me a person as JSON."}]
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def _content(response) -> str:
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def test_response_format_json_schema_output_validates(server):
+    jsonschema = pytest.importorskip("jsonschema")
+    body = {"messages": MSGS, "max_tokens": 60, "temperature": 0.7, "seed": 3,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}}
+    jsonschema.validate(json.loads(_content(server.post(CHAT, json=body))), SCHEMA)
+
+
+def test_guided_choice_and_regex(server):
+    body = {"messages": MSGS, "max_tokens": 8, "temperature": 0.7, "guided_choice": ["yes", "no"]}
+    assert _content(server.post(CHAT, json=body)) in ("yes", "no")
+    body = {"messages": MSGS, "max_tokens": 12, "temperature": 0.7, "guided_regex": r"[0-9]{3}-[a-z]{2}"}
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", _content(server.post(CHAT, json=body)))
+
+
+def test_completions_take_structured_outputs(server):
+    body = {"prompt": "The answer is", "max_tokens": 8, "temperature": 0.7,
+            "structured_outputs": {"choice": ["A", "B", "C"]}}
+    r = server.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] in ("A", "B", "C")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("guided_regex", "(unclosed"),
+    ("guided_grammar", "root ::= "),
+    ("guided_json", {"type": "nope"}),
+    ("guided_json", "{not json"),
+    ("structured_outputs", {"regex": "[z-a]"}),
+    ("structured_outputs", {"json": {"type": "object"}, "regex": "a"}),
+])
+def test_invalid_constraints_are_400(server, field, value):
+    check_bad(server, CHAT, 400, {"messages": MSGS, "max_tokens": 4, field: value}, param=field)
+
+
+def test_two_constraint_sources_are_400(server):
+    body = {"messages": MSGS, "max_tokens": 4, "guided_regex": "a+", "response_format": {"type": "json_object"}}
+    check_bad(server, CHAT, 400, body, param="guided_regex")
