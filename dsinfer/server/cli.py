@@ -13,6 +13,7 @@ from dsinfer.protocol.chat_formats import BUILTIN_TEMPLATES
 from dsinfer.protocol.tool_parsers import TOOL_PARSERS
 
 _ENGINE_ARGS = (
+    "deterministic",
     "dtype",
     "max_model_len",
     "max_num_seqs",
@@ -41,6 +42,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     eng.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache size in GiB")
     eng.add_argument("--seed", type=int, default=None, help="engine seed")
     eng.add_argument("--load-format", default=None, help="auto | safetensors | gguf | dummy")
+    eng.add_argument("--deterministic", action="store_true", default=None,
+                     help="batch-invariant mode: a request's output does not depend on its batch")
     srv = parser.add_argument_group("server")
     srv.add_argument("--max-waiting-requests", type=int, default=256, help="queued requests before 429")
     srv.add_argument("--max-body-mb", type=float, default=8.0, help="request bodies above this get 413")
