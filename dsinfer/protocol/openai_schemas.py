@@ -57,6 +57,7 @@ class FunctionDef(WireModel):
     name: ToolName
     description: Annotated[str, Field(max_length=65536)] | None = None
     parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None  # constrain this function's arguments to its schema
 
 
 class Tool(WireModel):

@@ -65,6 +65,9 @@ def check_grammar_syntax(constraint: dict[str, Any]) -> None:
             xgr.Grammar.from_regex(constraint["regex"])
         elif "grammar" in constraint:
             xgr.Grammar.from_ebnf(constraint["grammar"])
+        elif "structural_tag" in constraint:
+            tag = constraint["structural_tag"]
+            xgr.Grammar.from_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))
     except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports parse errors as RuntimeError
         kind = next(iter(constraint))
         raise ValueError(f"invalid {kind} constraint: {str(exc).strip().splitlines()[0][:500]}") from None

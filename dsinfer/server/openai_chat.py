@@ -19,6 +19,7 @@ from dsinfer.protocol.logprobs import chat_logprobs
 from dsinfer.protocol.openai_schemas import ChatCompletionRequest, SamplingFields
 from dsinfer.protocol.sampling import build_sampling_params, logit_bias_ids, resolve_max_tokens
 from dsinfer.protocol.structured_request import structured_outputs_of, validate_structured_outputs
+from dsinfer.protocol.tool_constraints import tool_call_constraint
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.generation import Generation, primed
 from dsinfer.server.sse import SSE_DONE, SSE_HEADERS, sse_data
@@ -82,6 +83,12 @@ async def chat_completions(request: Request):
         req.add_generation_prompt,
     )
     structured, field = structured_outputs_of(req)
+    tool_constraint = tool_call_constraint(req.tools, req.tool_choice, ctx.tool_parser) if use_tools else None
+    if tool_constraint is not None:
+        if structured is not None:
+            raise ProtocolError("a forced or strict tool choice cannot be combined with another structured-output "
+                                "constraint", param=field)
+        structured, field = tool_constraint, "tools"
     params = _params(ctx, req, len(encoded.token_ids), use_tools, structured)
     await validate_structured_outputs(structured, field)
     gen = Generation(ctx, encoded.token_ids, params, new_id("chatcmpl-"))

@@ -61,3 +61,38 @@ def test_invalid_constraints_are_400(server, field, value):
 def test_two_constraint_sources_are_400(server):
     body = {"messages": MSGS, "max_tokens": 4, "guided_regex": "a+", "response_format": {"type": "json_object"}}
     check_bad(server, CHAT, 400, body, param="guided_regex")
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                       "required": ["city"], "additionalProperties": False},
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"])
+def test_forced_tool_choice_yields_a_valid_call(server, tool_choice):
+    jsonschema = pytest.importorskip("jsonschema")
+    body = {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": tool_choice, "max_tokens": 48,
+            "temperature": 0.7, "seed": 1}
+    r = server.post(CHAT, json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    calls = choice["message"]["tool_calls"]
+    assert calls and choice["finish_reason"] == "tool_calls"
+    wanted = ["get_weather"] if isinstance(tool_choice, dict) else ["get_weather", "get_time"]
+    assert calls[0]["function"]["name"] in wanted
+    schema = WEATHER["function"]["parameters"] if calls[0]["function"]["name"] == "get_weather" else {}
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), schema)
+
+
+def test_named_tool_choice_must_exist(server):
+    body = {"messages": ASK, "tools": [WEATHER], "max_tokens": 8,
+            "tool_choice": {"type": "function", "function": {"name": "nope"}}}
+    check_bad(server, CHAT, 400, body, param="tool_choice")
