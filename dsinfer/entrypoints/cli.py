@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into a reader that quit early (e.g. `| head`)
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
