@@ -309,6 +309,19 @@ def test_preemption_matches_hf(ckpt):
     assert preempted, "the KV cache was large enough: nothing was preempted"
 
 
+def test_seeded_sampling_is_batch_and_preemption_independent(ckpt):
+    """A seeded request (T=0.8, top-p) gives the same tokens alone, among companions, and through preemption."""
+    target = SamplingParams(temperature=0.8, top_p=0.9, seed=99, max_tokens=NEW_TOKENS, ignore_eos=True)
+    others = SamplingParams(temperature=1.0, seed=5, max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompt = {"prompt_token_ids": ckpt.prompts[5]}
+    companions = [{"prompt_token_ids": ckpt.prompts[i]} for i in (0, 3, 6, 7)]
+    (alone,) = LLM(str(ckpt.path)).generate(prompt, target, use_tqdm=False)
+    for llm in (LLM(str(ckpt.path)), LLM(str(ckpt.path), num_kv_blocks=10, enable_prefix_caching=False)):
+        outs = llm.generate(companions[:2] + [prompt] + companions[2:], [others, others, target, others, others],
+                            use_tqdm=False)
+        assert outs[2].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
 def test_kv_cache_is_latent_only(v3):
     llm = LLM(str(v3.path))
     runner = llm.engine.runner
