@@ -28,8 +28,10 @@ _MIN_SPLIT_KEYS = 128  # fewest keys a decode split is worth
 
 
 @triton.jit
-def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
-    """Largest b with query_start_loc[b] // BLOCK_Q + b <= tile: the sequence that owns this query tile."""
+def find_tile_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """Largest b with query_start_loc[b] // BLOCK_Q + b <= tile: the sequence that owns this query tile.
+
+    Shared by the GQA and MLA prefill kernels."""
     lo: tl.int32 = 0
     hi: tl.int32 = num_seqs
     while lo < hi:
@@ -113,7 +115,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the last (longest, causal) tiles start first
     kv_head = tl.program_id(1)
-    seq = _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    seq = find_tile_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     q_tile = tile - (q_start // BLOCK_Q + seq)

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsinfer.ops.triton.attention import find_tile_seq
 from dsinfer.ops.triton.utils import num_sms
 
 _LOG2E = 1.4426950408889634
@@ -265,20 +266,6 @@ def mla_decode_triton(
 # ---- prefill ----
 
 @triton.jit
-def _find_tile_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_M: tl.constexpr):
-    """Largest b with query_start_loc[b] // BLOCK_M + b <= tile: the sequence that owns this query tile."""
-    lo: tl.int32 = 0
-    hi: tl.int32 = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid <= tile:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
-
-
-@triton.jit
 def _mla_prefill_kernel(
     qn_ptr, qp_ptr, kv_ptr, ctx_ptr, cu_ctx_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     num_seqs, scale_log2,
@@ -290,7 +277,7 @@ def _mla_prefill_kernel(
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last, causal) tiles first
     head = tl.program_id(1)
-    seq = _find_tile_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_M)
+    seq = find_tile_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_M)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     q_tile = tile - (q_start // BLOCK_M + seq)
