@@ -168,7 +168,7 @@ def _routing(tokens: int, num_experts: int, top_k: int):
 def moe_rows(sweep: bool, best: dict) -> list[Row]:
     from dsinfer.ops.moe import fused_moe
     from dsinfer.ops.triton.fp8 import per_token_group_quant
-    from dsinfer.ops.triton.moe import grouped_gemm, moe_align, moe_config
+    from dsinfer.ops.triton.moe import down_config, grouped_gemm, moe_align, moe_config
 
     rows = []
     # DeepSeek-V3 experts, FP8: E=256, H=7168, I=2048, top-8.
@@ -205,8 +205,10 @@ def moe_rows(sweep: bool, best: dict) -> list[Row]:
             align = moe_align(ids, e, cfg["block_m"])
             gemm1 = functools.partial(grouped_gemm, a, w13, inter, cfg, a_scale=a_s, b_scale=s13,
                                       block_size=BLOCK, align=align, a_div=k, gated=True)
-            gemm2 = functools.partial(grouped_gemm, a2, w2, down, cfg, a_scale=a2_s, b_scale=s2,
-                                      block_size=BLOCK, align=align, topk_weights=wflat)
+            cfg2 = down_config(cfg)  # the down GEMM's own tile (tuned separately)
+            align2 = align if cfg2["block_m"] == cfg["block_m"] else moe_align(ids, e, cfg2["block_m"])
+            gemm2 = functools.partial(grouped_gemm, a2, w2, down, cfg2, a_scale=a2_s, b_scale=s2,
+                                      block_size=BLOCK, align=align2, topk_weights=wflat)
             try:
                 t1, t2 = bench_ms(gemm1), bench_ms(gemm2)
             except Exception as exc:  # noqa: BLE001

@@ -1,38 +1,94 @@
 #!/usr/bin/env bash
-# Every GPU test and benchmark in one device call (about 6-8 minutes on one H200); a short summary table last.
+# Every GPU test and benchmark (one H200; a short summary table last). All parts take longer than one device call
+# allows (600 s): run `--only tests,kernels,llama` (~6 min) and `--only deepseek` (~5 min) as two calls.
 #
-#   bash benchmarks/gpu_check.sh            # logs and JSON under $OUT (the device tool's folder) or /tmp
+#   bash benchmarks/gpu_check.sh                  # everything; logs + JSON under $OUT (the device tool's) or /tmp
+#   bash benchmarks/gpu_check.sh --only deepseek  # one part, or several: --only tests,kernels
 #
-# Runs: pytest on every test file with a `gpu` mark; roofline.py (the two ceilings); kernels.py (each Triton op vs
-# its torch reference); deepseek_kernels.py (MLA decode/prefill, fused MoE bf16/FP8, FP8 GEMM); latency.py (decode step vs batch at 1k context, prefill vs length, GPU idle between
-# engine steps); throughput.py (Llama-3.1-8B dummy weights, 512 x 1000 in / 1000 out, and an HF subset).
+# Parts (in this order):
+#   tests     pytest on every test file with a `gpu` mark
+#   kernels   roofline.py (the ceilings); kernels.py (each Triton op vs its torch reference); deepseek_kernels.py
+#             (MLA decode/prefill, fused MoE bf16/FP8, FP8 GEMM)
+#   llama     Llama-3.1-8B dummy bf16: latency.py (decode step vs batch at 1k context, prefill vs length, GPU idle
+#             between engine steps); throughput.py (512 x 1000 in / 1000 out, and HF on 32 x 1000 / 300 beside
+#             dsinfer on the same subset)
+#   deepseek  DeepSeek-V2-Lite dummy bf16 and DeepSeek-V3 dummy FP8 cut to 5 layers (3 dense + 2 MoE, no MTP):
+#             latency.py (decode B=1/64/256 at 1k context vs the floor of the experts actually routed to, prefill);
+#             throughput.py (V2-Lite 512 x 1000 / 100 with HF on 32 prompts; V3 256 x 1000 / 100)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ONLY=all
+while [ $# -gt 0 ]; do
+    case $1 in
+        --only) ONLY=${2:?--only needs tests, kernels, llama or deepseek (comma-separated)}; shift 2 ;;
+        --only=*) ONLY=${1#--only=}; shift ;;
+        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+for part in ${ONLY//,/ }; do
+    case $part in all|tests|kernels|llama|deepseek) ;; *) echo "unknown part: $part" >&2; exit 2 ;; esac
+done
+want() { [[ ,$ONLY, == *,all,* || ,$ONLY, == *,$1,* ]]; }
 OUT=${OUT:-/tmp/dsinfer-gpu-check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python3}
-MODEL=benchmarks/configs/llama-3.1-8b
+LLAMA=benchmarks/configs/llama-3.1-8b
+V2LITE=benchmarks/configs/deepseek-v2-lite
+V3=benchmarks/configs/deepseek-v3
+V3_5L='{"num_hidden_layers": 5, "first_k_dense_replace": 3, "num_nextn_predict_layers": 0}'
+DUMMY=(--device cuda --dtype bfloat16 --load-format dummy)
+# The device tool stops a command at 600 s: steps get what is left of GPU_CHECK_BUDGET_S, so the summary of the
+# steps that finished is always printed.
+BUDGET_S=${GPU_CHECK_BUDGET_S:-575}
 status=0
 step() {  # step NAME CMD...: run, log to $OUT/NAME.log, remember a failure
     local name=$1; shift
+    local left=$((BUDGET_S - SECONDS))
+    if [ "$left" -lt 30 ]; then
+        echo "=== $name: SKIPPED, ${left} s of the ${BUDGET_S} s budget left (run it alone with --only)"
+        status=1
+        return
+    fi
     echo "=== $name: $*"
     local t0=$SECONDS
-    "$@" 2>&1 | tee "$OUT/$name.log" || status=1
+    timeout -k 5 "$left" "$@" 2>&1 | tee "$OUT/$name.log" || status=1
     echo "=== $name took $((SECONDS - t0)) s"
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader || true
-mapfile -t GPU_TESTS < <(grep -rl "mark.gpu" tests --include='*.py' | sort -u)
-step pytest "$PY" -m pytest "${GPU_TESTS[@]}" -m gpu -q -p no:cacheprovider
-step roofline "$PY" benchmarks/roofline.py
-step kernels "$PY" benchmarks/kernels.py
-step deepseek_kernels "$PY" benchmarks/deepseek_kernels.py
-step latency "$PY" benchmarks/latency.py --model "$MODEL" --json-out "$OUT/latency.json"
-step throughput "$PY" benchmarks/throughput.py --device cuda --dtype bfloat16 --load-format dummy --model "$MODEL" \
-    --num-prompts 512 --input-len 1000 --output-len 1000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
-    --gpu-memory-utilization 0.8 --compare-hf --hf-num-prompts 32 --hf-output-len 100 \
-    --json-out "$OUT/throughput.json"
+if want tests; then
+    mapfile -t GPU_TESTS < <(grep -rl "mark.gpu" tests --include='*.py' | sort -u)
+    step pytest "$PY" -m pytest "${GPU_TESTS[@]}" -m gpu -q -p no:cacheprovider
+fi
+if want kernels; then
+    step roofline "$PY" benchmarks/roofline.py
+    step kernels "$PY" benchmarks/kernels.py
+    step deepseek_kernels "$PY" benchmarks/deepseek_kernels.py
+fi
+if want llama; then
+    step latency "$PY" benchmarks/latency.py --model "$LLAMA" --batch-sizes 1 64 256 --prefill 2048 8x2048 \
+        --json-out "$OUT/latency.json"
+    step throughput "$PY" benchmarks/throughput.py "${DUMMY[@]}" --model "$LLAMA" \
+        --num-prompts 512 --input-len 1000 --output-len 1000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+        --gpu-memory-utilization 0.8 --compare-hf --hf-num-prompts 32 --hf-output-len 300 \
+        --json-out "$OUT/throughput.json"
+fi
+if want deepseek; then
+    step latency-v2-lite "$PY" benchmarks/latency.py --model "$V2LITE" --batch-sizes 1 64 256 \
+        --prefill 1024 4096 8x2048 --steps 30 --json-out "$OUT/latency-v2-lite.json"
+    # dsinfer's KV cache stops at max_num_seqs x max_model_len (9 GB here), which leaves room for HF's weights
+    step throughput-v2-lite "$PY" benchmarks/throughput.py "${DUMMY[@]}" --model "$V2LITE" \
+        --num-prompts 512 --input-len 1000 --output-len 100 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+        --gpu-memory-utilization 0.8 --compare-hf --hf-num-prompts 32 --hf-output-len 100 \
+        --json-out "$OUT/throughput-v2-lite.json"
+    step latency-v3 "$PY" benchmarks/latency.py --model "$V3" --hf-overrides "$V3_5L" --batch-sizes 1 64 256 \
+        --prefill 1024 8x2048 --steps 30 --idle-batch 0 --json-out "$OUT/latency-v3.json"
+    step throughput-v3 "$PY" benchmarks/throughput.py "${DUMMY[@]}" --model "$V3" --hf-overrides "$V3_5L" \
+        --num-prompts 256 --input-len 1000 --output-len 100 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+        --gpu-memory-utilization 0.8 --json-out "$OUT/throughput-v3.json"
+fi
 echo
-grep -E "passed|failed|error" "$OUT/pytest.log" | tail -1
+if want tests; then grep -E "passed|failed|error" "$OUT/pytest.log" | tail -1; fi
 "$PY" benchmarks/gpu_summary.py "$OUT" || status=1
 exit $status

@@ -1,69 +1,125 @@
 """The short table ``gpu_check.sh`` prints last: each headline figure beside its floor, its target and vLLM's.
 
-    python benchmarks/gpu_summary.py OUT_DIR   # reads OUT_DIR/latency.json and OUT_DIR/throughput.json
+    python benchmarks/gpu_summary.py OUT_DIR
+
+Reads, where present, OUT_DIR/latency.json + throughput.json (Llama-3.1-8B), latency-v2-lite.json +
+throughput-v2-lite.json (DeepSeek-V2-Lite) and latency-v3.json + throughput-v3.json (DeepSeek-V3 with fewer layers,
+FP8); a model whose files are missing (``--only``) is left out.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # vLLM 0.26.0 on the same H200 kind (shared/tools/peer-vllm/README.md), for reference
-VLLM = {"decode1": "4.95 ms (1.37x)", "decode256": "17.85 ms (1.51x)", "offline": "9,152 tok/s"}
+VLLM_LLAMA = {"decode1": "4.95 ms (1.37x)", "decode64": "7.29 ms (1.29x)", "decode256": "17.85 ms (1.51x)",
+              "offline": "9,152 tok/s"}
+VLLM_V2_LITE = {"decode1": "3.36 ms (2.87x)", "decode64": "10.62 ms (1.36x)", "decode256": "12.50 ms (1.34x)",
+                "offline": "6,556 tok/s"}
+
+
+@dataclass
+class Model:
+    title: str
+    latency: str  # file names under OUT_DIR
+    throughput: str
+    decode_targets: dict[int, float] = field(default_factory=dict)  # batch -> max step / floor
+    prefill_target: float | None = None  # min fraction of the measured matmul rate (prefill 8x2048)
+    idle_target: float | None = None  # max % GPU idle between decode steps
+    offline_target: float | None = None  # min output tok/s
+    hf_target: float | None = None  # min dsinfer / HF ratio
+    vllm: dict[str, str] = field(default_factory=dict)
+
+
+MODELS = [
+    Model("Llama-3.1-8B bf16, dummy", "latency.json", "throughput.json", {1: 1.2, 256: 1.3}, 0.55, 5.0, 1e4, 10.0,
+          VLLM_LLAMA),
+    Model("DeepSeek-V2-Lite bf16, dummy", "latency-v2-lite.json", "throughput-v2-lite.json",
+          {1: 1.5, 64: 1.3, 256: 1.3}, None, 5.0, 3700.0, None, VLLM_V2_LITE),
+    Model("DeepSeek-V3 FP8, dummy", "latency-v3.json", "throughput-v3.json"),
+]
 
 
 def load(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def rows(lat: dict, thr: dict) -> list[tuple[str, str, str, str, str, str]]:
-    out = []
-    for d in lat.get("decode", []):
-        if d["batch"] in (1, 256):
-            target = 1.2 if d["batch"] == 1 else 1.3
-            out.append((f"decode B={d['batch']} ctx={d['context']}", f"{d['step_ms']:.2f} ms",
-                        f"{d['floor_ms']:.2f} ms", f"{d['ratio']:.2f}x", f"<= {target}x {_ok(d['ratio'] <= target)}",
-                        VLLM.get(f"decode{d['batch']}", "")))
-    for p in lat.get("prefill", []):
-        if p["prefill"] == "8x2048":
-            out.append(("prefill 8 x 2048", f"{p['ms']:.0f} ms", f"{p['floor_ms']:.0f} ms",
-                        f"{100 * p['of_peak']:.0f}% of mm", f">= 55% {_ok(p['of_peak'] >= 0.55)}", ""))
-    if "idle" in lat:
-        idle = lat["idle"]["idle_pct"]
-        out.append((f"GPU idle, decode B={lat['idle']['batch']}", f"{idle:.2f}%", "", "", f"<= 5% {_ok(idle <= 5)}",
-                    ""))
-    if thr.get("results"):
-        r = thr["results"][0]
-        a = thr["args"]
-        out.append((f"offline {a['num_prompts']}x{a['input_len']}/{a['output_len']}",
-                    f"{r['output_tok_s']:,.0f} tok/s", "", "", f">= 10,000 {_ok(r['output_tok_s'] >= 1e4)}",
-                    VLLM["offline"]))
-    if "subset" in thr:
-        s = thr["subset"]
-        out.append((f"vs HF, same {s['num_prompts']}x{thr['args']['input_len']}/{s['output_len']}",
-                    f"{s['ratio']:.1f}x", "", f"{s['identical_outputs']}/{s['num_prompts']} same",
-                    f">= 10x {_ok(s['ratio'] >= 10)}", ""))
-        out.append(("full run vs HF subset", f"{thr['ratio_full_vs_hf_subset']:.1f}x", "", "",
-                    f">= 10x {_ok(thr['ratio_full_vs_hf_subset'] >= 10)}", ""))
-    return out
-
-
 def _ok(flag: bool) -> str:
     return "MET" if flag else "MISSED"
 
 
+def _target(value: float, limit: float | None, at_most: bool, text: str) -> str:
+    if limit is None:
+        return ""
+    return f"{text} {_ok(value <= limit if at_most else value >= limit)}"
+
+
+def rows(model: Model, lat: dict, thr: dict) -> list[tuple[str, str, str, str, str, str]]:
+    out = []
+    for d in lat.get("decode", []):
+        batch, limit = d["batch"], model.decode_targets.get(d["batch"])
+        name = f"decode B={batch} ctx={d['context']}"
+        if "experts_touched" in d:
+            name += f" ({d['experts_touched']:.1f}/{d['num_experts']} experts)"
+        out.append((name, f"{d['step_ms']:.2f} ms", f"{d['floor_ms']:.2f} ms", f"{d['ratio']:.2f}x",
+                    _target(d["ratio"], limit, True, f"<= {limit}x"), model.vllm.get(f"decode{batch}", "")))
+    for p in lat.get("prefill", []):
+        if p["prefill"] == "8x2048":
+            limit = model.prefill_target
+            out.append(("prefill 8 x 2048", f"{p['ms']:.0f} ms", f"{p['floor_ms']:.0f} ms",
+                        f"{100 * p['of_peak']:.0f}% of mm",
+                        _target(p["of_peak"], limit, False, f">= {100 * (limit or 0):.0f}%"), ""))
+    if "idle" in lat:
+        idle = lat["idle"]["idle_pct"]
+        out.append((f"GPU idle, decode B={lat['idle']['batch']}", f"{idle:.2f}%", "", "",
+                    _target(idle, model.idle_target, True, f"<= {model.idle_target:g}%"), ""))
+    if thr.get("results"):
+        r, a = thr["results"][0], thr["args"]
+        limit = model.offline_target
+        out.append((f"offline {a['num_prompts']}x{a['input_len']}/{a['output_len']}",
+                    f"{r['output_tok_s']:,.0f} out tok/s", f"{r['total_tok_s']:,.0f} total", "",
+                    _target(r["output_tok_s"], limit, False, f">= {limit or 0:,.0f}"), model.vllm.get("offline", "")))
+    if "subset" in thr:
+        s = thr["subset"]
+        out.append((f"vs HF, same {s['num_prompts']}x{thr['args']['input_len']}/{s['output_len']}",
+                    f"{s['ratio']:.1f}x", f"{s['dsinfer_output_tok_s']:,.0f} vs {s['hf_output_tok_s']:,.0f}",
+                    f"{s['identical_outputs']}/{s['num_prompts']} same",
+                    _target(s["ratio"], model.hf_target, False, f">= {model.hf_target or 0:g}x"), ""))
+        out.append(("full run vs HF subset", f"{thr['ratio_full_vs_hf_subset']:.1f}x", "", "",
+                    _target(thr["ratio_full_vs_hf_subset"], model.hf_target, False, f">= {model.hf_target or 0:g}x"),
+                    ""))
+    return out
+
+
+def title(model: Model, lat: dict, thr: dict) -> str:
+    layers = lat.get("num_hidden_layers") or ((thr.get("args") or {}).get("hf_overrides") or {}).get(
+        "num_hidden_layers")
+    return f"{model.title}, {layers} layers" if layers else model.title
+
+
 def main() -> int:
     out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
-    lat, thr = load(out_dir / "latency.json"), load(out_dir / "throughput.json")
-    if lat:
-        print(f"ceilings measured in this run: copy {lat['bandwidth'] / 1e12:.2f} TB/s, "
-              f"bf16 matmul {lat['matmul_rate'] / 1e12:.0f} TFLOP/s")
-    header = ("workload (Llama-3.1-8B bf16, dummy)", "measured", "floor", "ratio", "target", "vLLM 0.26")
-    table = [header, *rows(lat, thr)]
+    header = ("workload", "measured", "floor", "ratio", "target", "vLLM 0.26")
+    table: list[tuple[str, ...]] = [header]
+    ceilings = None
+    for model in MODELS:
+        lat, thr = load(out_dir / model.latency), load(out_dir / model.throughput)
+        if not (lat or thr):
+            continue
+        ceilings = ceilings or lat
+        table.append((f"-- {title(model, lat, thr)}", "", "", "", "", ""))
+        table += rows(model, lat, thr)
+    if ceilings:
+        fp8 = ceilings.get("fp8_matmul_rate")
+        print(f"ceilings measured in this run: copy {ceilings['bandwidth'] / 1e12:.2f} TB/s, "
+              f"bf16 matmul {ceilings['matmul_rate'] / 1e12:.0f} TFLOP/s"
+              + (f", FP8 matmul {fp8 / 1e12:.0f} TFLOP/s" if fp8 else ""))
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for r in table:
-        print(" | ".join(c.ljust(w) for c, w in zip(r, widths)))
+        print(" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     return 0
 
 

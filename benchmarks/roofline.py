@@ -1,7 +1,8 @@
 """The two ceilings every benchmark prints beside its numbers, measured on the device in hand.
 
 ``measure_bandwidth()``: a large device-to-device copy, counting bytes read plus bytes written (bytes/s).
-``measure_bf16_matmul()``: an 8192^3 bf16 matrix product on random data (FLOP/s). Both take the median of
+``measure_bf16_matmul()``: an 8192^3 bf16 matrix product on random data (FLOP/s); ``measure_fp8_matmul()``: the
+same in FP8 e4m3 (``torch._scaled_mm``, unit scales, bf16 output). All take the median of
 ``triton.testing.do_bench`` (event-timed, L2 flushed between runs). Results are cached per process.
 """
 
@@ -34,6 +35,16 @@ def measure_bf16_matmul(n: int = 8192) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     ms = bench_ms(lambda: a @ b)
+    return 2 * n**3 / (ms * 1e-3)
+
+
+@functools.cache
+def measure_fp8_matmul(n: int = 8192) -> float:
+    """FP8 e4m3 matrix-product rate in FLOP/s (torch._scaled_mm, unit scales, bf16 output) on random operands."""
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    ms = bench_ms(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
     return 2 * n**3 / (ms * 1e-3)
 
 

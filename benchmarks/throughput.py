@@ -148,31 +148,73 @@ def run_hf(model, device: str, prompts: list[list[int]], lengths: list[int], bat
     return Result("hf-transformers", elapsed, cpu, len(prompts), sum(map(len, prompts)), useful, generated), tokens
 
 
-def hf_from_engine(llm, device: str):
-    """The HF model of llm's config with llm's weights copied in (merged q/k/v and gate/up split back)."""
+def hf_from_engine(llm, device: str, overrides: dict | None = None):
+    """The HF model of llm's config with llm's weights copied in (merged q/k/v and gate/up split back; DeepSeek's
+    stacked experts copied whole or per expert, as the installed transformers lays them out)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     ours = llm.engine.runner.model
-    config = AutoConfig.from_pretrained(llm.engine.model_config.path)
+    config = AutoConfig.from_pretrained(llm.engine.model_config.path, **(overrides or {}))
     with torch.device(device):
         hf = AutoModelForCausalLM.from_config(config, dtype=llm.engine.model_config.dtype).eval()
-    state = hf.state_dict()
-    unpacked = {merged: name for name, merged in type(ours).packed_modules.items()}
     with torch.no_grad():
-        for name, param in ours.named_parameters():
-            module_name, leaf = name.rsplit(".", 1)
-            shards = getattr(ours.get_submodule(module_name), "shard_offsets", {})
-            if len(shards) > 1:
-                parent, merged = module_name.rsplit(".", 1)
-                for shard_id, (offset, size) in shards.items():
-                    state[f"model.{parent}.{unpacked[(merged, shard_id)]}.{leaf}"].copy_(param[offset:offset + size])
-            elif name.startswith("lm_head."):
-                if not ours.lm_head.tied:
-                    state[name].copy_(param)
-            else:
-                state[f"model.{name}"].copy_(param)
+        if hasattr(type(ours), "packed_modules"):
+            _copy_llama_into_hf(ours, hf.state_dict())
+        else:
+            _copy_by_checkpoint_names(ours, hf.state_dict())
     return hf
+
+
+def _copy_llama_into_hf(ours, state: dict) -> None:
+    unpacked = {merged: name for name, merged in type(ours).packed_modules.items()}
+    for name, param in ours.named_parameters():
+        module_name, leaf = name.rsplit(".", 1)
+        shards = getattr(ours.get_submodule(module_name), "shard_offsets", {})
+        if len(shards) > 1:
+            parent, merged = module_name.rsplit(".", 1)
+            for shard_id, (offset, size) in shards.items():
+                state[f"model.{parent}.{unpacked[(merged, shard_id)]}.{leaf}"].copy_(param[offset:offset + size])
+        elif name.startswith("lm_head."):
+            if not ours.lm_head.tied:
+                state[name].copy_(param)
+        else:
+            state[f"model.{name}"].copy_(param)
+
+
+def _copy_by_checkpoint_names(ours, state: dict) -> None:
+    """Fill every HF tensor from ours through the model's own checkpoint-name routing (``checkpoint_name``:
+    checkpoint name -> (our parameter, shard)), read in reverse: the shard of a merged parameter, one expert of a
+    stacked one, or the whole parameter."""
+    from dsinfer.ops.fp8 import FP8_DTYPE
+
+    params = dict(ours.named_parameters())
+    missing = []
+    for key, target in state.items():
+        routed = ours.checkpoint_name(key)
+        if routed is None:
+            continue
+        name, shard = routed
+        source = params.get(name)
+        if source is None:
+            missing.append(key)
+            continue
+        if source.dtype == FP8_DTYPE:
+            raise ValueError("the HF comparison needs a bf16/fp32 model; this one has FP8 weights")
+        if isinstance(shard, tuple):  # (expert, "gate" | "up" | "down") of a stacked w13 [E, 2I, H] / w2 [E, H, I]
+            expert, kind = shard
+            source = source[expert]
+            if kind != "down":
+                size = source.shape[0] // 2
+                source = source[(kind == "up") * size:][:size]
+        elif shard is not None:
+            offset, size = ours.get_submodule(name.rsplit(".", 1)[0]).shard_offsets[shard]
+            source = source[offset:offset + size]
+        if source.shape != target.shape:
+            raise ValueError(f"HF tensor {key} {tuple(target.shape)} != ours {name} {tuple(source.shape)}")
+        target.copy_(source.to(target.dtype) if target.is_floating_point() else source)
+    if missing:
+        raise ValueError(f"{len(missing)} HF tensor(s) have no counterpart in dsinfer's model, e.g. {missing[:5]}")
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -192,7 +234,7 @@ def compare_with_hf_subset(llm, args, prompts, lengths) -> dict:
     sub_prompts = prompts[:count]
     sub_lengths = [args.hf_output_len or n for n in lengths[:count]]
     if args.load_format == "dummy":
-        hf_model = hf_from_engine(llm, args.device)
+        hf_model = hf_from_engine(llm, args.device, args.hf_overrides)
     else:
         hf_model = load_hf(llm.engine.model_config.path, llm.engine.model_config.dtype, args.device)
     hf, hf_tokens = run_hf(hf_model, args.device, sub_prompts, sub_lengths, args.batch_hf or count, args.ignore_eos)

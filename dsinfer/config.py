@@ -7,6 +7,7 @@ validated and resolved (model files located, dtype and lengths derived from the 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+logger = logging.getLogger("dsinfer")
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,12 @@ def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: torch.device) 
         return torch.float32  # CPU matmuls are fastest and exact in float32
     declared = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
     resolved = _DTYPES.get(str(declared).replace("torch.", ""), torch.bfloat16)
-    return torch.bfloat16 if resolved == torch.float32 else resolved
+    if resolved == torch.float32:
+        # said out loud: a float32 checkpoint silently run in bf16 looks like a kernel bug in parity checks
+        logger.info("the checkpoint is float32; dtype='auto' runs it in bfloat16 on %s (pass dtype='float32' "
+                    "to keep float32)", device.type)
+        return torch.bfloat16
+    return resolved
 
 
 def _resolve_max_model_len(requested: int | None, hf_config: dict[str, Any]) -> int:

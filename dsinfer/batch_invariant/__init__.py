@@ -9,6 +9,10 @@ refused). Inside it:
   no split-K;
 - ``ops.paged_attention`` goes to ``attention.py``: every query row, prefill or decode, is computed the same way
   (fixed 64-key chunks combined sequentially), whatever its companions;
+- DeepSeek MLA (``mla.py``): every row, prefill, chunk, prefix hit or decode, attends in the absorbed form over
+  the paged latent cache by one fixed-order recipe (``layers.mla`` switches to it in this mode);
+- MoE (``moe.py``): experts ordered by id per token, weights normalized and the top-k pairs summed sequentially
+  in that order, expert GEMMs with row-independent results (fixed Triton tiles on CUDA, FP8 linears too);
 - norms, rotary, activations, sampling and logprobs are already per-row (one row's reduction never depends on
   other rows) and stay as they are.
 """

@@ -2,7 +2,8 @@
 
 CPU (MKL): a row's accumulation order over K is the same for every call whose M is >= 4 (measured: M = 1..3
 take other code paths); calls are made with M in [16, 256] (row chunks of 256, the last padded to 16 with
-zeros), so any row gets the same bits alone or in any batch. CUDA: ``triton_matmul`` (fixed tiles, no split-K).
+zeros), so any row gets the same bits alone or in any batch. CUDA: ``triton_kernels.matmul_invariant_triton``
+(fixed tiles, no split-K; batched products in one launch).
 """
 
 from __future__ import annotations
@@ -42,7 +43,11 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def bmm_invariant(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[G, M, K] @ [G, K, N]: each of the G products as ``mm_invariant`` (M padded to >= 16, batched)."""
     m = a.shape[1]
-    if a.is_cuda or m > MAX_ROWS:
+    if a.is_cuda:
+        from dsinfer.batch_invariant.triton_kernels import matmul_invariant_triton
+
+        return matmul_invariant_triton(a, b)  # one launch, the same tiles as every 2-D product
+    if m > MAX_ROWS:
         return torch.stack([mm_invariant(a[g], b[g]) for g in range(a.shape[0])])
     if m < MIN_ROWS:
         pad = a.new_zeros(a.shape[0], MIN_ROWS - m, a.shape[2])

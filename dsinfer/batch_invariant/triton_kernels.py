@@ -1,7 +1,8 @@
 """Triton kernels of the batch-invariant mode (CUDA path; also run by TRITON_INTERPRET=1 in the tests).
 
 - ``matmul_invariant_triton``: C = A @ B with one fixed tile configuration (no autotuning on M, no split-K):
-  every output element accumulates over K in the same BLOCK_K steps whatever M is or where its row falls.
+  every output element accumulates over K in the same BLOCK_K steps whatever M is or where its row falls;
+  a batch of products ([G, M, K] @ [G, K, N]) is one launch of the same kernel (grid axis 2 = the product).
 - ``paged_attention_invariant_triton``: one program per (query row, query head); keys are visited in fixed
   BLOCK_N blocks from position 0 with an online softmax, so a row's result never depends on its companions,
   on being part of a prefill chunk or a decode batch, or on the batch's longest sequence.
@@ -18,10 +19,14 @@ ATTN_BLOCK_N = 64
 
 
 @triton.jit
-def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbk, sbn, scm, scn,
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sag, sam, sak, sbg, sbk, sbn, scg, scm, scn,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    g = tl.program_id(2).to(tl.int64)
+    a_ptr += g * sag
+    b_ptr += g * sbg
+    c_ptr += g * scg
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -38,16 +43,19 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbk, sbn, scm, scn,
 
 
 def matmul_invariant_triton(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [M, K] @ b [K, N] -> [M, N] in a's dtype (float32 accumulation)."""
-    m, k = a.shape
-    n = b.shape[1]
-    out = torch.empty(m, n, dtype=a.dtype, device=a.device)
-    if m == 0 or n == 0:
-        return out
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    _matmul_kernel[grid](a, b, out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                         out.stride(0), out.stride(1), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
-    return out
+    """a [M, K] @ b [K, N] -> [M, N], or a [G, M, K] @ b [G, K, N] -> [G, M, N], in a's dtype (float32
+    accumulation)."""
+    batched = a.dim() == 3
+    a3, b3 = (a, b) if batched else (a.unsqueeze(0), b.unsqueeze(0))
+    g, m, k = a3.shape
+    n = b3.shape[2]
+    out = torch.empty(g, m, n, dtype=a.dtype, device=a.device)
+    if g and m and n:
+        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), g)
+        _matmul_kernel[grid](a3, b3, out, m, n, k, a3.stride(0), a3.stride(1), a3.stride(2),
+                             b3.stride(0), b3.stride(1), b3.stride(2), out.stride(0), out.stride(1), out.stride(2),
+                             BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+    return out if batched else out[0]
 
 
 @triton.jit

@@ -5,7 +5,8 @@ Per token the query comes from ``q_proj`` (no q LoRA) or ``q_b_proj(RMSNorm(q_a_
 by all heads. Only ``[c | k_pe]`` is cached (``MLASpec``). Decode rows attend in the absorbed form (W_UK
 folded into the query, W_UV applied to the attended latent); rows of sequences with several new tokens
 (prefill, chunked prefill, prefill after a prefix-cache hit) expand K/V for their whole context from the
-cached latent.
+cached latent. In deterministic mode every row takes the absorbed form by one fixed-order recipe
+(``batch_invariant.mla``), so a token's result does not depend on how its step was scheduled.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dsinfer import batch_invariant
 from dsinfer.kvcache.spec import MLASpec
 from dsinfer.layers.fp8_linear import Fp8BlockLinear, Fp8Config, make_linear
 from dsinfer.layers.norm import RMSNorm
@@ -44,10 +46,13 @@ class MLAMetadata:
     decode: MLARows | None
     prefill: MLARows | None
     max_seq_len: int | None = None  # host-side bound on seq_lens (sizes the decode kernel's split-KV grid)
+    invariant: MLARows | None = None  # deterministic mode: every row, one recipe (decode / prefill are None)
 
     @classmethod
     def build(cls, batch: ForwardBatch) -> MLAMetadata:
         everything = MLARows(None, batch.block_tables, batch.query_start_loc, batch.seq_lens)
+        if batch_invariant.is_enabled():
+            return cls(None, None, batch.max_seq_len, invariant=everything)
         if batch.max_query_len == 1:
             return cls(everything, None, batch.max_seq_len)
         q_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
@@ -78,8 +83,6 @@ def yarn_softmax_scale(head_dim: int, rope: dict[str, Any]) -> float:
     return scale
 
 
-def _dense_weight(linear: nn.Module) -> torch.Tensor:
-    return linear.dequantized_weight() if isinstance(linear, Fp8BlockLinear) else linear.weight
 
 
 class MLAAttention(nn.Module):
@@ -109,6 +112,16 @@ class MLAAttention(nn.Module):
         )
         self.scale = yarn_softmax_scale(self.nope_dim + self.rope_dim, rope)
         self.kv_cache: torch.Tensor | None = None
+        self._kv_b_dense: torch.Tensor | None = None  # an FP8 kv_b_proj dequantized once (see below)
+
+    def process_weights_after_loading(self) -> None:
+        """Attention multiplies by kv_b_proj's weight directly (absorbed into the query, expanding the latent),
+        so an FP8 one is dequantized once here rather than on every forward."""
+        if isinstance(self.kv_b_proj, Fp8BlockLinear):
+            self._kv_b_dense = self.kv_b_proj.dequantized_weight()
+
+    def _kv_b_weight(self) -> torch.Tensor:
+        return self.kv_b_proj.weight if self._kv_b_dense is None else self._kv_b_dense
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> MLASpec:
         return MLASpec(block_size, self.kv_lora_rank, self.rope_dim, dtype)
@@ -131,9 +144,15 @@ class MLAAttention(nn.Module):
 
     def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
         """q_nope [T, H, N], q_pe [T, H, P] (roped) -> [T, H, V]."""
-        w_kv_b = _dense_weight(self.kv_b_proj).view(
+        w_kv_b = self._kv_b_weight().view(
             self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank
         )
+        if meta.invariant is not None:
+            from dsinfer.batch_invariant.mla import mla_attention_invariant
+
+            i = meta.invariant
+            return mla_attention_invariant(q_nope, q_pe, self.kv_cache, i.block_tables, i.query_start_loc,
+                                           i.seq_lens, w_kv_b, self.scale)
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
         if meta.decode is not None:
             d = meta.decode

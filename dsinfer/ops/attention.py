@@ -26,6 +26,7 @@ class _Plan:
     decode_rows: torch.Tensor | None  # [Bd] query rows of one-token sequences
     decode_slots: torch.Tensor | None  # [Bd, L] cache slots of their contexts (padded)
     decode_mask: torch.Tensor | None  # [Bd, 1, L]; None when every key is visible to every row
+    all_decode: bool  # every query row is a one-token sequence, in order: no row gather or scatter needed
     prefills: list[tuple[slice, torch.Tensor, torch.Tensor | None]]  # (rows, slots [1, L], mask [1, Q, L] / causal)
 
 
@@ -50,7 +51,7 @@ def _build_plan(block_tables, query_start_loc, seq_lens, sliding_window, block_s
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
     lens, starts = seq_lens.tolist(), query_start_loc[:-1].tolist()
     decode = [b for b, n in enumerate(q_lens) if n == 1]
-    plan = _Plan(None, None, None, [])
+    plan = _Plan(None, None, None, len(decode) == len(q_lens), [])
     if decode:
         idx = torch.tensor(decode, device=block_tables.device)
         length = max(lens[b] for b in decode)
@@ -92,6 +93,23 @@ def _attend(q, k, v, mask, scale, causal: bool = False):
     return out.transpose(1, 2)
 
 
+def _attend_decode(q, k, v, mask, scale):
+    """One query per sequence as two batched matmuls. q: [B, Hq, D]; k/v: [B, S, Hkv, D]; mask: [B, 1, S] or None.
+
+    On CPU this beats ``scaled_dot_product_attention`` for a single query row (1.3x in float32, 17x in bfloat16,
+    whose CPU flash kernel has no fast one-row path). The query heads of a group share their key rows, so GQA
+    needs no repeat: q is viewed as [B, Hkv, group, D].
+    """
+    batch, num_heads, dim = q.shape
+    num_kv = k.shape[2]
+    qg = q.view(batch, num_kv, num_heads // num_kv, dim)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [B, Hkv, group, S]
+    if mask is not None:
+        scores.masked_fill_(~mask.unsqueeze(1), float("-inf"))
+    probs = scores.softmax(-1).to(v.dtype)
+    return torch.matmul(probs, v.transpose(1, 2)).view(batch, num_heads, dim)  # [B, Hkv, group, D] -> [B, Hq, D]
+
+
 def paged_attention_ref(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -112,9 +130,11 @@ def paged_attention_ref(
     plan = _plan(block_tables, query_start_loc, seq_lens, sliding_window, kv_cache.shape[2])
     flat = kv_cache.flatten(1, 2)  # [2, num_blocks * block_size, Hkv, D]
     if plan.decode_rows is not None:
+        kv = flat[:, plan.decode_slots]  # [2, Bd, L, Hkv, D]: keys and values in one gather
+        if plan.all_decode:
+            return _attend_decode(q, kv[0], kv[1], plan.decode_mask, scale).to(q.dtype)
         rows = plan.decode_rows
-        k, v = flat[0][plan.decode_slots], flat[1][plan.decode_slots]
-        out[rows] = _attend(q[rows].unsqueeze(1), k, v, plan.decode_mask, scale).squeeze(1).to(q.dtype)
+        out[rows] = _attend_decode(q[rows], kv[0], kv[1], plan.decode_mask, scale).to(q.dtype)
     for rows, slots, mask in plan.prefills:
         out[rows] = _attend(q[rows].unsqueeze(0), flat[0][slots], flat[1][slots], mask, scale,
                             causal=True).squeeze(0).to(q.dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsinfer import batch_invariant
 from dsinfer.ops.dispatch import use_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -74,5 +75,10 @@ def fp8_block_linear(
     if use_triton(x):
         from dsinfer.ops.triton.fp8 import fp8_block_linear_triton
 
-        return fp8_block_linear_triton(x, weight, weight_scale_inv, block_size, bias)
+        config = None
+        if batch_invariant.is_enabled():  # deterministic mode: one tile configuration whatever the rows
+            from dsinfer.batch_invariant.moe import gemm_config
+
+            config = gemm_config(x.is_cuda)
+        return fp8_block_linear_triton(x, weight, weight_scale_inv, block_size, bias, config=config)
     return fp8_block_linear_ref(x, weight, weight_scale_inv, block_size, bias)

@@ -145,19 +145,12 @@ def mla_prefill_ref(
     return out
 
 
-_MIN_DOT = 16  # tl.dot needs every matrix dimension >= 16; smaller heads (tiny test models) take the torch path
-
-
-def _triton_fits(*dims: int) -> bool:
-    return all(d >= _MIN_DOT for d in dims)
-
-
 def mla_decode(
     q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, scale, *, max_seq_len=None
 ) -> torch.Tensor:
     """See ``mla_decode_ref``. On the Triton path no tensor is read on the host (CUDA-graph safe);
     ``max_seq_len`` (host int, optional) only sizes the split-KV grid."""
-    if use_triton(q_nope_absorbed) and _triton_fits(q_nope_absorbed.shape[-1], q_pe.shape[-1]):
+    if use_triton(q_nope_absorbed):
         from dsinfer.ops.triton.mla import mla_decode_triton
 
         return mla_decode_triton(q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens,
@@ -169,7 +162,7 @@ def mla_prefill(
     q_nope, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, w_kv_b, scale
 ) -> torch.Tensor:
     """See ``mla_prefill_ref``."""
-    if use_triton(q_nope) and _triton_fits(q_nope.shape[-1], q_pe.shape[-1], w_kv_b.shape[-1]):
+    if use_triton(q_nope):
         from dsinfer.ops.triton.mla import mla_prefill_triton
 
         return mla_prefill_triton(q_nope, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, w_kv_b,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsinfer import batch_invariant
 from dsinfer.ops.dispatch import use_triton
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -66,6 +67,13 @@ def select_experts(
         if topk_method == "group_limited_greedy" and n_group > 1:
             scores = scores.masked_fill(~_group_mask(scores, n_group, topk_group, "max"), 0.0)
         topk_weights, topk_ids = scores.topk(top_k, dim=-1, sorted=False)
+    if batch_invariant.is_enabled():  # deterministic mode: expert-id order, sequential sums
+        from dsinfer.batch_invariant.moe import ordered_sum, sort_topk
+
+        topk_weights, topk_ids = sort_topk(topk_weights, topk_ids)
+        if norm_topk_prob and top_k > 1:
+            topk_weights = topk_weights / (ordered_sum(topk_weights) + 1e-20)
+        return topk_weights * routed_scaling_factor, topk_ids
     if norm_topk_prob and top_k > 1:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
     return topk_weights * routed_scaling_factor, topk_ids
@@ -115,6 +123,11 @@ def fused_moe(
     """See ``fused_moe_ref``. FP8 experts (e4m3 ``w13``/``w2``) come with their block scales
     (``[E, rows / bn, cols / bk]``) and ``block_size``; the Triton path multiplies them as FP8 (w8a8,
     activations quantized per token and group of bk), the torch path dequantizes first."""
+    if batch_invariant.is_enabled():  # deterministic mode: fixed tiles, top-k pairs summed in a fixed order
+        from dsinfer.batch_invariant.moe import fused_moe_invariant
+
+        return fused_moe_invariant(hidden, w13, w2, topk_weights, topk_ids, w13_scale_inv=w13_scale_inv,
+                                   w2_scale_inv=w2_scale_inv, block_size=block_size, use_triton=use_triton(hidden))
     if use_triton(hidden):
         from dsinfer.ops.triton.moe import fused_moe_triton
 

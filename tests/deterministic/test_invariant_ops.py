@@ -97,6 +97,10 @@ def test_triton_matmul_rows_invariant(triton_interpreter):
     torch.testing.assert_close(full.cpu(), (a @ b).cpu(), rtol=1e-4, atol=1e-4)
     for m, start in ((1, 0), (3, 64), (1, 129), (70, 60)):
         assert torch.equal(matmul_invariant_triton(a[start:start + m], b), full[start:start + m])
+    # a batch of products (one launch) gives each product's bits
+    a3 = torch.stack((a[:70], a[60:130])).transpose(1, 2).contiguous().transpose(1, 2)  # strided rows
+    batched = matmul_invariant_triton(a3, torch.stack((b, b)))
+    assert torch.equal(batched[0], full[:70]) and torch.equal(batched[1], full[60:130])
 
 
 def test_triton_attention_matches_reference_and_is_invariant(triton_interpreter):

@@ -41,6 +41,21 @@ def test_fp8_block_linear_matches_emulated_w8a8(num_rows, block, device, poisone
     assert_close(out, ref, torch.float32, tol=6e-2)
 
 
+@pytest.mark.parametrize("tma", [False, True])
+def test_fp8_block_linear_tile_configs(tma, device, poisoned, assert_close):
+    """A tile wider than the scale block (per-column scales) and TMA descriptors (rows past M and N zero)."""
+    from dsinfer.ops.triton.fp8 import fp8_block_linear_triton
+
+    gen = torch.Generator().manual_seed(3)
+    block = (16, 32)
+    w = torch.randn(48, 96, generator=gen)
+    w_q, w_s = block_quantize(w, block)
+    x = torch.randn(19, 96, generator=gen)
+    cfg = dict(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1, tma=tma)
+    out = fp8_block_linear_triton(x.to(device), w_q.to(device), w_s.to(device), block, config=cfg)
+    assert_close(out, _emulated(x, w_q, w_s, block), torch.float32, tol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_rows", [1, 64, 1000])
 def test_fp8_block_linear_real_shapes(num_rows, assert_close):

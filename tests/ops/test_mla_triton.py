@@ -48,10 +48,15 @@ DECODE_CASES = [
     ([1, 1, 1, 1], [1, 17, 40, 33], 4, 32, 16, 16, torch.float32, None),
     ([1, 1, 1], [50, 9, 64], 20, 32, 16, 8, torch.bfloat16, 3),  # two head tiles, three splits
     ([3, 1, 2], [20, 7, 33], 4, 16, 16, 16, torch.float32, 2),  # several rows per sequence (drafts)
+    # the tiny DeepSeek parity models (rank 32, rope 8 < tl.dot's 16: padded, masked feature tiles)
+    ([1, 1, 1, 1], [3, 16, 17, 64], 4, 32, 8, 16, torch.float32, None),
+    ([3, 1, 2], [20, 7, 33], 4, 32, 8, 16, torch.float32, 3),  # drafts, three splits, block boundaries
+    ([1, 1], [40, 9], 4, 32, 8, 16, torch.bfloat16, 2),
 ]
 
 
-@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"h{c[2]}-r{c[3]}-{str(c[6])[6:]}-s{c[7]}")
+@pytest.mark.parametrize("case", DECODE_CASES,
+                         ids=lambda c: f"q{max(c[0])}-h{c[2]}-r{c[3]}-p{c[4]}-{str(c[6])[6:]}-s{c[7]}")
 def test_mla_decode_matches_reference(case, device, poisoned, assert_close):
     from dsinfer.ops.triton.mla import mla_decode_triton
 
@@ -67,20 +72,21 @@ def test_mla_decode_matches_reference(case, device, poisoned, assert_close):
     assert_close(out, ref, dtype)
 
 
-def test_mla_decode_skips_padding_rows_and_uses_public_op(device, assert_close):
-    # head dims >= 16: the public op sends smaller ones to torch (tl.dot's minimum on the GPU)
-    cache, tables, qsl, seq_lens, gen = _latent_batch([1, 1], [5, 21], 4, 16, 16, 4, torch.float32, device)
+@pytest.mark.parametrize("rope", [16, 8])  # 8: the tiny parity models' rope dim takes the Triton path too
+def test_mla_decode_skips_padding_rows_and_uses_public_op(rope, device, assert_close):
+    cache, tables, qsl, seq_lens, gen = _latent_batch([1, 1], [5, 21], 4, 16, rope, 4, torch.float32, device)
     q_nope = torch.randn(3, 4, 16, generator=gen).to(device)  # row 2 is graph padding: no sequence owns it
-    q_pe = torch.randn(3, 4, 16, generator=gen).to(device)
+    q_pe = torch.randn(3, 4, rope, generator=gen).to(device)
     out = mla_decode(q_nope, q_pe, cache, tables, qsl, seq_lens, 0.25, max_seq_len=21)
     ref = mla_decode_ref(q_nope[:2].double().cpu(), q_pe[:2].double().cpu(), _clean(cache), tables.cpu(),
                          qsl.cpu(), seq_lens.cpu(), 0.25)
     assert_close(out[:2], ref, torch.float32)
 
 
+@pytest.mark.parametrize("rope", [16, 8])  # 8: the tiny parity models (a padded, masked tl.dot operand)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_prefill_with_cached_prefix_matches_reference(dtype, device, poisoned, assert_close):
-    heads, nope, rope, vdim, rank = 3, 16, 16, 16, 32
+def test_mla_prefill_with_cached_prefix_matches_reference(dtype, rope, device, poisoned, assert_close):
+    heads, nope, vdim, rank = 3, 16, 16, 32
     q_lens, ctx_lens = [5, 20, 1, 7], [37, 20, 9, 7]  # cached prefix, whole prompt, decode-like, prompt
     cache, tables, qsl, seq_lens, gen = _latent_batch(q_lens, ctx_lens, heads, rank, rope, 16, dtype, device)
     q_nope = torch.randn(sum(q_lens), heads, nope, generator=gen).to(dtype).to(device)

@@ -56,11 +56,16 @@ def test_moe_align_sorts_pairs_by_expert_in_padded_blocks():
     assert (sorted_ids[12:] == sentinel).all()
 
 
+# (experts, hidden, intermediate, top_k): odd sizes, and the tiny DeepSeek parity models' V2 / V3 experts
+MOE_SHAPES = [(8, 32, 24, 3), (8, 64, 32, 3), (8, 64, 32, 2)]
+
+
+@pytest.mark.parametrize("shape", MOE_SHAPES, ids=lambda s: "e{}-h{}-i{}-k{}".format(*s))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 13])
-def test_fused_moe_matches_reference(dtype, num_tokens, device, poisoned, assert_close):
+def test_fused_moe_matches_reference(dtype, num_tokens, shape, device, poisoned, assert_close):
     gen = torch.Generator().manual_seed(num_tokens)
-    num_experts, hidden, inter, top_k = 8, 32, 24, 3
+    num_experts, hidden, inter, top_k = shape
     w13, w2 = _experts(num_experts, hidden, inter, gen)
     x = torch.randn(num_tokens, hidden, generator=gen)
     weights, ids = _route(num_tokens, num_experts, top_k, gen, device)
@@ -118,3 +123,54 @@ def test_fused_moe_fp8_v3_expert_shapes(num_tokens, assert_close):
     ref = fused_moe_ref(x.bfloat16().float().cuda(), block_dequantize(w13_q, w13_s, block).cuda(),
                         block_dequantize(w2_q, w2_s, block).cuda(), weights, ids)
     assert_close(out, ref, torch.bfloat16, tol=0.15)  # two e4m3 activation quantizations (see the CPU test)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fuse_gu", "tma"])
+def test_fused_moe_fp8_v3_tile_modes(mode, assert_close):
+    """The tuner's tile modes at V3 expert shapes: gate/up in one dot, weights through TMA descriptors."""
+    from dsinfer.ops.triton.moe import fused_moe_triton
+
+    gen = torch.Generator().manual_seed(4)
+    num_experts, hidden, inter, block = 8, 7168, 2048, (128, 128)
+    w13, w2 = _experts(num_experts, hidden, inter, gen, std=0.02)
+    w13_q, w13_s = _quantize_stack(w13, block)
+    w2_q, w2_s = _quantize_stack(w2, block)
+    x = torch.randn(200, hidden, generator=gen)
+    weights, ids = _route(200, num_experts, 8, gen, "cuda")
+    cfg = dict(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3, **{mode: True},
+               down=dict(block_m=128, block_n=128, num_warps=8))
+    out = fused_moe_triton(x.bfloat16().cuda(), w13_q.cuda(), w2_q.cuda(), weights, ids,
+                           w13_scale_inv=w13_s.cuda(), w2_scale_inv=w2_s.cuda(), block_size=block, config=cfg)
+    ref = fused_moe_ref(x.bfloat16().float().cuda(), block_dequantize(w13_q, w13_s, block).cuda(),
+                        block_dequantize(w2_q, w2_s, block).cuda(), weights, ids)
+    assert_close(out, ref, torch.bfloat16, tol=0.15)
+
+
+@pytest.mark.parametrize("fuse_gu, tma", [(False, False), (True, False), (False, True)])
+def test_fused_moe_tile_configs_agree(fuse_gu, tma, device, poisoned, assert_close):
+    """Gate and up in one interleaved dot or two; weights through TMA descriptors (the last N tile reads the
+    next expert's rows); the down GEMM with its own tile and alignment (block_m)."""
+    from dsinfer.ops.triton.moe import fused_moe_triton
+
+    gen = torch.Generator().manual_seed(7)
+    num_experts, hidden, inter, top_k, block = 4, 64, 48, 2, (16, 16)
+    w13, w2 = _experts(num_experts, hidden, inter, gen)
+    x = torch.randn(11, hidden, generator=gen).bfloat16()
+    weights, ids = _route(11, num_experts, top_k, gen, device)
+    cfg = dict(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1, fuse_gu=fuse_gu,
+               tma=tma, down=dict(block_m=32, block_n=16))  # bf16 down: K 48 in steps of 32 (masked K tail)
+    out = fused_moe_triton(x.to(device), w13.bfloat16().to(device), w2.bfloat16().to(device), weights, ids,
+                           config=cfg)
+    ref = fused_moe_ref(x.double(), w13.bfloat16().double(), w2.bfloat16().double(), weights.double().cpu(),
+                        ids.cpu())
+    assert_close(out, ref, torch.bfloat16)
+    w13_q, w13_s = _quantize_stack(w13, block)
+    w2_q, w2_s = _quantize_stack(w2, block)
+    out = fused_moe_triton(x.to(device), w13_q.to(device), w2_q.to(device), weights, ids,
+                           w13_scale_inv=w13_s.to(device), w2_scale_inv=w2_s.to(device), block_size=block,
+                           config=cfg)
+    w13_d = block_dequantize(w13_q, w13_s, block, torch.float64)
+    w2_d = block_dequantize(w2_q, w2_s, block, torch.float64)
+    emulated = _emulated_fp8_moe(x, w13_d, w2_d, weights.cpu(), ids.cpu(), block[1])
+    assert_close(out, emulated, torch.bfloat16, tol=3e-2)

@@ -24,7 +24,7 @@ import triton.language as tl
 from dsinfer.ops.triton.utils import num_sms
 
 _LOG2E = 1.4426950408889634
-_MIN_SPLIT_KEYS = 128  # fewest keys a decode split is worth
+_MIN_SPLIT_KEYS = 64  # fewest keys a decode split is worth (shorter splits keep batch 1 latency-bound chains short)
 
 
 @triton.jit

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.triton.moe import grouped_gemm
+from dsinfer.ops.triton.moe import grouped_gemm, nearest_config
 
 FP8_MAX = 448.0
 
@@ -63,7 +63,11 @@ def per_token_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, to
     return q, s
 
 
-def dense_config(num_rows: int, is_cuda: bool) -> dict:
+def dense_config(num_rows: int, is_cuda: bool, n: int = 0, k: int = 0) -> dict:
+    """Tuned ("dense,N,K,fp8" in ``configs/moe.json``, buckets = rows) or default tile config."""
+    tuned = nearest_config(f"dense,{n},{k},fp8", num_rows, is_cuda)
+    if tuned:
+        return tuned
     if not is_cuda:
         return dict(block_m=16, block_n=16, block_k=16, group_m=1, num_warps=4, num_stages=1)
     if num_rows <= 16:
@@ -91,6 +95,6 @@ def fp8_block_linear_triton(
     if x2.shape[0] == 0:
         return out.view(*lead, n)
     a, a_s = per_token_group_quant(x2, block_size[1])
-    cfg = config or dense_config(x2.shape[0], x.is_cuda)
+    cfg = config or dense_config(x2.shape[0], x.is_cuda, n, k)
     grouped_gemm(a, weight, out, cfg, a_scale=a_s, b_scale=weight_scale_inv, block_size=block_size, bias=bias)
     return out.view(*lead, n)

@@ -31,7 +31,9 @@ from dsinfer.ops.triton.attention import find_tile_seq
 from dsinfer.ops.triton.utils import num_sms
 
 _LOG2E = 1.4426950408889634
-_MIN_SPLIT_KEYS = 256  # fewest cache rows a decode split is worth
+_MIN_DOT = 16  # tl.dot needs every tile dimension >= 16 on the GPU; smaller head dims are padded and masked
+_MIN_SPLIT_KEYS = 64  # fewest cache rows a decode split is worth (small batches: each program walks its split
+# serially, a block-table load then the rows it names, so short splits are what keeps batch 1 fast)
 _CONFIGS = Path(__file__).parent / "configs" / "mla_decode.json"
 
 
@@ -40,8 +42,14 @@ def _decode_configs() -> dict:
     return json.loads(_CONFIGS.read_text()) if _CONFIGS.exists() else {}
 
 
+def _tile(dim: int) -> int:
+    """A feature tile covering ``dim``: a power of two, at least ``_MIN_DOT`` (tiny test models have rope dim 8)."""
+    return max(_MIN_DOT, triton.next_power_of_2(dim))
+
+
 def decode_config(num_heads: int, is_cuda: bool) -> dict:
-    """BLOCK_H / BLOCK_N / num_warps / num_stages for a head count (tuned table, else a default)."""
+    """BLOCK_H / BLOCK_N / num_warps / num_stages (and optionally programs_per_sm, the split heuristic's target
+    grid fill) for a head count: the tuned table, else a default."""
     if not is_cuda:
         return dict(block_h=16, block_n=16, num_warps=4, num_stages=1)
     table = _decode_configs()
@@ -203,9 +211,11 @@ def _mla_reduce_kernel(
              out.to(out_ptr.dtype.element_ty), mask=offs_r < RANK)
 
 
-def decode_num_splits(num_rows: int, head_tiles: int, max_seq_len: int, device: torch.device) -> int:
-    """Splits so that the grid has ~4 programs per multiprocessor, each split >= _MIN_SPLIT_KEYS rows."""
-    want = max(1, (4 * num_sms(device)) // max(num_rows * head_tiles, 1))
+def decode_num_splits(num_rows: int, head_tiles: int, max_seq_len: int, device: torch.device,
+                      programs_per_sm: float = 4) -> int:
+    """Splits so that the grid has ~programs_per_sm programs per multiprocessor, each split >= _MIN_SPLIT_KEYS
+    rows."""
+    want = max(1, int(programs_per_sm * num_sms(device)) // max(num_rows * head_tiles, 1))
     return max(1, min(want, triton.cdiv(max_seq_len, _MIN_SPLIT_KEYS), 64))
 
 
@@ -236,7 +246,8 @@ def mla_decode_triton(
     head_tiles = triton.cdiv(num_heads, block_h)
     if num_splits is None:
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * kv_cache.shape[1]
-        num_splits = decode_num_splits(num_rows, head_tiles, bound, q_nope_absorbed.device)
+        num_splits = decode_num_splits(num_rows, head_tiles, bound, q_nope_absorbed.device,
+                                       cfg.get("programs_per_sm", 4))
     num_seqs = query_start_loc.shape[0] - 1
     single = num_splits == 1
     part_out = part_lse = out
@@ -249,8 +260,8 @@ def mla_decode_triton(
         q_nope_absorbed.stride(0), q_nope_absorbed.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), kv_cache.shape[1],
         out.stride(0), out.stride(1),
-        RANK=rank, ROPE=rope, BLOCK_R=triton.next_power_of_2(rank), BLOCK_P=triton.next_power_of_2(rope),
-        BLOCK_H=block_h, BLOCK_N=cfg["block_n"], SINGLE=single, UPCAST=not q_nope_absorbed.is_cuda,
+        RANK=rank, ROPE=rope, BLOCK_R=_tile(rank), BLOCK_P=_tile(rope), BLOCK_H=block_h, BLOCK_N=cfg["block_n"],
+        SINGLE=single, UPCAST=not q_nope_absorbed.is_cuda,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not single:
@@ -369,8 +380,8 @@ def mla_prefill_triton(
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), kv.stride(1),
         ctx.stride(0), out.stride(0), out.stride(1),
         NOPE=nope, ROPE=rope, VDIM=vdim, RANK=rank,
-        BLOCK_NOPE=triton.next_power_of_2(nope), BLOCK_P=triton.next_power_of_2(rope),
-        BLOCK_V=triton.next_power_of_2(vdim), BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=not is_cuda,
+        BLOCK_NOPE=_tile(nope), BLOCK_P=_tile(rope), BLOCK_V=_tile(vdim), BLOCK_M=block_m, BLOCK_N=block_n,
+        UPCAST=not is_cuda,
         num_warps=warps, num_stages=stages,
     )
     return out

@@ -5,8 +5,8 @@
    Torch ops only, sized from shapes (a capacity of ``pairs + min(pairs, E) * (BLOCK_M - 1)`` rows), so no
    host sync; blocks past the real total exit at once.
 2. Gate/up: ``_gemm_kernel`` with ``GATED``: each program multiplies a block of sorted pairs (rows gathered
-   from ``hidden`` by ``pair // top_k``) by the gate and the up rows of its expert's ``w13`` and stores
-   ``silu(gate) * up`` per pair ([pairs, I]).
+   from ``hidden`` by ``pair // top_k``) by the gate and the up rows of its expert's ``w13`` (``fuse_gu``: one
+   dot over the two interleaved, else two dots) and stores ``silu(gate) * up`` per pair ([pairs, I]).
 3. Down: the same kernel over the pair rows of the intermediate with ``w2``, scaled by each pair's top-k
    weight; the top-k sum is a reduce over ``[T, top_k, H]``.
 
@@ -37,25 +37,40 @@ def _config_table() -> dict:
 
 
 def default_config(rows_per_expert: float, fp8: bool, is_cuda: bool) -> dict:
+    """The config when the table has none: gate/up keys, plus ``down`` (overrides for the down GEMM)."""
     if not is_cuda:
-        return dict(block_m=16, block_n=16, block_k=16, group_m=1, num_warps=4, num_stages=1)
+        return dict(block_m=16, block_n=16, block_k=16, group_m=1, num_warps=4, num_stages=1, fuse_gu=True)
     if rows_per_expert <= 16:
         return dict(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
     if rows_per_expert <= 64:
         return dict(block_m=32, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3)
     if fp8:
-        return dict(block_m=64, block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=3)
+        return dict(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=4,
+                    down=dict(block_n=128, num_stages=3))
     return dict(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=3)
+
+
+def down_config(cfg: dict) -> dict:
+    """The down GEMM's config: ``cfg`` with its ``down`` overrides (its own block_m means its own alignment)."""
+    return {**{k: v for k, v in cfg.items() if k != "down"}, **cfg.get("down", {})}
 
 
 def moe_config(key: str, rows_per_expert: float, fp8: bool, is_cuda: bool) -> dict:
     """The tuned config of the nearest bucket (``key`` = "E,N,K,dtype", buckets = average pairs per expert)
-    within a factor of 4, else ``default_config``."""
+    within a factor of 4, else ``default_config``. Keys of a config: block_m, block_n (output columns; the
+    gated GEMM's dot is twice as wide), block_k, group_m (programs sharing a B tile, L2 swizzle), num_warps,
+    num_stages, fuse_gu (gate and up in one dot; default off on CUDA), tma (weights, and the activations of a
+    dense GEMM, through TMA descriptors; default off; excludes fuse_gu) and ``down`` (see ``down_config``)."""
+    return nearest_config(key, rows_per_expert, is_cuda) or default_config(rows_per_expert, fp8, is_cuda)
+
+
+def nearest_config(key: str, rows: float, is_cuda: bool) -> dict | None:
+    """``configs/moe.json``'s config under ``key`` of the bucket nearest ``rows`` (within 4x), else None."""
     table = _config_table().get(key, {}) if is_cuda else {}
-    near = [b for b in table if 0.25 <= float(b) / max(rows_per_expert, 1e-9) <= 4]
+    near = [b for b in table if 0.25 <= float(b) / max(rows, 1e-9) <= 4]
     if not near:
-        return default_config(rows_per_expert, fp8, is_cuda)
-    return dict(table[min(near, key=lambda b: abs(float(b) - rows_per_expert))])
+        return None
+    return dict(table[min(near, key=lambda b: abs(float(b) - rows))])
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -89,18 +104,36 @@ def _mma(a, b, acc):
 
 
 @triton.jit
+def _scale(a_s, b_s, SCALAR_BS: tl.constexpr):
+    """The [BLOCK_M, BLOCK_N] dequantization factor of one K step: a row scale times a column (or tile) scale."""
+    if SCALAR_BS:
+        return (a_s * b_s)[:, None]
+    return a_s[:, None] * b_s[None, :]
+
+
+@triton.jit
 def _gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, bias_ptr, weight_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     M, N, K, num_pairs, up_offset,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-    A_DIV: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr,
+    A_DIV: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr, FUSE_GU: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SCALAR_BS: tl.constexpr, A_DESC: tl.constexpr,
+    B_DESC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """C[rows] = A[rows] @ B[e]^T (rows: pairs sorted by expert when GATHER, else 0..M); see module doc."""
+    """C[rows] = A[rows] @ B[e]^T (rows: pairs sorted by expert when GATHER, else 0..M); see module doc.
+
+    GATED with FUSE_GU: one dot over a B tile of 2 * BLOCK_N columns, gate and up rows interleaved (column
+    2j = gate row n_j, 2j + 1 = up row n_j), split in the epilogue; without FUSE_GU: two dots, two accumulators.
+    Rows past the valid ones (padding pairs, the last M / N tile) read row 0 of A / B instead of masking, so
+    with EVEN_K (K % BLOCK_K == 0) the K loop has no masks; only the stores are masked. SCALAR_BS: the tile's
+    columns lie in one scale block of B (BLOCK_N divides GROUP_N, two dots), so a K step's scale is per row only
+    (one multiply-add per accumulator element). A_DESC / B_DESC: ``a_ptr`` / ``b_ptr`` are TMA tensor descriptors
+    (A [M, K] without gather, B viewed [E * rows, K]) loading [BLOCK_M | BLOCK_N, BLOCK_K] tiles; the tiles
+    past N read the next rows (the next expert's, or zeros past the end), never stored; not with FUSE_GU."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -113,57 +146,99 @@ def _gemm_kernel(
     if GATHER:
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
             return
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        expert32 = tl.load(expert_ids_ptr + pid_m)
+        expert = expert32.to(tl.int64)
         rows = tl.load(sorted_ids_ptr + offs_m)
         m_valid = rows < num_pairs
-        a_rows = (rows // A_DIV).to(tl.int64)
+        a_rows = tl.where(m_valid, rows // A_DIV, 0).to(tl.int64)
     else:
+        expert32 = 0
         expert = 0
         rows = offs_m
         m_valid = offs_m < M
-        a_rows = offs_m.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < N
+        a_rows = tl.where(m_valid, offs_m, 0).to(tl.int64)
+    if GATED and FUSE_GU:
+        offs_c = tl.arange(0, 2 * BLOCK_N)
+        col_n = pid_n * BLOCK_N + offs_c // 2
+        b_rows = tl.where(col_n < N, col_n + (offs_c % 2) * up_offset, 0)
+    else:
+        col_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        b_rows = tl.where(col_n < N, col_n, 0)
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if not A_DESC:
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    if B_DESC:
+        b_row0 = expert32 * (stride_be // stride_bn) + pid_n * BLOCK_N
+    else:
+        b_ptrs = b_ptr + expert * stride_be + b_rows[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    as_ptrs = a_scale_ptr + a_rows * stride_asm
+    if SCALAR_BS:
+        bs_ptrs = b_scale_ptr + expert * stride_bse + (pid_n * BLOCK_N // GROUP_N) * stride_bsn
+        bs_up_ptrs = b_scale_ptr + expert * stride_bse + ((pid_n * BLOCK_N + up_offset) // GROUP_N) * stride_bsn
+    else:
+        bs_ptrs = b_scale_ptr + expert * stride_bse + (b_rows // GROUP_N) * stride_bsn
+        bs_up_ptrs = b_scale_ptr + expert * stride_bse + ((b_rows + up_offset) // GROUP_N) * stride_bsn
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N if GATED and FUSE_GU else BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    bs_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn
-    bs_up_ptrs = b_scale_ptr + expert * stride_bse + ((offs_n + up_offset) // GROUP_N) * stride_bsn
     for k0 in range(0, K, BLOCK_K):
         k_valid = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=m_valid[:, None] & k_valid[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
+        if A_DESC:
+            a = a_ptr.load([pid_m * BLOCK_M, k0])
+        elif EVEN_K:
+            a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=k_valid[None, :], other=0.0)
+        if B_DESC:
+            b = tl.trans(b_ptr.load([b_row0, k0]))
+        elif EVEN_K:
+            b = tl.load(b_ptrs)
+        else:
+            b = tl.load(b_ptrs, mask=k_valid[:, None], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         if FP8:
             kg = k0 // GROUP_K
-            a_s = tl.load(a_scale_ptr + a_rows * stride_asm + kg * stride_ask, mask=m_valid, other=0.0)
-            b_s = tl.load(bs_ptrs + kg * stride_bsk, mask=n_valid, other=0.0)
-            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+            a_s = tl.load(as_ptrs + kg * stride_ask)
+            b_s = tl.load(bs_ptrs + kg * stride_bsk)
+            acc += tl.dot(a, b) * _scale(a_s, b_s, SCALAR_BS)
         else:
             acc = _mma(a, b, acc)
-        if GATED:
-            b_up = tl.load(b_ptrs + up_offset * stride_bn, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
+        if GATED and not FUSE_GU:
+            if B_DESC:
+                b_up = tl.trans(b_ptr.load([b_row0 + up_offset, k0]))
+            elif EVEN_K:
+                b_up = tl.load(b_ptrs + up_offset * stride_bn)
+            else:
+                b_up = tl.load(b_ptrs + up_offset * stride_bn, mask=k_valid[:, None], other=0.0)
             if UPCAST:
                 b_up = b_up.to(tl.float32)
             if FP8:
-                b_up_s = tl.load(bs_up_ptrs + kg * stride_bsk, mask=n_valid, other=0.0)
-                acc_up += tl.dot(a, b_up) * (a_s[:, None] * b_up_s[None, :])
+                b_up_s = tl.load(bs_up_ptrs + kg * stride_bsk)
+                acc_up += tl.dot(a, b_up) * _scale(a_s, b_up_s, SCALAR_BS)
             else:
                 acc_up = _mma(a, b_up, acc_up)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+        if not A_DESC:
+            a_ptrs += BLOCK_K * stride_ak
+        if not B_DESC:
+            b_ptrs += BLOCK_K * stride_bk
     if GATED:
+        if FUSE_GU:
+            acc, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < N
     if MUL_WEIGHT:
         acc = acc * tl.load(weight_ptr + rows, mask=m_valid, other=0.0)[:, None]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A TMA descriptor can cover t as [rows, K]: contiguous, 16-byte aligned base and rows."""
+    return t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0
 
 
 def grouped_gemm(
@@ -195,6 +270,9 @@ def grouped_gemm(
     if fp8 and (block_size is None or block_size[1] % cfg["block_k"] and cfg["block_k"] % block_size[1]):
         raise ValueError(f"block_k={cfg['block_k']} must divide the scale block {block_size} along K")
     block_k = min(cfg["block_k"], block_size[1]) if fp8 else cfg["block_k"]
+    b_desc = cfg.get("tma", False) and _tma_ok(b)
+    a_desc = b_desc and align is None and _tma_ok(a)
+    fuse_gu = gated and cfg.get("fuse_gu", not a.is_cuda) and not b_desc
     if align is not None:
         sorted_ids, expert_ids, num_padded = align
         rows, num_pairs = sorted_ids.shape[0], out.shape[0]
@@ -205,18 +283,27 @@ def grouped_gemm(
     a_s = a_scale if fp8 else dummy
     b_s = b_scale if fp8 else dummy
     grid = (triton.cdiv(rows, cfg["block_m"]) * triton.cdiv(n_out, cfg["block_n"]),)
+    a_arg, b_arg = a, b
+    if b_desc:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        b_arg = TensorDescriptor.from_tensor(b.view(-1, k), [cfg["block_n"], block_k])
+        if a_desc:
+            a_arg = TensorDescriptor.from_tensor(a, [cfg["block_m"], block_k])
     _gemm_kernel[grid](
-        a, a_s, b, b_s, out, bias if bias is not None else dummy,
+        a_arg, a_s, b_arg, b_s, out, bias if bias is not None else dummy,
         topk_weights if topk_weights is not None else dummy,
         sorted_ids, expert_ids, num_padded,
         rows, n_out, k, num_pairs, n_out if gated else 0,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
         a_s.stride(0) if fp8 else 0, a_s.stride(1) if fp8 else 0,
         b_s.stride(0) if fp8 else 0, b_s.stride(1) if fp8 else 0, b_s.stride(2) if fp8 else 0,
-        A_DIV=a_div, GATHER=align is not None, GATED=gated, MUL_WEIGHT=topk_weights is not None,
+        A_DIV=a_div, GATHER=align is not None, GATED=gated, FUSE_GU=fuse_gu, MUL_WEIGHT=topk_weights is not None,
         HAS_BIAS=bias is not None, FP8=fp8,
         GROUP_N=block_size[0] if fp8 else 1, GROUP_K=block_size[1] if fp8 else 1,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k, GROUP_M=cfg["group_m"],
+        EVEN_K=k % block_k == 0, SCALAR_BS=fp8 and not fuse_gu and block_size[0] % cfg["block_n"] == 0,
+        A_DESC=a_desc, B_DESC=b_desc,
         UPCAST=not a.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -250,7 +337,9 @@ def fused_moe_triton(
     dtype = "fp8" if fp8 else str(w13.dtype).removeprefix("torch.")
     cfg = config or moe_config(f"{num_experts},{inter},{hidden_size},{dtype}", num_pairs / num_experts, fp8,
                                hidden.is_cuda)
+    cfg2 = down_config(cfg)
     align = moe_align(topk_ids, num_experts, cfg["block_m"])
+    align2 = align if cfg2["block_m"] == cfg["block_m"] else moe_align(topk_ids, num_experts, cfg2["block_m"])
     weights = topk_weights.reshape(-1).float()
     inter_out = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     down = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
@@ -261,9 +350,9 @@ def fused_moe_triton(
         grouped_gemm(a, w13, inter_out, cfg, a_scale=a_s, b_scale=w13_scale_inv, block_size=block_size,
                      align=align, a_div=top_k, gated=True)
         a2, a2_s = per_token_group_quant(inter_out, block_size[1])
-        grouped_gemm(a2, w2, down, cfg, a_scale=a2_s, b_scale=w2_scale_inv, block_size=block_size,
-                     align=align, topk_weights=weights)
+        grouped_gemm(a2, w2, down, cfg2, a_scale=a2_s, b_scale=w2_scale_inv, block_size=block_size,
+                     align=align2, topk_weights=weights)
     else:
         grouped_gemm(hidden, w13, inter_out, cfg, align=align, a_div=top_k, gated=True)
-        grouped_gemm(inter_out, w2, down, cfg, align=align, topk_weights=weights)
+        grouped_gemm(inter_out, w2, down, cfg2, align=align2, topk_weights=weights)
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1)

@@ -1,0 +1,131 @@
+"""Where a decode (or prefill) step's GPU time goes: the CUDA kernels of eager engine steps, grouped by name.
+
+    python benchmarks/profile_decode.py [--model benchmarks/configs/llama-3.1-8b] [--batch 1] [--context 1024]
+    python benchmarks/profile_decode.py --prefill --batch 8 --context 1024   # one step prefilling 8 x 1024 tokens
+
+Runs ``--batch`` prompts of ``--context`` random tokens through the offline engine with ``enforce_eager`` (a CUDA
+graph hides its kernels from the profiler; the kernels are the same), profiles ``--steps`` decode steps after a
+warm-up, and prints each kernel's time and launches per step, the sum, and the share of the step the GPU was busy.
+A kernel that reads the weights is compared with the bandwidth floor of its bytes by ``latency.py``; this script
+only answers "which kernels, how many, how long".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.latency import make_llm  # noqa: E402
+
+DEFAULT_MODEL = Path(__file__).resolve().parent / "configs" / "llama-3.1-8b"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    p.add_argument("--hf-overrides", type=json.loads, default=None)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--prefill", action="store_true", help="profile steps that prefill --batch x --context tokens")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from torch.profiler import ProfilerActivity, profile
+
+    from dsinfer import SamplingParams
+
+    extra = {}
+    if args.prefill:  # every prompt in one step, none of it from the prefix cache
+        extra = dict(enable_prefix_caching=False, max_num_batched_tokens=args.batch * args.context,
+                     max_num_seqs=max(args.batch, 1))
+    llm = make_llm(args.model, args, enforce_eager=True, **extra)
+    gen = torch.Generator().manual_seed(0)
+    vocab = llm.engine.model_config.vocab_size
+
+    def random_prompts():
+        return [{"prompt_token_ids": torch.randint(10, min(vocab, 32000), (args.context,), generator=gen).tolist()}
+                for _ in range(args.batch)]
+
+    prompts = random_prompts()
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate(prompts, warm, use_tqdm=False)
+    engine = llm.engine
+    sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
+    if args.prefill:
+        return report(profile_prefill(llm, random_prompts, args, sync), args)
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 4, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, params)
+    base = engine.get_stats()["num_generation_tokens"]
+    while engine.get_stats()["num_generation_tokens"] < base + 2 * args.batch:
+        engine.step()  # prefill, then decode until every sequence is past its first token
+    sync()
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        sync()
+        wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
+    while engine.has_unfinished_requests():
+        engine.step()
+    return report((prof, wall_ms, args.steps, "eager decode steps"), args)
+
+
+def profile_prefill(llm, random_prompts, args, sync):
+    """Each profiled step prefills a fresh set of prompts (max_tokens=1: the step that samples the first token)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dsinfer import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    batches = [random_prompts() for _ in range(args.steps)]
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for prompts in batches:
+            llm.generate(prompts, params, use_tqdm=False)
+        sync()
+        wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
+    return prof, wall_ms, args.steps, "prefill steps"
+
+
+def report(profiled, args) -> int:
+    prof, wall_ms, steps, what = profiled
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = per_kernel[event.name]
+            entry[0] += event.device_time_total / 1e3
+            entry[1] += 1
+    if not per_kernel:
+        print(f"{wall_ms:.3f} ms wall/step; no CUDA kernels recorded (device {args.device})")
+        return 0
+    total_ms = sum(t for t, _ in per_kernel.values()) / steps
+    launches = sum(n for _, n in per_kernel.values()) / steps
+    print(f"batch {args.batch}, context {args.context}: {steps} {what}, {wall_ms:.3f} ms wall/step, "
+          f"GPU busy {total_ms:.3f} ms/step ({100 * total_ms / wall_ms:.0f}%), {launches:.0f} kernels/step")
+    print(f"{'ms/step':>8} {'share':>6} {'n/step':>7}  kernel")
+    for name, (ms, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[: args.top]:
+        print(f"{ms / steps:8.3f} {100 * ms / steps / total_ms:5.1f}% {n / steps:7.1f}  {name[:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

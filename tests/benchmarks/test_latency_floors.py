@@ -1,0 +1,168 @@
+"""The benchmark floors (``benchmarks/latency.py``) and the DeepSeek paths of the benchmark scripts, on CPU.
+
+Floors are checked against hand counts on the real V2-Lite / V3 shapes (built on the meta device: no memory), and
+against the vLLM peer's figure for V2-Lite (1.17 ms at B=1). The scripts run end to end on tiny random DeepSeek
+configs; the HF comparison's weight copy is checked by logits at unit-scale weights, where a misplaced tensor shows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import latency, throughput
+from dsinfer.models.loader.model_loader import _default_dtype_and_device
+from dsinfer.models.registry import model_class
+
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+V3_5L = {"num_hidden_layers": 5, "first_k_dense_replace": 3, "num_nextn_predict_layers": 0}
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+            num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            n_routed_experts=8, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
+            bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, hidden_act="silu")
+TINY_V2 = dict(TINY, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", num_hidden_layers=3,
+               q_lora_rank=None, n_shared_experts=2, num_experts_per_tok=3, first_k_dense_replace=1,
+               topk_method="greedy", scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0,
+               n_group=1, topk_group=1)
+TINY_V3 = dict(TINY, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", num_hidden_layers=3,
+               q_lora_rank=24, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+               topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
+               n_group=4, topk_group=2, num_nextn_predict_layers=1)
+
+
+def meta_model(name: str, overrides: dict | None = None):
+    cfg = json.loads((CONFIGS / name / "config.json").read_text()) | (overrides or {})
+    with _default_dtype_and_device(torch.bfloat16, torch.device("meta")):
+        return model_class(cfg["architectures"][0])(cfg), cfg
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_expected_distinct_experts():
+    assert latency.expected_distinct_experts(64, 6, 1) == pytest.approx(6)
+    assert latency.expected_distinct_experts(64, 6, 64) == pytest.approx(63.88, abs=0.01)
+    assert latency.expected_distinct_experts(256, 8, 64) == pytest.approx(222.4, abs=0.1)
+    assert latency.expected_distinct_experts(0, 0, 8) == 0
+
+
+def test_v2_lite_decode_floor_matches_a_hand_count():
+    model, c = meta_model("deepseek-v2-lite")
+    shape = latency.weight_shape(model)
+    h, layers, heads, r, rope = c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], 512, 64
+    attn = (h * heads * 192 + h * (r + rope) + r * heads * 256 + heads * 128 * h  # q, kv_a, kv_b, o
+            + 2 * h + r)  # input / post-attention / kv_a norms
+    expert = 3 * h * c["moe_intermediate_size"]
+    moe_layers = layers - 1
+    always = 2 * (layers * attn + 3 * h * c["intermediate_size"] + moe_layers * 2 * expert  # dense + shared
+                  + h + c["vocab_size"] * h) + 4 * moe_layers * 64 * h  # final norm, lm_head; fp32 routers
+    assert shape.always_bytes == always
+    assert shape.expert_bytes == [2 * expert] * moe_layers and (shape.num_experts, shape.top_k) == (64, 6)
+    kv_token = layers * (r + rope) * 2
+    bandwidth = 4.19e12  # the peer measured 4.08-4.19 TB/s and a 1.17 ms floor at B=1
+    assert latency.decode_floor_ms(shape, 1, 1032, kv_token, bandwidth) == pytest.approx(1.17, rel=0.02)
+    # B=256 touches every expert: all weights but the embedding table, plus 256 x 1024 tokens of latent KV
+    every = always + moe_layers * 64 * 2 * expert
+    floor = latency.decode_floor_ms(shape, 256, 1024, kv_token, bandwidth, [64] * moe_layers)
+    assert floor == pytest.approx((every + 256 * 1024 * kv_token) / bandwidth * 1e3)
+    with pytest.raises(ValueError):
+        latency.decode_weight_bytes(shape, 1, [6])
+
+
+def test_v3_fp8_weight_shape_counts_fp8_bytes_and_block_scales():
+    model, c = meta_model("deepseek-v3", V3_5L)
+    shape = latency.weight_shape(model)
+    h, inter = c["hidden_size"], c["moe_intermediate_size"]
+    scales = 4 * ((2 * inter // 128) * (h // 128) + (h // 128) * (inter // 128))  # w13 and w2 grids, float32
+    assert shape.expert_bytes == [3 * h * inter + scales] * 2
+    assert (shape.num_experts, shape.top_k) == (256, 8)
+    assert shape.fp8_matmul_params > 8 * 3 * h * inter * 2  # every linear and the top-8 experts are FP8
+    assert shape.matmul_params == 2 * 256 * h  # only the two routers (float32) are not
+    assert not any(name.startswith("mtp.") for name, _ in model.named_parameters())
+
+
+def test_dense_model_floor_is_the_old_rule(tiny_llama_dir):
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    with _default_dtype_and_device(torch.bfloat16, torch.device("meta")):
+        model = model_class(cfg["architectures"][0])(cfg)
+    shape = latency.weight_shape(model)
+    assert shape.moe_layers == 0 and shape.fp8_matmul_params == 0
+    assert shape.matmul_params == sum(p.numel() for n, p in model.named_parameters()
+                                      if n.startswith("layers.") and n.endswith("proj.weight"))
+    embed = model.embed_tokens.weight
+    assert shape.always_bytes == sum(p.numel() * 2 for p in model.parameters() if p is not embed)
+
+
+@pytest.mark.parametrize("cfg", [TINY_V2, dict(TINY_V3, num_nextn_predict_layers=0)], ids=["v2", "v3"])
+def test_hf_copy_of_dummy_deepseek_matches_logits(cfg, tmp_path):
+    from dsinfer import LLM, SamplingParams
+
+    llm = LLM(str(write_config(tmp_path, cfg)), load_format="dummy", dtype="float32", device="cpu")
+    ours = llm.engine.runner.model
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # unit-scale weights: every tensor visibly shapes the logits
+        for name, p in ours.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / (1 if "embed" in name else p.shape[-1]) ** 0.5)
+    hf = throughput.hf_from_engine(llm, "cpu")
+    ids = torch.randint(2, 256, (12,), generator=gen).tolist()
+    with torch.no_grad():
+        hf_lp = hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    ours_lp = torch.tensor([out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
+    want = torch.stack([hf_lp[i - 1, ids[i]] for i in range(1, len(ids))])
+    assert torch.allclose(ours_lp, want, atol=1e-3), (ours_lp - want).abs().max()
+
+
+def test_latency_script_runs_tiny_deepseek_on_cpu(tmp_path):
+    model = write_config(tmp_path / "v3", dict(TINY_V3, quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}))
+    out = tmp_path / "latency.json"
+    overrides = json.dumps({"num_hidden_layers": 4, "first_k_dense_replace": 2, "num_nextn_predict_layers": 0})
+    assert latency.main(["--device", "cpu", "--model", str(model), "--hf-overrides", overrides, "--batch-sizes",
+                         "1", "4", "--context", "32", "--prefill", "16", "2x16", "--steps", "2",
+                         "--max-model-len", "128", "--json-out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["quantization"] == "fp8" and report["num_hidden_layers"] == 4
+    one, four = report["decode"]
+    assert one["experts_touched"] == 2 and 2 <= four["experts_touched"] <= 8  # top-2 of 8, two MoE layers
+    assert 0 < one["floor_ms"] < four["floor_ms"]
+    assert one["kv_gb"] == pytest.approx(32 * 4 * (32 + 8) * 4 / 1e9)  # ctx x layers x (latent + rope) x fp32
+    assert [p["prefill"] for p in report["prefill"]] == ["16", "2x16"]
+
+
+def test_throughput_script_compares_tiny_deepseek_with_hf_on_cpu(tmp_path):
+    model = write_config(tmp_path / "v2", TINY_V2)
+    out = tmp_path / "throughput.json"
+    assert throughput.main(["--model", str(model), "--load-format", "dummy", "--num-prompts", "4", "--input-len",
+                            "16", "--output-len", "4", "--compare-hf", "--hf-num-prompts", "2",
+                            "--json-out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["subset"]["num_prompts"] == 2 and report["results"][0]["output_tokens"] == 16
+    assert report["subset"]["identical_outputs"] == 2
+
+
+def test_hf_copy_handles_per_expert_checkpoint_layout(tmp_path):
+    """Older transformers keep one module per expert (``experts.{e}.{gate,up,down}_proj.weight``)."""
+    from dsinfer import LLM
+
+    llm = LLM(str(write_config(tmp_path, TINY_V2)), load_format="dummy", dtype="float32", device="cpu")
+    ours = llm.engine.runner.model
+    experts = ours.layers[1].mlp.experts
+    inter = experts.w2.shape[2]
+    state = {f"model.layers.1.mlp.experts.{e}.{kind}_proj.weight": torch.empty_like(w)
+             for e in range(8) for kind, w in (("gate", experts.w13[0, :inter]), ("up", experts.w13[0, inter:]),
+                                               ("down", experts.w2[0]))}
+    throughput._copy_by_checkpoint_names(ours, state)
+    assert torch.equal(state["model.layers.1.mlp.experts.5.gate_proj.weight"], experts.w13[5, :inter])
+    assert torch.equal(state["model.layers.1.mlp.experts.5.up_proj.weight"], experts.w13[5, inter:])
+    assert torch.equal(state["model.layers.1.mlp.experts.7.down_proj.weight"], experts.w2[7])
