@@ -151,9 +151,9 @@ class EngineArgs:
                               self.gpu_memory_utilization, self.num_kv_blocks),
             scheduler=SchedulerConfig(self.max_num_seqs, batched, self.enable_chunked_prefill),
             load=LoadConfig(load_format, self.seed),
-            # CUDA graphs would replay the non-invariant kernels captured outside the batch-invariant mode
-            device=DeviceConfig(device, bool(deterministic), bool(async_sched),
-                                self.enforce_eager or bool(deterministic)),
+            # deterministic mode keeps CUDA graphs: the runner captures them inside the batch-invariant mode, and
+            # the invariant kernels give a row the same result whatever the (padded) batch around it
+            device=DeviceConfig(device, bool(deterministic), bool(async_sched), self.enforce_eager),
         )
 
     def _validate(self) -> None:

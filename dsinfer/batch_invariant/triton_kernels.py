@@ -59,12 +59,14 @@ def matmul_invariant_triton(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _attention_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, sl_ptr, row_seq_ptr, out_ptr, scale, window,
+def _attention_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, sl_ptr, row_seq_ptr, out_ptr, scale, window, num_seqs,
                       sq_t, sq_h, skv_kv, skv_b, skv_s, skv_h, sbt, so_t, so_h,
                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       BN: tl.constexpr, BD: tl.constexpr, USE_WINDOW: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
+    if t >= tl.load(qsl_ptr + num_seqs):
+        return  # padding row (a CUDA graph's batch is padded past the real rows)
     seq = tl.load(row_seq_ptr + t)
     q_start = tl.load(qsl_ptr + seq)
     q_end = tl.load(qsl_ptr + seq + 1)
@@ -106,12 +108,15 @@ def paged_attention_invariant_triton(q, kv_cache, block_tables, query_start_loc,
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    row_seq = torch.repeat_interleave(torch.arange(seq_lens.shape[0], device=q.device, dtype=torch.int32),
-                                      q_lens.long(), output_size=num_tokens)
+    # each row's sequence by binary search (no host sync, and rows past the batch's last query row, CUDA-graph
+    # padding, map to the last sequence; the kernel skips them)
+    num_seqs = seq_lens.shape[0]
+    rows = torch.arange(num_tokens, device=q.device, dtype=query_start_loc.dtype)
+    row_seq = torch.searchsorted(query_start_loc[1:].contiguous(), rows, right=True)
+    row_seq = row_seq.clamp_max_(max(num_seqs - 1, 0)).to(torch.int32)
     _, _, block_size, hkv, _ = kv_cache.shape
     _attention_kernel[(num_tokens, hq)](
-        q, kv_cache, block_tables, query_start_loc, seq_lens, row_seq, out, scale, sliding_window or 0,
+        q, kv_cache, block_tables, query_start_loc, seq_lens, row_seq, out, scale, sliding_window or 0, num_seqs,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         HQ=hq, HKV=hkv, D=d, BLOCK_SIZE=block_size, BN=ATTN_BLOCK_N, BD=triton.next_power_of_2(d),

@@ -7,6 +7,10 @@ folded into the query, W_UV applied to the attended latent); rows of sequences w
 (prefill, chunked prefill, prefill after a prefix-cache hit) expand K/V for their whole context from the
 cached latent. In deterministic mode every row takes the absorbed form by one fixed-order recipe
 (``batch_invariant.mla``), so a token's result does not depend on how its step was scheduled.
+
+Per decode step a layer runs: one GEMM for q (or q_a) and kv_a together (``fused_qkv_a_proj``), one kernel for
+rope + latent norm + cache store (``ops.mla.rope_norm_store_mla``), the W_UK bmm, the decode kernel (plus its
+split reduction), the W_UV bmm written straight into o_proj's input layout, and o_proj.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from dsinfer.kvcache.spec import MLASpec
 from dsinfer.layers.fp8_linear import Fp8BlockLinear, Fp8Config, make_linear
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, rope_parameters_of
-from dsinfer.ops.mla import mla_decode, mla_prefill, store_mla_kv
+from dsinfer.ops.mla import mla_decode, mla_prefill, rope_norm_store_mla
 from dsinfer.runner.forward_batch import ForwardBatch
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
@@ -85,6 +89,12 @@ def yarn_softmax_scale(head_dim: int, rope: dict[str, Any]) -> float:
 
 
 
+def fuses_q_kv_a(cfg: dict[str, Any]) -> bool:
+    """Whether q_a_proj (q LoRA) or q_proj (none) and kv_a_proj_with_mqa load into one ``fused_qkv_a_proj``
+    (shards 0 and 1): always, except where only kv_a_proj_with_mqa has a bias (attention_bias, no q LoRA)."""
+    return bool(cfg.get("q_lora_rank")) or not cfg.get("attention_bias")
+
+
 class MLAAttention(nn.Module):
     """One MLA layer: projections, rope, the latent cache (``kv_cache``, bound by the runner), attention."""
 
@@ -96,13 +106,20 @@ class MLAAttention(nn.Module):
         self.v_dim = cfg["v_head_dim"]
         bias = bool(cfg.get("attention_bias"))
         q_out = self.num_heads * (self.nope_dim + self.rope_dim)
+        kv_a = self.kv_lora_rank + self.rope_dim
+        # the two projections of the layer input, q_a_proj (or q_proj) and kv_a_proj_with_mqa, run as one GEMM
+        # (the checkpoint's tensors load into its two row ranges: see ``fuses_q_kv_a``)
+        q_first = self.q_lora_rank or q_out
+        self.fused_qkv_a_proj = self.q_proj = None
+        if fuses_q_kv_a(cfg):
+            self.fused_qkv_a_proj = make_linear(hidden, [q_first, kv_a], quant, bias=bias)
+        else:  # a bias on kv_a_proj_with_mqa but none on q_proj: kept apart
+            self.q_proj = make_linear(hidden, q_out, quant)
+            self.kv_a_proj_with_mqa = make_linear(hidden, kv_a, quant, bias=bias)
+        self.q_split = [q_first, kv_a]
         if self.q_lora_rank:
-            self.q_a_proj = make_linear(hidden, self.q_lora_rank, quant, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LORA_NORM_EPS)
             self.q_b_proj = make_linear(self.q_lora_rank, q_out, quant)
-        else:
-            self.q_proj = make_linear(hidden, q_out, quant)
-        self.kv_a_proj_with_mqa = make_linear(hidden, self.kv_lora_rank + self.rope_dim, quant, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LORA_NORM_EPS)
         self.kv_b_proj = make_linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), quant)
         self.o_proj = make_linear(self.num_heads * self.v_dim, hidden, quant, bias=bias)
@@ -113,40 +130,60 @@ class MLAAttention(nn.Module):
         self.scale = yarn_softmax_scale(self.nope_dim + self.rope_dim, rope)
         self.kv_cache: torch.Tensor | None = None
         self._kv_b_dense: torch.Tensor | None = None  # an FP8 kv_b_proj dequantized once (see below)
+        self._kv_b_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see _split_kv_b
 
     def process_weights_after_loading(self) -> None:
         """Attention multiplies by kv_b_proj's weight directly (absorbed into the query, expanding the latent),
-        so an FP8 one is dequantized once here rather than on every forward."""
+        so an FP8 one is dequantized once here rather than on every forward; the per-head views are built once."""
         if isinstance(self.kv_b_proj, Fp8BlockLinear):
             self._kv_b_dense = self.kv_b_proj.dequantized_weight()
+        self._kv_b_views = self._split_kv_b()
 
-    def _kv_b_weight(self) -> torch.Tensor:
-        return self.kv_b_proj.weight if self._kv_b_dense is None else self._kv_b_dense
+    def _split_kv_b(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """kv_b_proj's weight per head, w_kv_b [H, N + V, R] (what the prefill expansion takes), and two views of
+        it that ``torch.bmm`` consumes without a copy (each head's block is contiguous; cuBLAS takes a strided
+        batch, the second one transposed): W_UK [H, N, R] (absorbs q_nope) and W_UV^T [H, R, V] (applies the
+        attended latent)."""
+        weight = self.kv_b_proj.weight if self._kv_b_dense is None else self._kv_b_dense
+        w_kv_b = weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        return w_kv_b, w_kv_b[:, : self.nope_dim], w_kv_b[:, self.nope_dim :].transpose(1, 2)
+
+    def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        views = self._kv_b_views
+        # rebuilt when post-load processing has not run (a bare module) or the weight was swapped since
+        if views is None or (self._kv_b_dense is None and views[0].data_ptr() != self.kv_b_proj.weight.data_ptr()):
+            views = self._kv_b_views = self._split_kv_b()
+        return views
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> MLASpec:
         return MLASpec(block_size, self.kv_lora_rank, self.rope_dim, dtype)
 
-    def _query(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (q [T, H * (N + P)], kv_a [T, R + P]), both possibly column slices of one GEMM's output."""
+        if self.fused_qkv_a_proj is not None:
+            q, kv_a = self.fused_qkv_a_proj(hidden).split(self.q_split, dim=-1)
+        else:
+            q, kv_a = self.q_proj(hidden), self.kv_a_proj_with_mqa(hidden)
         if self.q_lora_rank:
-            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
-        return self.q_proj(hidden)
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        return q, kv_a
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, meta: MLAMetadata
     ) -> torch.Tensor:
-        q = self._query(hidden).view(-1, self.num_heads, self.nope_dim + self.rope_dim)
+        q, kv_a = self._project(hidden)
+        q = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
-        store_mla_kv(self.kv_a_layernorm(kv_c), k_pe.squeeze(1), self.kv_cache, batch.slot_mapping)
+        kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        norm, rotary = self.kv_a_layernorm, self.rotary
+        q_pe = rope_norm_store_mla(positions, q_pe, k_pe, kv_c, norm.weight, norm.eps, rotary.cos_sin_cache,
+                                   rotary.is_neox, self.kv_cache, batch.slot_mapping)
         out = self.attend(q_nope, q_pe, meta)
         return self.o_proj(out.flatten(1))
 
     def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
-        """q_nope [T, H, N], q_pe [T, H, P] (roped) -> [T, H, V]."""
-        w_kv_b = self._kv_b_weight().view(
-            self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank
-        )
+        """q_nope [T, H, N], q_pe [T, H, P] (roped) -> [T, H, V] (contiguous)."""
+        w_kv_b, w_uk, w_uv_t = self._kv_b()
         if meta.invariant is not None:
             from dsinfer.batch_invariant.mla import mla_attention_invariant
 
@@ -157,14 +194,17 @@ class MLAAttention(nn.Module):
         if meta.decode is not None:
             d = meta.decode
             qn, qp = (q_nope, q_pe) if d.rows is None else (q_nope[d.rows], q_pe[d.rows])
-            q_absorbed = torch.einsum("thn,hnr->thr", qn, w_kv_b[:, : self.nope_dim])
+            # per head: [H, T, N] @ [H, N, R]; the result is read as [T, H, R] through strides (no copy)
+            q_absorbed = torch.bmm(qn.transpose(0, 1), w_uk).transpose(0, 1)
             latent = mla_decode(
                 q_absorbed, qp, self.kv_cache, d.block_tables, d.query_start_loc, d.seq_lens, self.scale,
                 max_seq_len=meta.max_seq_len,
             )
-            o = torch.einsum("thr,hvr->thv", latent, w_kv_b[:, self.nope_dim :])
+            # [H, T, R] @ [H, R, V], written through a transposed view straight into [T, H, V]
+            o = out if d.rows is None else out.new_empty(qn.shape[0], self.num_heads, self.v_dim)
+            torch.bmm(latent.transpose(0, 1), w_uv_t, out=o.transpose(0, 1))
             if d.rows is None:
-                return o
+                return out
             out[d.rows] = o
         if meta.prefill is not None:
             p = meta.prefill

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from dsinfer.ops.dispatch import use_triton
+from dsinfer.ops.norm import rms_norm
+from dsinfer.ops.rotary import apply_rotary
 
 
 def store_mla_kv(
@@ -47,6 +49,34 @@ def store_mla_kv_ref(
     if not bool(keep.all()):
         rows, slot_mapping = rows[keep], slot_mapping[keep]
     flat.index_copy_(0, slot_mapping, rows)
+
+
+def rope_norm_store_mla(
+    positions: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """An MLA layer's per-token preamble, fused: rope on q_pe [T, H, P] (returned, new) and on the shared key
+    k_pe [T, P], RMSNorm of the latent kv_c [T, R] (``norm_weight``, ``eps``), both stored to the cache rows
+    ``slot_mapping`` (negative: padding, not stored). Equals ``apply_rotary`` + ``rms_norm`` + ``store_mla_kv``
+    (the rope covers the whole P: ``cos_sin_cache`` is [positions, P])."""
+    fusable = (cos_sin_cache.shape[-1] == q_pe.shape[-1] == k_pe.shape[-1]
+               and torch.promote_types(norm_weight.dtype, kv_c.dtype) == kv_c.dtype)
+    if use_triton(q_pe) and fusable:
+        from dsinfer.ops.triton.mla import rope_norm_store_mla_triton
+
+        return rope_norm_store_mla_triton(positions, q_pe, k_pe, kv_c, norm_weight, eps, cos_sin_cache, is_neox,
+                                          kv_cache, slot_mapping)
+    q_pe, k_pe = apply_rotary(positions, q_pe, k_pe.unsqueeze(1), cos_sin_cache, is_neox)
+    store_mla_kv(rms_norm(kv_c, norm_weight, eps), k_pe.squeeze(1), kv_cache, slot_mapping)
+    return q_pe
 
 
 def gather_mla_context(kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:

@@ -54,7 +54,39 @@ def select_experts(
       highest top-2 sum; the weights are the unbiased scores of the chosen experts (DeepSeek-V3).
     Weights are renormalized to sum 1 when ``norm_topk_prob`` (and top_k > 1), then multiplied by
     ``routed_scaling_factor``.
+
+    On the Triton path (CUDA) one kernel does all of it (``ops.triton.router``), except in deterministic mode,
+    which keeps this torch path (expert-id order, sequential sums).
     """
+    if use_triton(router_logits) and not batch_invariant.is_enabled():
+        from dsinfer.ops.triton import router
+
+        if router.supports(router_logits.shape[-1], top_k, n_group):
+            return router.select_experts_triton(
+                router_logits, top_k, scoring_func=scoring_func, topk_method=topk_method, n_group=n_group,
+                topk_group=topk_group, norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
+                e_score_correction_bias=e_score_correction_bias,
+            )
+    return select_experts_ref(
+        router_logits, top_k, scoring_func=scoring_func, topk_method=topk_method, n_group=n_group,
+        topk_group=topk_group, norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
+        e_score_correction_bias=e_score_correction_bias,
+    )
+
+
+def select_experts_ref(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring_func: str = "softmax",
+    topk_method: str = "greedy",
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = False,
+    routed_scaling_factor: float = 1.0,
+    e_score_correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_experts`` in torch ops (the reference, the CPU path and the deterministic mode's path)."""
     logits = router_logits.float()
     scores = logits.softmax(dim=-1) if scoring_func == "softmax" else logits.sigmoid()
     if topk_method == "noaux_tc":

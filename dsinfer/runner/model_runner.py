@@ -108,7 +108,8 @@ class ModelRunner:
             max_len = config.model.max_model_len
             self.graphs = DecodeGraphs(self.model, config.scheduler.max_num_seqs, -(-max_len // self.block_size),
                                        max_len, self.device)
-            self.graphs.capture()
+            with batch_invariant(config.device.deterministic):  # capture the kernels the eager steps run
+                self.graphs.capture()
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -218,3 +218,18 @@ def test_gpu_hundred_runs_with_random_companions_one_output(request, arch):
     rng, target = _target(3)
     results = {_run(llm, target, rng, rng.randrange(0, 65)) for _ in range(100)}
     assert len(results) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["v2", "v3"])
+def test_gpu_decode_graphs_replay_the_invariant_kernels(request, arch):
+    """Deterministic mode keeps CUDA graphs (captured inside the invariant mode): graph replays give the very
+    tokens and logprobs of eager steps, alone and among companions."""
+    path, _ = request.getfixturevalue(f"{arch}_ckpt")
+    graphed = LLM(str(path), dtype="bfloat16", deterministic=True, device="cuda")
+    assert graphed.engine.runner.graphs is not None and graphed.engine.runner.graphs.graphs, "no graph captured"
+    eager = LLM(str(path), dtype="bfloat16", deterministic=True, device="cuda", enforce_eager=True)
+    rng, target = _target(4)
+    results = {_run(llm, target, rng, k) for llm in (graphed, eager) for k in (0, 5, 33)}
+    assert len(results) == 1

@@ -118,3 +118,18 @@ def test_triton_attention_matches_reference_and_is_invariant(triton_interpreter)
     batched = _call(paged_attention_invariant_triton, q2, cache, [list(range(10, 40)), tables[0] + [0] * 20],
                     [1, 1], [117, 30])
     assert torch.equal(batched[1], chunk[-1])
+
+
+def test_triton_attention_skips_padding_rows(triton_interpreter):
+    """Rows past the last query row (a CUDA graph's padded batch) are skipped, not mapped out of bounds."""
+    from dsinfer.batch_invariant.triton_kernels import paged_attention_invariant_triton
+
+    dev = triton_interpreter
+    cache = _cache().to(dev)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, 16, generator=gen).to(dev)
+    tables = [list(range(10, 40)), list(range(0, 10)) + [0] * 20]
+    real = _call(paged_attention_invariant_triton, q, cache, tables, [1, 1], [117, 30])
+    padded_q = torch.cat((q, torch.randn(3, 4, 16, generator=gen).to(dev)))
+    padded = _call(paged_attention_invariant_triton, padded_q, cache, tables, [1, 1], [117, 30])
+    assert torch.equal(padded[:2], real)

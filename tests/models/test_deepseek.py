@@ -511,3 +511,23 @@ def test_v3_without_rope_interleave_matches_hf(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["rope_interleave"] is False
     ckpt = Checkpoint("v3-neox", tmp_path, hf, _prompts(hf.config.vocab_size))
     _assert_matches_hf(_run(LLM(str(tmp_path)), ckpt, [3, 7]), ckpt, [3, 7], "batch")
+
+
+@pytest.mark.parametrize("q_lora_rank, bias, fused", [(None, False, True), (24, True, True), (None, True, False)])
+def test_q_and_kv_a_projections_load_into_one_gemm(q_lora_rank, bias, fused):
+    """q_proj / q_a_proj and kv_a_proj_with_mqa share one GEMM (two row ranges), except when only kv_a would
+    carry a bias (attention_bias without q LoRA): then they stay apart."""
+    cfg = v3_config().to_dict() | {"q_lora_rank": q_lora_rank, "attention_bias": bias}
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(cfg)
+    attn = model.layers[0].self_attn
+    q_name = "q_a_proj" if q_lora_rank else "q_proj"
+    routed = [model.checkpoint_name(f"model.layers.0.self_attn.{n}.weight") for n in (q_name, "kv_a_proj_with_mqa")]
+    if fused:
+        assert attn.q_proj is None and attn.fused_qkv_a_proj.weight.shape[0] == sum(attn.q_split)
+        assert routed == [("layers.0.self_attn.fused_qkv_a_proj.weight", 0),
+                          ("layers.0.self_attn.fused_qkv_a_proj.weight", 1)]
+    else:
+        assert attn.fused_qkv_a_proj is None
+        assert routed == [("layers.0.self_attn.q_proj.weight", None),
+                          ("layers.0.self_attn.kv_a_proj_with_mqa.weight", None)]

@@ -145,10 +145,11 @@ def test_triton_interpreter_v3_greedy_matches_hf(v3, monkeypatch):  # noqa: F811
     TRITON_INTERPRET=1, with async scheduling's placeholder path on: HF's greedy tokens and prompt logprobs."""
     import dsinfer.ops.triton.mla as mla_kernels
     import dsinfer.ops.triton.moe as moe_kernels
+    import dsinfer.ops.triton.router as router_kernels
 
     monkeypatch.setenv("DSINFER_USE_TRITON", "always")
-    calls = {"mla_decode_triton": 0, "mla_prefill_triton": 0, "fused_moe_triton": 0}
-    for module in (mla_kernels, moe_kernels):
+    calls = {"mla_decode_triton": 0, "mla_prefill_triton": 0, "fused_moe_triton": 0, "select_experts_triton": 0}
+    for module in (mla_kernels, moe_kernels, router_kernels):
         for name in calls:
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, _counting(calls, name, getattr(module, name)))

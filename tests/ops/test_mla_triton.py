@@ -12,9 +12,12 @@ from dsinfer.ops.mla import (
     mla_decode_ref,
     mla_prefill,
     mla_prefill_ref,
+    rope_norm_store_mla,
     store_mla_kv,
     store_mla_kv_ref,
 )
+from dsinfer.ops.norm import rms_norm_ref
+from dsinfer.ops.rotary import apply_rotary_ref
 
 
 def _latent_batch(q_lens, ctx_lens, heads, rank, rope, block_size, dtype, device, seed=0):
@@ -108,6 +111,31 @@ def test_store_mla_kv_writes_rows_and_skips_padding(device):
     store_mla_kv_ref(kv_c, k_pe, cache_ref, slots)
     assert torch.equal(cache, cache_ref)
     assert cache.view(-1, 24)[1].abs().sum() == 0  # the padded token wrote nothing
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_norm_store_matches_unfused_reference(dtype, is_neox, device, poisoned, assert_close):
+    heads, nope, rope, rank, tokens = 3, 16, 8, 32, 5
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(tokens, heads, nope + rope, generator=gen).to(dtype).to(device)
+    q_pe = q[..., nope:]  # strided, as after the split
+    kv = torch.randn(tokens, rank + rope, generator=gen).to(dtype).to(device)
+    kv_c, k_pe = kv.split([rank, rope], dim=-1)
+    weight = (1 + 0.1 * torch.randn(rank, generator=gen)).to(dtype).to(device)
+    cos_sin = torch.randn(64, rope, generator=gen).to(device)
+    positions = torch.tensor([3, 0, 63, 17, 5], device=device)
+    slots = torch.tensor([7, -1, 0, 11, 2], device=device)
+    cache = torch.zeros(3, 4, rank + rope, dtype=dtype, device=device)
+    cache_ref = torch.zeros(3, 4, rank + rope, dtype=dtype)
+    q_out = rope_norm_store_mla(positions, q_pe, k_pe, kv_c, weight, 1e-6, cos_sin, is_neox, cache, slots)
+    cpu = [t.cpu() for t in (positions, q_pe, k_pe, kv_c, weight, cos_sin, slots)]
+    q_ref, k_ref = apply_rotary_ref(cpu[0], cpu[1], cpu[2].unsqueeze(1), cpu[5], is_neox)
+    store_mla_kv_ref(rms_norm_ref(cpu[3], cpu[4], 1e-6), k_ref.squeeze(1), cache_ref, cpu[6])
+    assert q_out.dtype == dtype and q_out.is_contiguous()
+    assert_close(q_out, q_ref, dtype)
+    assert_close(cache, cache_ref, dtype)
+    assert cache.view(-1, rank + rope)[1].abs().sum() == 0  # the padded token wrote nothing
 
 
 # ---- GPU, real shapes ----

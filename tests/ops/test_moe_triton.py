@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsinfer.ops.fp8 import block_dequantize, block_quantize
-from dsinfer.ops.moe import fused_moe, fused_moe_ref, select_experts
+from dsinfer.ops.moe import fused_moe, fused_moe_ref, select_experts, select_experts_ref
 
 
 def _experts(num_experts, hidden, inter, gen, std=0.1):
@@ -43,10 +43,10 @@ def _emulated_fp8_moe(x, w13, w2, weights, ids, group):
     return down.view(x.shape[0], top_k, -1).sum(1)
 
 
-def test_moe_align_sorts_pairs_by_expert_in_padded_blocks():
+def test_moe_align_sorts_pairs_by_expert_in_padded_blocks(device):
     from dsinfer.ops.triton.moe import moe_align
 
-    topk_ids = torch.tensor([[2, 0], [2, 3], [0, 2]])
+    topk_ids = torch.tensor([[2, 0], [2, 3], [0, 2]], device=device)
     sorted_ids, expert_ids, num_padded = moe_align(topk_ids, 5, 4)
     sentinel = 6
     assert int(num_padded) == 12  # experts 0 (2 pairs), 2 (3), 3 (1): one block of 4 each
@@ -54,6 +54,109 @@ def test_moe_align_sorts_pairs_by_expert_in_padded_blocks():
                                         sentinel]
     assert expert_ids[:3].tolist() == [0, 2, 3]
     assert (sorted_ids[12:] == sentinel).all()
+
+
+def _align_ids(num_pairs, num_experts, pattern, gen):
+    """Expert ids of ``num_pairs`` pairs: uniform, all on the last expert, or on three experts (most empty)."""
+    if pattern == "uniform":
+        ids = torch.randint(0, num_experts, (num_pairs,), generator=gen)
+    elif pattern == "one":
+        ids = torch.full((num_pairs,), num_experts - 1)
+    else:
+        ids = torch.randint(0, 3, (num_pairs,), generator=gen) * (num_experts // 3)
+    return ids.view(-1, 2) if num_pairs % 2 == 0 else ids.view(-1, 1)
+
+
+def _check_align(ids, num_experts, block_m):
+    from dsinfer.ops.triton.moe import moe_align, moe_align_ref
+
+    out = moe_align(ids, num_experts, block_m)
+    ref = moe_align_ref(ids.cpu(), num_experts, block_m)
+    for name, a, b in zip(("sorted_ids", "expert_ids", "num_padded"), out, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a.cpu(), b), name
+
+
+@pytest.mark.parametrize("num_experts", [8, 64, 256])
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
+@pytest.mark.parametrize("num_pairs", [1, 13, 300, 5000])  # 5000: the two-launch path for every E
+def test_moe_align_kernel_matches_reference(num_experts, block_m, num_pairs, device):
+    """Same sorted_ids (stable by pair index within an expert), expert_ids and num_padded as the torch version,
+    with empty experts, all pairs on one expert and pair counts off the block size."""
+    gen = torch.Generator().manual_seed(num_pairs + num_experts)
+    patterns = ["uniform", "one", "three"] if num_pairs < 5000 else ["uniform", "three"]
+    for pattern in patterns:
+        _check_align(_align_ids(num_pairs, num_experts, pattern, gen).to(device), num_experts, block_m)
+
+
+def test_moe_align_kernel_no_pairs_and_int32_ids(device):
+    from dsinfer.ops.triton.moe import moe_align
+
+    sorted_ids, expert_ids, num_padded = moe_align(torch.zeros(0, 6, dtype=torch.long, device=device), 64, 16)
+    assert sorted_ids.numel() == 0 and expert_ids.numel() == 0 and int(num_padded) == 0
+    _check_align(torch.tensor([[3, 1], [1, 0], [3, 3]], dtype=torch.int32, device=device), 4, 16)
+
+
+# (name, experts, top_k, router kwargs): DeepSeek-V2-Lite, V2, V3 and the tiny parity models' routers
+ROUTERS = [
+    ("v2-lite", 64, 6, dict(scoring_func="softmax", topk_method="greedy")),
+    ("v2", 160, 6, dict(scoring_func="softmax", topk_method="group_limited_greedy", n_group=8, topk_group=3,
+                        routed_scaling_factor=16.0)),
+    ("v3", 256, 8, dict(scoring_func="sigmoid", topk_method="noaux_tc", n_group=8, topk_group=4,
+                        norm_topk_prob=True, routed_scaling_factor=2.5)),
+    ("tiny-v2", 8, 3, dict(scoring_func="softmax", topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                           norm_topk_prob=True, routed_scaling_factor=1.5)),
+    ("tiny-v3", 8, 2, dict(scoring_func="sigmoid", topk_method="noaux_tc", n_group=2, topk_group=1,
+                           norm_topk_prob=True, routed_scaling_factor=2.5)),
+    ("greedy-k1", 16, 1, dict(scoring_func="sigmoid", topk_method="greedy", norm_topk_prob=True)),
+    ("noaux-1-group", 8, 3, dict(scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True)),
+    ("groups-of-one", 8, 2, dict(scoring_func="sigmoid", topk_method="noaux_tc", n_group=8, topk_group=3,
+                                 norm_topk_prob=True)),
+]
+
+
+def _by_id(weights, ids):
+    order = ids.argsort(dim=-1)
+    return weights.gather(1, order), ids.gather(1, order)
+
+
+def _check_router(name, num_experts, top_k, kwargs, num_tokens, device, seed=0):
+    from dsinfer.ops.triton.router import select_experts_triton
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=gen) * 2
+    kwargs = dict(kwargs)
+    if kwargs["topk_method"] == "noaux_tc":
+        kwargs["e_score_correction_bias"] = (torch.randn(num_experts, generator=gen) * 0.1).to(device)
+    w, ids = select_experts_triton(logits.to(device), top_k, **kwargs)
+    ref_w, ref_ids = select_experts_ref(logits.to(device), top_k, **kwargs)
+    assert w.dtype == torch.float32 and ids.dtype == ref_ids.dtype and w.shape == (num_tokens, top_k), name
+    (w, ids), (ref_w, ref_ids) = _by_id(w, ids), _by_id(ref_w, ref_ids)
+    assert torch.equal(ids, ref_ids), name
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("router", ROUTERS, ids=lambda r: r[0])
+def test_router_kernel_matches_reference(router, device):
+    _check_router(*router, num_tokens=19, device=device)
+
+
+def test_select_experts_takes_the_kernel_except_in_deterministic_mode(device, monkeypatch):
+    from dsinfer import batch_invariant
+    from dsinfer.ops.triton import router
+
+    calls = []
+    kernel = router.select_experts_triton
+    monkeypatch.setattr(router, "select_experts_triton", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(3)).to(device)
+    w, ids = select_experts(logits, 2, norm_topk_prob=True)
+    assert calls == [1] and ids.dtype == torch.int64
+    with batch_invariant.batch_invariant():
+        w2, ids2 = select_experts(logits, 2, norm_topk_prob=True)
+    assert calls == [1] and bool((ids2[:, 1:] > ids2[:, :-1]).all())  # the torch path: expert-id order
+    (w, ids), (w2, ids2) = _by_id(w, ids), _by_id(w2, ids2)
+    assert torch.equal(ids, ids2)
+    torch.testing.assert_close(w, w2)
 
 
 # (experts, hidden, intermediate, top_k): odd sizes, and the tiny DeepSeek parity models' V2 / V3 experts
@@ -95,6 +198,40 @@ def test_fused_moe_fp8_block_scaled_matches_dequantized_reference(device, poison
 
 
 # ---- GPU, real shapes ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_experts, top_k", [(64, 6), (160, 6), (256, 8)])
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 341, 2048, 8192])
+def test_moe_align_kernel_real_sizes(num_experts, top_k, num_tokens):
+    gen = torch.Generator().manual_seed(num_tokens)
+    for block_m in (16, 32, 64, 128):
+        for pattern in ("uniform", "three"):
+            ids = _align_ids(num_tokens * top_k, num_experts, pattern, gen).view(num_tokens, top_k)
+            _check_align(ids.cuda(), num_experts, block_m)
+
+
+@pytest.mark.gpu
+def test_moe_align_kernel_cuda_graph():
+    from dsinfer.ops.triton.moe import moe_align, moe_align_ref
+
+    ids = torch.randint(0, 256, (16, 8), device="cuda")
+    moe_align(ids, 256, 16)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_align(ids, 256, 16)
+    for _ in range(3):
+        ids.copy_(torch.randint(0, 256, (16, 8), device="cuda"))
+        graph.replay()
+        for a, b in zip(out, moe_align_ref(ids, 256, 16)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("router", ROUTERS[:3], ids=lambda r: r[0])
+@pytest.mark.parametrize("num_tokens", [1, 64, 4096])
+def test_router_kernel_real_sizes(router, num_tokens):
+    _check_router(*router, num_tokens=num_tokens, device="cuda", seed=num_tokens)
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [4, 300])

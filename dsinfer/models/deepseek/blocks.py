@@ -7,8 +7,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from dsinfer import batch_invariant
 from dsinfer.layers.activation import SiluAndMul
 from dsinfer.layers.fp8_linear import Fp8Config, make_linear
+from dsinfer.layers.linear import Linear
 from dsinfer.layers.mla import MLAAttention, MLAMetadata
 from dsinfer.layers.moe import FusedExperts, Router, RouterConfig
 from dsinfer.layers.norm import RMSNorm
@@ -82,8 +84,18 @@ class DeepseekMLP(nn.Module):
         self.down_proj = make_linear(intermediate, hidden, quant)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
+        """MLP(x), or ``add_to + MLP(x)``: with a plain (unquantized, bias-free) down_proj the sum is the down
+        GEMM's own epilogue (``addmm_``, in place on ``add_to``: one kernel, not a GEMM and an add)."""
+        h = self.act(self.gate_up_proj(x))
+        down = self.down_proj
+        if add_to is None:
+            return down(h)
+        if (type(down) is Linear and down.bias is None and add_to.dtype == h.dtype == down.weight.dtype
+                and add_to.is_contiguous() and not batch_invariant.is_enabled()):  # that mode routes addmm only
+            return add_to.view(-1, add_to.shape[-1]).addmm_(h.view(-1, h.shape[-1]), down.weight.t()).view(
+                add_to.shape)
+        return add_to + down(h)
 
 
 class DeepseekMoE(nn.Module):
@@ -101,7 +113,7 @@ class DeepseekMoE(nn.Module):
         topk_weights, topk_ids = self.gate(x)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            out = self.shared_experts(x, add_to=out)
         return out
 
 

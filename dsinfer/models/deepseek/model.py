@@ -17,7 +17,7 @@ from torch import nn
 
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.fp8_linear import Fp8Config
-from dsinfer.layers.mla import MLAAttention, MLAMetadata
+from dsinfer.layers.mla import MLAAttention, MLAMetadata, fuses_q_kv_a
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.models.deepseek.blocks import DeepseekDecoderLayer, check_config
 from dsinfer.ops.fp8 import FP8_DTYPE
@@ -28,6 +28,12 @@ logger = logging.getLogger("dsinfer")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)$")
 _STACKED = {".experts.gate_up_proj": ".experts.w13", ".experts.down_proj": ".experts.w2"}
 _PACKED = {".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1)}
+# q_a_proj (q LoRA) or q_proj (none) and kv_a_proj_with_mqa: one GEMM (``layers.mla.fuses_q_kv_a``)
+_PACKED_QKV_A = {
+    ".q_a_proj.": (".fused_qkv_a_proj.", 0),
+    ".q_proj.": (".fused_qkv_a_proj.", 0),
+    ".kv_a_proj_with_mqa.": (".fused_qkv_a_proj.", 1),
+}
 _MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "embed_tokens.", "shared_head.")
 
 
@@ -95,6 +101,10 @@ class DeepseekV2ForCausalLM(nn.Module):
         for fragment, (merged, shard) in _PACKED.items():
             if fragment in name:
                 return name.replace(fragment, merged), shard
+        if fuses_q_kv_a(self.cfg):
+            for fragment, (merged, shard) in _PACKED_QKV_A.items():
+                if fragment in name:
+                    return name.replace(fragment, merged), shard
         return name, None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -2,8 +2,9 @@
 
 1. ``moe_align``: the T * top_k (token, expert) pairs, sorted by expert, each expert's run padded to a multiple
    of ``BLOCK_M`` (padding entries hold the sentinel ``T * top_k``), with the expert of every block of rows.
-   Torch ops only, sized from shapes (a capacity of ``pairs + min(pairs, E) * (BLOCK_M - 1)`` rows), so no
-   host sync; blocks past the real total exit at once.
+   One Triton launch at decode sizes (two past a few thousand pairs), sized from shapes (a capacity of
+   ``pairs + min(pairs, E) * (BLOCK_M - 1)`` rows), so no host sync and CUDA-graph safe; blocks past the real
+   total exit at once. ``moe_align_ref`` is the torch version.
 2. Gate/up: ``_gemm_kernel`` with ``GATED``: each program multiplies a block of sorted pairs (rows gathered
    from ``hidden`` by ``pair // top_k``) by the gate and the up rows of its expert's ``w13`` (``fuse_gu``: one
    dot over the two interleaved, else two dots) and stores ``silu(gate) * up`` per pair ([pairs, I]).
@@ -73,8 +74,9 @@ def nearest_config(key: str, rows: float, is_cuda: bool) -> dict | None:
     return dict(table[min(near, key=lambda b: abs(float(b) - rows))])
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """-> (sorted_ids [cap] int32, expert_ids [cap // block_m] int32, num_padded [1] int32); no host sync."""
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """``moe_align`` in torch ops (the reference): some 25 small CUDA kernels (scatter_add, cumsums, a stable radix
+    argsort, searchsorted, index_put, ...), no host sync."""
     flat = topk_ids.reshape(-1).long()
     num_pairs = flat.numel()
     device = flat.device
@@ -87,12 +89,135 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     sorted_e = flat[order]
     first = counts.cumsum(0) - counts
     dest = (ends - padded)[sorted_e] + torch.arange(num_pairs, device=device) - first[sorted_e]
-    capacity = triton.cdiv(num_pairs + min(num_pairs, num_experts) * (block_m - 1), block_m) * block_m
+    capacity = align_capacity(num_pairs, num_experts, block_m)
     sorted_ids = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
     sorted_ids[dest] = order.int()
     block_start = torch.arange(0, capacity, block_m, device=device)
     expert_ids = torch.searchsorted(ends, block_start, right=True).clamp_max_(num_experts - 1).int()
     return sorted_ids, expert_ids, ends[-1:].int()
+
+
+def align_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of ``moe_align``'s output: every pair plus at most ``block_m - 1`` padding per active expert."""
+    return triton.cdiv(num_pairs + min(num_pairs, num_experts) * (block_m - 1), block_m) * block_m
+
+
+@triton.jit
+def _align_count(ids_ptr, lo, hi, E_PAD: tl.constexpr, HCHUNK: tl.constexpr):
+    """[E_PAD] int32: how many of the pairs lo..hi-1 go to each expert."""
+    counts = tl.zeros([E_PAD], tl.int32)
+    for start in range(lo, hi, HCHUNK):
+        offs = start + tl.arange(0, HCHUNK)
+        valid = offs < hi
+        e = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+        counts += tl.histogram(e, E_PAD, mask=valid)
+    return counts
+
+
+@triton.jit
+def _align_place(ids_ptr, sorted_ids_ptr, lo, hi, base, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """sorted_ids[base[e] + r] = p for each pair p in lo..hi-1, e its expert and r its rank among the pairs of e
+    in lo..p-1 (pair order kept: a stable sort). The rank is an inclusive scan of a one-hot [CHUNK, E_PAD] tile;
+    ``base`` runs on by each chunk's histogram."""
+    experts = tl.arange(0, E_PAD)
+    for start in range(lo, hi, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        valid = offs < hi
+        e = tl.load(ids_ptr + offs, mask=valid, other=E_PAD).to(tl.int32)
+        onehot = (e[:, None] == experts[None, :]).to(tl.int32)
+        dest = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1 + base[None, :]), axis=1)
+        tl.store(sorted_ids_ptr + dest, offs, mask=valid)
+        base += tl.sum(onehot, axis=0)
+
+
+@triton.jit
+def _moe_count_kernel(ids_ptr, counts_ptr, num_pairs, span, E_PAD: tl.constexpr, HCHUNK: tl.constexpr):
+    """counts[s, e]: the pairs of span s (pairs s * span ...) that go to expert e."""
+    pid = tl.program_id(0)
+    lo = pid * span
+    counts = _align_count(ids_ptr, lo, tl.minimum(lo + span, num_pairs), E_PAD, HCHUNK)
+    tl.store(counts_ptr + pid * E_PAD + tl.arange(0, E_PAD), counts)
+
+
+@triton.jit
+def _moe_align_kernel(
+    ids_ptr, counts_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    num_pairs, num_experts, capacity, span, num_spans,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, HCHUNK: tl.constexpr,
+    SPANS_BLOCK: tl.constexpr, NB: tl.constexpr, TWO_PASS: tl.constexpr,
+):
+    """Program s places the pairs of span s and its share of the tail and of ``expert_ids``; program 0 also
+    writes each expert's padding and ``num_padded``. TWO_PASS: the per-span counts come from
+    ``_moe_count_kernel``; else the one program counts all pairs itself."""
+    pid = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    if TWO_PASS:
+        totals = tl.zeros([E_PAD], tl.int32)
+        before = tl.zeros([E_PAD], tl.int32)  # pairs of each expert in the spans before this one
+        for s0 in range(0, num_spans, SPANS_BLOCK):
+            spans = s0 + tl.arange(0, SPANS_BLOCK)
+            tab = tl.load(counts_ptr + spans[:, None] * E_PAD + experts[None, :], mask=spans[:, None] < num_spans,
+                          other=0)
+            totals += tl.sum(tab, axis=0)
+            before += tl.sum(tl.where(spans[:, None] < pid, tab, 0), axis=0)
+    else:
+        totals = _align_count(ids_ptr, 0, num_pairs, E_PAD, HCHUNK)
+        before = tl.zeros([E_PAD], tl.int32)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    lo = pid * span
+    _align_place(ids_ptr, sorted_ids_ptr, lo, tl.minimum(lo + span, num_pairs), starts + before, E_PAD, CHUNK)
+    total = tl.sum(padded)
+    if pid == 0:
+        tl.store(num_padded_ptr, total)
+        j = tl.arange(0, BLOCK_M)
+        slot = (starts + totals)[:, None] + j[None, :]
+        sentinel = tl.full([E_PAD, BLOCK_M], num_pairs, tl.int32)
+        tl.store(sorted_ids_ptr + slot, sentinel, mask=j[None, :] < (padded - totals)[:, None])
+    # the tail past the padded total, and the expert of every block: shared out over the programs
+    nprog = tl.num_programs(0)
+    for t0 in range(total + pid * 1024, capacity, nprog * 1024):
+        offs = t0 + tl.arange(0, 1024)
+        tl.store(sorted_ids_ptr + offs, tl.full([1024], num_pairs, tl.int32), mask=offs < capacity)
+    num_blocks = capacity // BLOCK_M
+    for b0 in range(pid * NB, num_blocks, nprog * NB):
+        blocks = b0 + tl.arange(0, NB)
+        expert = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + blocks, tl.minimum(expert, num_experts - 1), mask=blocks < num_blocks)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """-> (sorted_ids [cap] int32, expert_ids [cap // block_m] int32, num_padded [1] int32); no host sync.
+
+    sorted_ids: the pair indices (token * top_k + slot) sorted by expert, stably (by pair index within an
+    expert), each expert's run padded to a multiple of ``block_m`` with the sentinel ``num_pairs`` (as is
+    everything past ``num_padded``); expert_ids: the expert of each block of ``block_m`` rows (the last expert
+    past ``num_padded``). Triton: one launch up to a few chunks of pairs (decode), else two (per-span counts,
+    then placement by span programs). Same outputs as ``moe_align_ref``."""
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    device = flat.device
+    capacity = align_capacity(num_pairs, num_experts, block_m)
+    sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    e_pad = max(32, triton.next_power_of_2(num_experts))  # tl.histogram: at least a bin per lane of a warp
+    chunk = max(16, 16384 // e_pad)  # one-hot tile [chunk, e_pad] of the placement scan
+    meta = dict(BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, HCHUNK=1024, SPANS_BLOCK=max(1, 4096 // e_pad),
+                NB=max(32, 8192 // e_pad), num_warps=8 if e_pad >= 128 else 4)
+    if num_pairs <= 4 * chunk:
+        _moe_align_kernel[(1,)](flat, num_padded, sorted_ids, expert_ids, num_padded, num_pairs, num_experts,
+                                capacity, max(num_pairs, 1), 1, TWO_PASS=False, **meta)
+        return sorted_ids, expert_ids, num_padded
+    num_spans = min(triton.cdiv(num_pairs, chunk), 64)
+    span = triton.cdiv(triton.cdiv(num_pairs, num_spans), chunk) * chunk
+    num_spans = triton.cdiv(num_pairs, span)
+    counts = torch.empty(num_spans, e_pad, dtype=torch.int32, device=device)
+    _moe_count_kernel[(num_spans,)](flat, counts, num_pairs, span, E_PAD=e_pad, HCHUNK=1024, num_warps=4)
+    _moe_align_kernel[(num_spans,)](flat, counts, sorted_ids, expert_ids, num_padded, num_pairs, num_experts,
+                                    capacity, span, num_spans, TWO_PASS=True, **meta)
+    return sorted_ids, expert_ids, num_padded
 
 
 @triton.jit
@@ -340,7 +465,7 @@ def fused_moe_triton(
     cfg2 = down_config(cfg)
     align = moe_align(topk_ids, num_experts, cfg["block_m"])
     align2 = align if cfg2["block_m"] == cfg["block_m"] else moe_align(topk_ids, num_experts, cfg2["block_m"])
-    weights = topk_weights.reshape(-1).float()
+    weights = topk_weights.reshape(-1).float()  # the router's float32 [T, k]: a view, no kernel
     inter_out = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     down = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     if fp8:
@@ -355,4 +480,4 @@ def fused_moe_triton(
     else:
         grouped_gemm(hidden, w13, inter_out, cfg, align=align, a_div=top_k, gated=True)
         grouped_gemm(inter_out, w2, down, cfg2, align=align2, topk_weights=weights)
-    return down.view(num_tokens, top_k, hidden_size).sum(dim=1)
+    return down if top_k == 1 else down.view(num_tokens, top_k, hidden_size).sum(dim=1)

@@ -1,0 +1,116 @@
+"""The MoE router in one Triton kernel: ``ops.moe.select_experts`` (its torch version is the reference).
+
+One program per token row: scores (softmax or sigmoid of the float32 logits), the choice scores (+
+``e_score_correction_bias`` for noaux_tc), the group limit (groups scored by their max or by the sum of their
+top two, the ``topk_group`` best kept), the top-k by repeated argmax, the weights from the unbiased scores,
+renormalization and ``routed_scaling_factor``. Groups need not be a power of two wide (DeepSeek-V2: 160 experts
+in 8 groups of 20): an expert's group is ``e // group_size``, and the group reductions run over a
+[groups, experts] tile.
+
+Ties (measure zero for real logits): the lowest expert / group index wins; ``torch.topk`` leaves tie order
+unspecified. The chosen experts come out in descending choice score (``topk(sorted=False)`` has no order).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_EXPERTS, MAX_TOP_K, MAX_GROUPS = 256, 8, 32
+
+
+@triton.jit
+def _router_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, group_size, stride_l, scaling,
+    E_PAD: tl.constexpr, G_PAD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NOAUX: tl.constexpr, NORM: tl.constexpr,
+):
+    """NOAUX: groups scored by their top-2 sum and dropped groups' experts at -inf, else by their max and at 0.0
+    (group_limited_greedy, as the reference's masked scores)."""
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_PAD)
+    valid = e < num_experts
+    x = tl.load(logits_ptr + row * stride_l + e, mask=valid, other=-float("inf")).to(tl.float32)
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        p = tl.exp(x - tl.max(x, axis=0))
+        scores = p / tl.sum(p, axis=0)
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, -float("inf"))
+    if N_GROUP > 1:
+        g = tl.arange(0, G_PAD)
+        member = (e // group_size)[None, :] == g[:, None]  # [G_PAD, E_PAD]; padded experts: no real group
+        vals = tl.where(member, choice[None, :], -float("inf"))
+        best = tl.max(vals, axis=1)
+        if NOAUX:
+            first = tl.min(tl.where(vals == best[:, None], e[None, :], E_PAD), axis=1)
+            second = tl.max(tl.where(e[None, :] == first[:, None], -float("inf"), vals), axis=1)
+            best = best + tl.where(second > -float("inf"), second, 0.0)  # groups of one: their max
+        group_score = tl.where(g < N_GROUP, best, -float("inf"))
+        kept = g < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            top = tl.max(tl.where(kept, -float("inf"), group_score), axis=0)
+            pick = tl.min(tl.where(~kept & (group_score == top), g, G_PAD), axis=0)
+            kept = kept | (g == pick)
+        keep = tl.max((member & kept[:, None]).to(tl.int32), axis=0) > 0
+        choice = tl.where(valid & ~keep, -float("inf") if NOAUX else 0.0, choice)
+    kk = tl.arange(0, K_PAD)
+    out_w = tl.zeros([K_PAD], tl.float32)
+    out_i = tl.zeros([K_PAD], tl.int32)
+    for j in tl.static_range(TOP_K):
+        top = tl.max(choice, axis=0)
+        idx = tl.minimum(tl.min(tl.where(choice == top, e, E_PAD), axis=0), num_experts - 1)  # NaN: stay in range
+        hit = e == idx
+        out_w = tl.where(kk == j, tl.sum(tl.where(hit, scores, 0.0), axis=0), out_w)
+        out_i = tl.where(kk == j, idx, out_i)
+        choice = tl.where(hit, -float("inf"), choice)
+    if NORM:
+        out_w = out_w / (tl.sum(out_w, axis=0) + 1e-20)
+    out_w = out_w * scaling
+    tl.store(weights_ptr + row * TOP_K + kk, out_w, mask=kk < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + kk, out_i.to(tl.int64), mask=kk < TOP_K)
+
+
+def supports(num_experts: int, top_k: int, n_group: int) -> bool:
+    """Whether the kernel covers these router sizes (else the torch reference runs)."""
+    return num_experts <= MAX_EXPERTS and top_k <= MAX_TOP_K and n_group <= MAX_GROUPS
+
+
+def select_experts_triton(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring_func: str = "softmax",
+    topk_method: str = "greedy",
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = False,
+    routed_scaling_factor: float = 1.0,
+    e_score_correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``ops.moe.select_experts``: (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
+    num_tokens, num_experts = router_logits.shape
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    grouped = topk_method in ("group_limited_greedy", "noaux_tc") and n_group > 1
+    noaux = topk_method == "noaux_tc"
+    has_bias = noaux and e_score_correction_bias is not None
+    e_pad = max(16, triton.next_power_of_2(num_experts))
+    _router_kernel[(num_tokens,)](
+        logits, e_score_correction_bias if has_bias else logits, weights, ids, num_experts,
+        num_experts // n_group if grouped else num_experts, logits.stride(0), float(routed_scaling_factor),
+        E_PAD=e_pad, G_PAD=max(2, triton.next_power_of_2(n_group)) if grouped else 2,
+        N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1, TOP_K=top_k,
+        K_PAD=max(2, triton.next_power_of_2(top_k)), SIGMOID=scoring_func == "sigmoid", HAS_BIAS=has_bias,
+        NOAUX=noaux, NORM=norm_topk_prob and top_k > 1,
+        num_warps=4 if e_pad >= 128 else 2,
+    )
+    return weights, ids
