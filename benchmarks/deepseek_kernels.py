@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.roofline import bench_ms, measure_bandwidth, measure_bf16_matmul  # noqa: E402
+from benchmarks.roofline import bench_ms, capture_one_call, measure_bandwidth, measure_bf16_matmul  # noqa: E402
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 R, P = 512, 64  # kv_lora_rank, qk_rope_head_dim (V2-Lite and V3)
@@ -70,15 +70,7 @@ class Row:
 
 def graph_ms(fn: Callable[[], object]) -> float:
     """Median replay time of a CUDA graph holding one call of fn (no launch cost); events, L2 flushed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return bench_ms(graph.replay)
+    return bench_ms(capture_one_call(fn).replay)
 
 
 # ---- MLA ----

@@ -20,6 +20,19 @@ def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def capture_one_call(fn) -> torch.cuda.CUDAGraph:
+    """A CUDA graph holding one call of fn (warmed up once on a side stream first), to time without launch cost."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 @functools.cache
 def measure_bandwidth(num_bytes: int = 4 << 30) -> float:
     """Device-memory bandwidth in bytes/s: copy num_bytes (random data) and count read + write."""

@@ -75,15 +75,9 @@ def graph_bench(fn, rep_ms: int = 20) -> float:
     """Median ms of a CUDA-graph replay of one fn() call (no launch overhead)."""
     if SMOKE:
         return bench(fn)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return bench(graph.replay, rep_ms)
+    from benchmarks.roofline import capture_one_call
+
+    return bench(capture_one_call(fn).replay, rep_ms)
 
 
 @functools.cache
