@@ -87,8 +87,6 @@ def yarn_softmax_scale(head_dim: int, rope: dict[str, Any]) -> float:
     return scale
 
 
-
-
 def fuses_q_kv_a(cfg: dict[str, Any]) -> bool:
     """Whether q_a_proj (q LoRA) or q_proj (none) and kv_a_proj_with_mqa load into one ``fused_qkv_a_proj``
     (shards 0 and 1): always, except where only kv_a_proj_with_mqa has a bias (attention_bias, no q LoRA)."""
