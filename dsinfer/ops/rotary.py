@@ -38,12 +38,32 @@ def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torc
     return cos, sin
 
 
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q and k as one [T, Hq + Hk, D] view when k's heads directly follow q's in memory (both sliced from one
+    fused qkv projection output, as the dense models do), else None."""
+    if q.dtype != k.dtype or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        return None
+    if q.shape[0] > 1 and q.stride(0) != k.stride(0):  # (a size-1 dim's stride is arbitrary)
+        return None
+    if q.stride(2) != 1 or k.stride(2) != 1 or q.stride(1) != q.shape[2] or k.stride(1) != k.shape[2]:
+        return None
+    if q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr():
+        return None
+    if k.data_ptr() != q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size():
+        return None
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())
+
+
 def apply_rotary_ref(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, Dq], k: [T, Hk, Dk] (Dq, Dk >= rotary_dim). Returns new (q, k) of the same dtype."""
     rot = cos_sin_cache.shape[-1]
     cos, sin = _cos_sin(positions, cos_sin_cache)
+    qk = _adjacent_heads(q, k)
+    if qk is not None and rot == q.shape[-1]:  # one pass over both (half the small CPU ops of a layer's rope)
+        out = _rotate(qk.float(), cos, sin, is_neox).to(q.dtype)
+        return out[:, : q.shape[1]], out[:, q.shape[1] :]
     out = []
     for x in (q, k):
         x_rot = _rotate(x[..., :rot].float(), cos, sin, is_neox).to(x.dtype)
