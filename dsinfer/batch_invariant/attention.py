@@ -19,13 +19,27 @@ CHUNK = 64
 MAX_QUERY_ROWS = 256
 
 
+def host_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor):
+    """The batch on the host: (first row, query length, context length) per sequence, and the sequences with
+    one query row (decode), which run as one group."""
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
+    return starts, q_lens, lens, [b for b, n in enumerate(q_lens) if n == 1]
+
+
+def padded_slots(block_tables: torch.Tensor, lens: torch.Tensor, length: int, block_size: int):
+    """(cache slots [G, length] of positions [0, length) per row of block_tables, valid [G, length]: position <
+    lens); positions past a row's table read its last block (masked by ``valid``)."""
+    pos = torch.arange(length, device=block_tables.device)
+    col = (pos // block_size).clamp_max(block_tables.shape[1] - 1)
+    slots = block_tables[:, col].long() * block_size + pos % block_size
+    return slots, pos.unsqueeze(0) < lens.unsqueeze(1)
+
+
 def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor, length: int):
     """K, V of positions [0, length) per row of block_tables ([G, length, Hkv, D]); positions >= lens are 0."""
-    block_size = kv_cache.shape[2]
-    pos = torch.arange(length, device=block_tables.device)
-    valid = pos.unsqueeze(0) < lens.unsqueeze(1)  # [G, length]
-    col = torch.minimum(pos // block_size, torch.tensor(block_tables.shape[1] - 1, device=pos.device))
-    slots = block_tables[:, col].long() * block_size + pos % block_size
+    slots, valid = padded_slots(block_tables, lens, length, kv_cache.shape[2])
     flat = kv_cache.flatten(1, 2)
     k = flat[0][slots].masked_fill(~valid[..., None, None], 0.0)
     v = flat[1][slots].masked_fill(~valid[..., None, None], 0.0)
@@ -68,10 +82,7 @@ def paged_attention_invariant(
         return paged_attention_invariant_triton(q, kv_cache, block_tables, query_start_loc, seq_lens, scale,
                                                 sliding_window)
     out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
-    decode = [b for b, n in enumerate(q_lens) if n == 1]
+    starts, q_lens, lens, decode = host_layout(query_start_loc, seq_lens)
     if decode:
         idx = torch.tensor(decode, device=q.device)
         rows = query_start_loc[idx].long()

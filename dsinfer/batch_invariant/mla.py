@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from dsinfer.batch_invariant.attention import host_layout, padded_slots
 from dsinfer.batch_invariant.matmul import bmm_invariant
 from dsinfer.ops import dispatch
 
@@ -65,12 +66,9 @@ def mla_attention_invariant(
 
 def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor, length: int) -> torch.Tensor:
     """Cache rows of positions [0, length) per row of block_tables: [G, length, R + P]; positions >= lens are 0."""
-    block_size = kv_cache.shape[1]
-    pos = torch.arange(length, device=block_tables.device)
-    col = (pos // block_size).clamp_max(block_tables.shape[1] - 1)
-    slots = block_tables[:, col].long() * block_size + pos % block_size
+    slots, valid = padded_slots(block_tables, lens, length, kv_cache.shape[1])
     rows = kv_cache.view(-1, kv_cache.shape[-1])[slots].float()
-    return rows.masked_fill(~(pos.unsqueeze(0) < lens.unsqueeze(1)).unsqueeze(-1), 0.0)
+    return rows.masked_fill(~valid.unsqueeze(-1), 0.0)
 
 
 def _attend(q: torch.Tensor, ctx: torch.Tensor, q_pos: torch.Tensor, rank: int, scale: float) -> torch.Tensor:
@@ -103,10 +101,7 @@ def latent_attention(
     num_rows, h, rank = q_absorbed.shape
     q = torch.cat((q_absorbed, q_pe), dim=-1).float()
     out = q.new_empty(num_rows, h, rank)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
-    decode = [b for b, n in enumerate(q_lens) if n == 1]
+    starts, q_lens, lens, decode = host_layout(query_start_loc, seq_lens)
     if decode:
         idx = torch.tensor(decode, device=q.device)
         rows = query_start_loc[idx].long()

@@ -15,9 +15,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from dsinfer.batch_invariant.matmul import mm_invariant
+from dsinfer.ops.moe import expert_outputs_by_expert
 
 
 def gemm_config(is_cuda: bool) -> dict:
@@ -43,48 +43,20 @@ def sort_topk(topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch
 
 
 def _pairs_torch(hidden, w13, w2, topk_weights, topk_ids):
-    num_tokens, top_k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1)
-    order = flat_ids.argsort(stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    x = hidden[order // top_k]
-    sorted_out = torch.empty(x.shape[0], w2.shape[1], dtype=hidden.dtype, device=hidden.device)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = slice(start, start + count)
-        gate, up = mm_invariant(x[rows], w13[expert].t()).chunk(2, dim=-1)
-        sorted_out[rows] = mm_invariant(F.silu(gate) * up, w2[expert].t())
-        start += count
+    order, sorted_out = expert_outputs_by_expert(hidden, w13, w2, topk_ids,
+                                                 linear=lambda x, w: mm_invariant(x, w.t()))
     out = torch.empty_like(sorted_out)
     out[order] = sorted_out
-    return out.view(num_tokens, top_k, -1).float() * topk_weights.float().unsqueeze(-1)
+    return out.view(*topk_ids.shape, -1).float() * topk_weights.float().unsqueeze(-1)
 
 
 def _pairs_triton(hidden, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size):
-    from dsinfer.ops.triton.moe import grouped_gemm, moe_align
+    from dsinfer.ops.triton.moe import expert_pair_outputs
 
-    num_tokens, top_k = topk_ids.shape
-    num_pairs = num_tokens * top_k
-    cfg = gemm_config(hidden.is_cuda)
-    align = moe_align(topk_ids, w13.shape[0], cfg["block_m"])
-    inter = torch.empty(num_pairs, w13.shape[1] // 2, dtype=hidden.dtype, device=hidden.device)
-    down = torch.empty(num_pairs, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-    weights = topk_weights.reshape(-1).float()
-    if w13.dtype == torch.float8_e4m3fn:
-        from dsinfer.ops.triton.fp8 import per_token_group_quant
-
-        a, a_s = per_token_group_quant(hidden, block_size[1])
-        grouped_gemm(a, w13, inter, cfg, a_scale=a_s, b_scale=w13_scale_inv, block_size=block_size,
-                     align=align, a_div=top_k, gated=True)
-        a2, a2_s = per_token_group_quant(inter, block_size[1])
-        grouped_gemm(a2, w2, down, cfg, a_scale=a2_s, b_scale=w2_scale_inv, block_size=block_size,
-                     align=align, topk_weights=weights)
-    else:
-        grouped_gemm(hidden, w13, inter, cfg, align=align, a_div=top_k, gated=True)
-        grouped_gemm(inter, w2, down, cfg, align=align, topk_weights=weights)
-    return down.view(num_tokens, top_k, -1).float()
+    cfg = gemm_config(hidden.is_cuda)  # one fixed tile config for both GEMMs: row results independent of the batch
+    down = expert_pair_outputs(hidden, w13, w2, topk_weights, topk_ids, cfg, cfg, w13_scale_inv=w13_scale_inv,
+                               w2_scale_inv=w2_scale_inv, block_size=block_size)
+    return down.view(topk_ids.shape[0], topk_ids.shape[1], -1).float()
 
 
 def fused_moe_invariant(

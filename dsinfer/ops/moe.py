@@ -10,6 +10,8 @@ Weight layout (stacked at load from the checkpoint's per-expert tensors):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -122,23 +124,37 @@ def fused_moe_ref(
 
     SiLU-gated experts. Pairs are sorted by expert once; each active expert does two matmuls over its rows.
     """
-    num_tokens, top_k = topk_ids.shape
+    order, out_rows = expert_outputs_by_expert(hidden, w13, w2, topk_ids)
+    token_of = order // topk_ids.shape[1]  # the token each sorted pair belongs to
+    weighted = out_rows.float() * topk_weights.reshape(-1)[order].float().unsqueeze(-1)
+    return torch.zeros_like(hidden).index_add_(0, token_of, weighted.to(hidden.dtype))
+
+
+def expert_outputs_by_expert(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The T * k (token, expert) pairs sorted by expert (stable), and each pair's unweighted expert output in
+    that order: (order [T * k], out [T * k, H]). Each active expert runs ``linear`` (x @ w.T) twice over its
+    contiguous slice of rows; the deterministic mode passes its row-invariant matmul."""
+    top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
     order = flat_ids.argsort(stable=True)
-    token_of = order // top_k  # the token each sorted pair belongs to
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # host sync: expert slice bounds
-    x = hidden[token_of]
-    out_rows = torch.empty(x.shape[0], w2.shape[1], dtype=hidden.dtype, device=hidden.device)
+    x = hidden[order // top_k]
+    out = torch.empty(x.shape[0], w2.shape[1], dtype=hidden.dtype, device=hidden.device)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
         rows = slice(start, start + count)
-        gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
-        out_rows[rows] = F.linear(F.silu(gate) * up, w2[expert])
+        gate, up = linear(x[rows], w13[expert]).chunk(2, dim=-1)
+        out[rows] = linear(F.silu(gate) * up, w2[expert])
         start += count
-    weighted = out_rows.float() * topk_weights.reshape(-1)[order].float().unsqueeze(-1)
-    return torch.zeros_like(hidden).index_add_(0, token_of, weighted.to(hidden.dtype))
+    return order, out
 
 
 def fused_moe(

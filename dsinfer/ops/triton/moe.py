@@ -434,6 +434,52 @@ def grouped_gemm(
     return out
 
 
+def expert_pair_outputs(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    cfg: dict,
+    cfg2: dict,
+    *,
+    w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None,
+    block_size: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """[T * k, H]: each (token, expert) pair's weighted expert output, in pair order (token-major), by the two
+    grouped GEMMs (gate/up with SiLU-mul under ``cfg``, down times the top-k weight under ``cfg2``). The fused
+    op sums a token's k rows; the deterministic mode sums them in its own fixed order."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    fp8 = w13.dtype == torch.float8_e4m3fn
+    if fp8 and (w13_scale_inv is None or w2_scale_inv is None or block_size is None):
+        raise ValueError("FP8 experts need w13_scale_inv, w2_scale_inv and block_size")
+    if fp8 and inter % block_size[0]:
+        raise ValueError(f"FP8 fused MoE needs the intermediate size ({inter}) to be a multiple of "
+                         f"the scale block height {block_size[0]} (gate and up share the scale grid)")
+    align = moe_align(topk_ids, num_experts, cfg["block_m"])
+    align2 = align if cfg2["block_m"] == cfg["block_m"] else moe_align(topk_ids, num_experts, cfg2["block_m"])
+    weights = topk_weights.reshape(-1).float()  # the router's float32 [T, k]: a view, no kernel
+    inter_out = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    down = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    if fp8:
+        from dsinfer.ops.triton.fp8 import per_token_group_quant
+
+        a, a_s = per_token_group_quant(hidden, block_size[1])
+        grouped_gemm(a, w13, inter_out, cfg, a_scale=a_s, b_scale=w13_scale_inv, block_size=block_size,
+                     align=align, a_div=top_k, gated=True)
+        a2, a2_s = per_token_group_quant(inter_out, block_size[1])
+        grouped_gemm(a2, w2, down, cfg2, a_scale=a2_s, b_scale=w2_scale_inv, block_size=block_size,
+                     align=align2, topk_weights=weights)
+    else:
+        grouped_gemm(hidden, w13, inter_out, cfg, align=align, a_div=top_k, gated=True)
+        grouped_gemm(inter_out, w2, down, cfg2, align=align2, topk_weights=weights)
+    return down
+
+
 def fused_moe_triton(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -454,30 +500,9 @@ def fused_moe_triton(
     if num_tokens == 0:
         return hidden.new_zeros(0, hidden_size)
     fp8 = w13.dtype == torch.float8_e4m3fn
-    if fp8 and (w13_scale_inv is None or w2_scale_inv is None or block_size is None):
-        raise ValueError("FP8 experts need w13_scale_inv, w2_scale_inv and block_size")
-    if fp8 and inter % block_size[0]:
-        raise ValueError(f"FP8 fused MoE needs the intermediate size ({inter}) to be a multiple of "
-                         f"the scale block height {block_size[0]} (gate and up share the scale grid)")
     dtype = "fp8" if fp8 else str(w13.dtype).removeprefix("torch.")
     cfg = config or moe_config(f"{num_experts},{inter},{hidden_size},{dtype}", num_pairs / num_experts, fp8,
                                hidden.is_cuda)
-    cfg2 = down_config(cfg)
-    align = moe_align(topk_ids, num_experts, cfg["block_m"])
-    align2 = align if cfg2["block_m"] == cfg["block_m"] else moe_align(topk_ids, num_experts, cfg2["block_m"])
-    weights = topk_weights.reshape(-1).float()  # the router's float32 [T, k]: a view, no kernel
-    inter_out = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    down = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    if fp8:
-        from dsinfer.ops.triton.fp8 import per_token_group_quant
-
-        a, a_s = per_token_group_quant(hidden, block_size[1])
-        grouped_gemm(a, w13, inter_out, cfg, a_scale=a_s, b_scale=w13_scale_inv, block_size=block_size,
-                     align=align, a_div=top_k, gated=True)
-        a2, a2_s = per_token_group_quant(inter_out, block_size[1])
-        grouped_gemm(a2, w2, down, cfg2, a_scale=a2_s, b_scale=w2_scale_inv, block_size=block_size,
-                     align=align2, topk_weights=weights)
-    else:
-        grouped_gemm(hidden, w13, inter_out, cfg, align=align, a_div=top_k, gated=True)
-        grouped_gemm(inter_out, w2, down, cfg2, align=align2, topk_weights=weights)
+    down = expert_pair_outputs(hidden, w13, w2, topk_weights, topk_ids, cfg, down_config(cfg),
+                               w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv, block_size=block_size)
     return down if top_k == 1 else down.view(num_tokens, top_k, hidden_size).sum(dim=1)
