@@ -153,12 +153,19 @@ def sweep(label: str, candidates: list[dict], run, check, budget: Budget, timer=
 
 def _cfg(bm, bn, bk, gm, w, st, mode=None) -> dict:
     """mode: None (the default GEMM), "fuse" (gate/up in one dot), "two" (two dots), "tma" (weights through TMA
-    descriptors, two dots)."""
+    descriptors, two dots), each optionally with "+defer" (FP8 scales applied one K step late) and "+bkN" (K tile
+    N instead of the grid's)."""
     cfg = dict(block_m=bm, block_n=bn, block_k=bk, group_m=gm, num_warps=w, num_stages=st)
-    if mode in ("fuse", "two"):
-        cfg["fuse_gu"] = mode == "fuse"
-    elif mode == "tma":
+    flags = set((mode or "").split("+"))
+    if flags & {"fuse", "two"}:
+        cfg["fuse_gu"] = "fuse" in flags
+    elif "tma" in flags:
         cfg["tma"] = True
+    if "defer" in flags:
+        cfg["defer_scale"] = True
+    for flag in flags:
+        if flag.startswith("bk"):  # "bk128": a K tile of its own
+            cfg["block_k"] = int(flag[2:])
     return cfg
 
 
@@ -169,29 +176,39 @@ def moe_grids(fp8: bool, rows_per_expert: float) -> tuple[list[dict], list[dict]
     tiles."""
     bk = 128 if fp8 else 64
     if rows_per_expert >= 128 and fp8:
-        gate_up = [(64, 64, 8, 4, 4, "fuse"), (64, 64, 8, 4, 4, "tma"), (128, 64, 8, 8, 3, "fuse"),
-                   (128, 64, 8, 8, 3, "tma"), (64, 128, 8, 8, 3, "fuse"), (128, 64, 8, 8, 4, "fuse"),
-                   (64, 64, 32, 4, 4, "fuse"), (64, 64, 8, 4, 3, "fuse"), (128, 64, 32, 8, 3, "tma"),
-                   (128, 32, 8, 8, 4, "two")]
-        down = [(64, 128, 8, 4, 3), (64, 128, 8, 4, 3, "tma"), (128, 128, 8, 8, 3), (128, 128, 8, 8, 3, "tma"),
-                (64, 256, 8, 8, 3), (64, 128, 8, 4, 4), (128, 128, 8, 8, 4, "tma"), (128, 128, 32, 8, 3),
-                (64, 128, 32, 4, 3)]
+        gate_up = [(64, 64, 8, 4, 4, "tma+defer"), (64, 64, 8, 8, 4, "tma+defer"), (128, 64, 8, 8, 3, "tma+defer"),
+                   (128, 64, 8, 8, 4, "tma+defer"), (64, 128, 8, 8, 3, "tma+defer"), (128, 128, 8, 8, 3, "tma+defer"),
+                   (128, 64, 8, 8, 3, "fuse+defer"), (64, 64, 8, 4, 4, "fuse"), (64, 64, 8, 4, 4, "tma"),
+                   (128, 64, 8, 8, 3, "fuse"), (128, 64, 8, 8, 3, "tma"), (64, 128, 8, 8, 3, "fuse")]
+        down = [(64, 128, 8, 4, 3, "defer"), (64, 128, 8, 8, 3, "tma+defer"), (128, 128, 8, 8, 3, "tma+defer"),
+                (128, 128, 8, 8, 4, "tma+defer"), (128, 256, 8, 8, 3, "tma+defer"), (64, 256, 8, 8, 3, "tma+defer"),
+                (64, 128, 8, 4, 3), (64, 128, 8, 4, 3, "tma"), (128, 128, 8, 8, 3), (128, 128, 8, 8, 3, "tma"),
+                (64, 256, 8, 8, 3)]
     elif rows_per_expert >= 128:
         gate_up = [(64, 64, 8, 4, 3, "fuse"), (128, 64, 8, 8, 3, "fuse"), (128, 128, 8, 8, 3, "fuse"),
                    (128, 64, 8, 8, 3, "tma"), (64, 128, 8, 4, 3, "fuse"), (64, 128, 8, 4, 3, "two"),
                    (128, 64, 8, 8, 4, "fuse")]
         down = [(64, 128, 8, 4, 3), (128, 128, 8, 8, 3), (128, 128, 8, 8, 3, "tma"), (128, 256, 8, 8, 3),
                 (64, 256, 8, 8, 3), (128, 128, 8, 8, 4)]
-    elif rows_per_expert >= 24:
+    elif rows_per_expert >= 12:  # decode batches (weight-bandwidth bound): narrow tiles, deep K pipelines
         gate_up = [(32, 64, 1, 4, 3, "fuse"), (32, 64, 1, 4, 3, "tma"), (32, 64, 8, 4, 4, "fuse"),
-                   (64, 64, 8, 4, 3, "fuse"), (32, 128, 8, 4, 3, "fuse"), (32, 64, 1, 4, 3, "two")]
+                   (64, 64, 8, 4, 3, "fuse"), (32, 128, 8, 4, 3, "fuse"), (32, 64, 1, 4, 3, "two"),
+                   (32, 32, 1, 4, 4, "fuse+bk128"), (32, 64, 1, 4, 4, "fuse+bk128"), (32, 32, 1, 4, 5, "two+bk128"),
+                   (32, 64, 1, 4, 4, "tma+bk128"), (32, 32, 1, 4, 4, "tma+bk128"), (32, 64, 1, 8, 3, "fuse+bk128"),
+                   (64, 32, 1, 4, 4, "fuse+bk128")]
         down = [(32, 128, 1, 4, 3), (32, 128, 1, 4, 3, "tma"), (64, 128, 8, 4, 3), (32, 64, 1, 4, 4),
-                (32, 256, 8, 8, 3)]
+                (32, 256, 8, 8, 3), (32, 64, 1, 4, 4, "bk128"), (32, 128, 1, 4, 4, "bk128"),
+                (32, 64, 1, 4, 4, "tma+bk128"), (32, 32, 1, 4, 5, "bk128"), (32, 128, 1, 8, 3, "bk128"),
+                (64, 64, 1, 4, 4, "bk128")]
     else:
         gate_up = [(16, 64, 1, 4, 4, "fuse"), (16, 64, 1, 4, 4, "tma"), (16, 128, 1, 4, 4, "fuse"),
-                   (16, 32, 1, 4, 5, "fuse"), (16, 64, 1, 4, 5, "two"), (32, 64, 1, 4, 4, "fuse")]
+                   (16, 32, 1, 4, 5, "fuse"), (16, 64, 1, 4, 5, "two"), (32, 64, 1, 4, 4, "fuse"),
+                   (16, 32, 1, 4, 4, "fuse+bk128"), (16, 64, 1, 4, 4, "fuse+bk128"), (16, 32, 1, 4, 5, "tma+bk128"),
+                   (16, 64, 1, 4, 4, "tma+bk128"), (16, 32, 1, 4, 4, "two+bk256"), (16, 64, 1, 8, 3, "fuse+bk256")]
         down = [(16, 128, 1, 4, 4), (16, 128, 1, 4, 4, "tma"), (16, 64, 1, 4, 5), (16, 256, 1, 8, 3),
-                (32, 128, 1, 4, 4)]
+                (32, 128, 1, 4, 4), (16, 64, 1, 4, 4, "bk128"), (16, 128, 1, 4, 4, "bk128"),
+                (16, 64, 1, 4, 4, "tma+bk128"), (16, 32, 1, 4, 5, "bk128"), (16, 64, 1, 4, 3, "bk256"),
+                (16, 128, 1, 8, 3, "bk256")]
     return ([_cfg(bm, bn, bk, gm, w, st, *mode) for bm, bn, gm, w, st, *mode in gate_up],
             [_cfg(bm, bn, bk, gm, w, st, *mode) for bm, bn, gm, w, st, *mode in down])
 
@@ -354,8 +371,10 @@ def tune_mla(budget: Budget, table: dict) -> None:
 
     shapes = MLA_SHAPES
     # (block_h, block_n, num_warps, num_stages), most promising first (the current tile is measured first).
-    tiles = {16: [(16, 32, 4, 3), (16, 32, 4, 4), (16, 16, 4, 3), (16, 16, 4, 4), (16, 64, 4, 3), (16, 32, 8, 3),
-                  (16, 64, 8, 3), (16, 32, 2, 3), (16, 64, 4, 2), (16, 16, 2, 4)],
+    # 16 heads: also tiles padded to 32 / 64 rows (64: the dots run as wgmma, whose tiles start at 64 rows)
+    tiles = {16: [(64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (64, 16, 8, 4), (64, 32, 4, 2), (32, 32, 4, 3),
+                  (32, 32, 8, 2), (32, 64, 8, 2), (16, 32, 4, 3), (16, 32, 4, 4), (16, 16, 4, 3), (16, 64, 4, 3),
+                  (16, 32, 8, 3)],
              128: [(64, 32, 8, 3), (64, 16, 8, 3), (64, 16, 8, 4), (64, 64, 8, 2), (32, 32, 4, 3), (32, 32, 8, 3)]}
     fills = {16: [2, 3, 4, 6, 8, 16], 128: [2, 4, 8]}
     for heads in (16, 128):
@@ -476,6 +495,8 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"), help="folder for the JSON files")
     parser.add_argument("--budget-s", type=float, default=230.0, help="seconds for all sweeps together")
     parser.add_argument("--only", default="moe,mla,lite,dense", help="comma list of moe, mla, lite, dense")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 512, 64],
+                        help="MoE token counts to tune (the first gets most of the budget)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device (tests this script)")
     args = parser.parse_args()
     global DEV, SMOKE, MLA_SHAPES
@@ -505,7 +526,7 @@ def main() -> None:
     share = {"moe": 0.45, "mla": 0.27, "lite": 0.15, "dense": 0.13}
     total = sum(share[s] for s in only if s in share)
     v3, lite, tokens = (((8, 256, 128, 2), (4, 64, 48, 2), (16,)) if SMOKE else
-                        ((256, 7168, 2048, 8), (64, 2048, 1408, 6), (8192, 512, 64)))
+                        ((256, 7168, 2048, 8), (64, 2048, 1408, 6), tuple(args.tokens)))
     sections = [
         ("moe", lambda b: tune_moe("V3 fp8", *v3, True, tokens, b, moe_table)),
         ("mla", lambda b: tune_mla(b, mla_table)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -73,6 +74,24 @@ def test_mla_decode_matches_reference(case, device, poisoned, assert_close):
     ref = mla_decode_ref(q_nope.double().cpu(), q_pe.double().cpu(), _clean(cache), tables.cpu(), qsl.cpu(),
                          seq_lens.cpu(), scale)
     assert_close(out, ref, dtype)
+
+
+def test_mla_decode_head_tile_wider_than_the_heads(device, poisoned, assert_close):
+    """A config may pad the heads (4 here) to a wider tile (32): padding rows compute on zeros, store nothing;
+    or re-read the query every key tile (``reload_q``)."""
+    from dsinfer.ops.triton.mla import mla_decode_triton
+
+    cache, tables, qsl, seq_lens, gen = _latent_batch([1, 1, 1], [30, 9, 47], 4, 32, 16, 16, torch.bfloat16,
+                                                      device)
+    q_nope = torch.randn(3, 4, 32, generator=gen).bfloat16().to(device)
+    q_pe = torch.randn(3, 4, 16, generator=gen).bfloat16().to(device)
+    for cfg, splits in itertools.product([dict(block_h=32, block_n=16, num_warps=4, num_stages=1),
+                                          dict(block_h=16, block_n=16, num_warps=4, num_stages=1, reload_q=True)],
+                                         (1, 2)):
+        out = mla_decode_triton(q_nope, q_pe, cache, tables, qsl, seq_lens, 0.3, num_splits=splits, config=cfg)
+        ref = mla_decode_ref(q_nope.double().cpu(), q_pe.double().cpu(), _clean(cache), tables.cpu(), qsl.cpu(),
+                             seq_lens.cpu(), 0.3)
+        assert_close(out, ref, torch.bfloat16)
 
 
 @pytest.mark.parametrize("rope", [16, 8])  # 8: the tiny parity models' rope dim takes the Triton path too

@@ -263,9 +263,10 @@ def test_fused_moe_fp8_v3_expert_shapes(num_tokens, assert_close):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["fuse_gu", "tma"])
+@pytest.mark.parametrize("mode", ["fuse_gu", "tma", "defer_scale"])
 def test_fused_moe_fp8_v3_tile_modes(mode, assert_close):
-    """The tuner's tile modes at V3 expert shapes: gate/up in one dot, weights through TMA descriptors."""
+    """The tuner's tile modes at V3 expert shapes: gate/up in one dot, weights through TMA descriptors, the
+    block scales applied one K step late."""
     from dsinfer.ops.triton.moe import fused_moe_triton
 
     gen = torch.Generator().manual_seed(4)
@@ -284,10 +285,12 @@ def test_fused_moe_fp8_v3_tile_modes(mode, assert_close):
     assert_close(out, ref, torch.bfloat16, tol=0.15)
 
 
-@pytest.mark.parametrize("fuse_gu, tma", [(False, False), (True, False), (False, True)])
-def test_fused_moe_tile_configs_agree(fuse_gu, tma, device, poisoned, assert_close):
+@pytest.mark.parametrize("fuse_gu, tma, defer", [(False, False, False), (True, False, False), (False, True, False),
+                                                 (False, False, True), (True, False, True)])
+def test_fused_moe_tile_configs_agree(fuse_gu, tma, defer, device, poisoned, assert_close):
     """Gate and up in one interleaved dot or two; weights through TMA descriptors (the last N tile reads the
-    next expert's rows); the down GEMM with its own tile and alignment (block_m)."""
+    next expert's rows); FP8 scales applied one K step late; the down GEMM with its own tile and alignment
+    (block_m)."""
     from dsinfer.ops.triton.moe import fused_moe_triton
 
     gen = torch.Generator().manual_seed(7)
@@ -295,8 +298,9 @@ def test_fused_moe_tile_configs_agree(fuse_gu, tma, device, poisoned, assert_clo
     w13, w2 = _experts(num_experts, hidden, inter, gen)
     x = torch.randn(11, hidden, generator=gen).bfloat16()
     weights, ids = _route(11, num_experts, top_k, gen, device)
+    # bf16 down: K 48 in steps of 32 (a masked K tail)
     cfg = dict(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1, fuse_gu=fuse_gu,
-               tma=tma, down=dict(block_m=32, block_n=16))  # bf16 down: K 48 in steps of 32 (masked K tail)
+               tma=tma, defer_scale=defer, down=dict(block_m=32, block_n=16))
     out = fused_moe_triton(x.to(device), w13.bfloat16().to(device), w2.bfloat16().to(device), weights, ids,
                            config=cfg)
     ref = fused_moe_ref(x.double(), w13.bfloat16().double(), w2.bfloat16().double(), weights.double().cpu(),
@@ -311,3 +315,52 @@ def test_fused_moe_tile_configs_agree(fuse_gu, tma, device, poisoned, assert_clo
     w2_d = block_dequantize(w2_q, w2_s, block, torch.float64)
     emulated = _emulated_fp8_moe(x, w13_d, w2_d, weights.cpu(), ids.cpu(), block[1])
     assert_close(out, emulated, torch.bfloat16, tol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_sum_matches_torch_sum(dtype, device):
+    from dsinfer.ops.triton.moe import topk_sum
+
+    gen = torch.Generator().manual_seed(3)
+    for tokens, top_k, hidden in [(5, 6, 96), (1, 8, 2048), (3, 2, 1500)]:  # 1500: a partial last tile
+        rows = torch.randn(tokens * top_k, hidden, generator=gen).to(dtype)
+        out = topk_sum(rows.to(device), tokens, top_k)
+        ref = rows.float().view(tokens, top_k, hidden).sum(1).to(dtype)
+        assert out.dtype == dtype and out.shape == (tokens, hidden)
+        # bf16: one rounding of the float32 sum (the CPU interpreter may round it the other way: one ulp)
+        torch.testing.assert_close(out.cpu(), ref, rtol=0 if dtype == torch.float32 else 2**-7, atol=0)
+
+
+def test_router_16bit_gemm_only_for_exact_cuda_weights():
+    """The 16-bit gate GEMM is taken only when the model dtype holds every gate weight exactly and on CUDA; on
+    CPU (and for float32 weights off the bf16 grid) the float32 reference path stays."""
+    from dsinfer.layers.moe import Router, RouterConfig
+    from dsinfer.models.loader.model_loader import _default_dtype_and_device
+
+    with _default_dtype_and_device(torch.bfloat16, torch.device("cpu")):
+        router = Router(64, RouterConfig(num_experts=8, top_k=2))
+    router.weight.dummy_init(0.02, torch.Generator().manual_seed(0))
+    assert torch.equal(router.weight.data.bfloat16().float(), router.weight.data)  # a bf16 checkpoint's values
+    router.process_weights_after_loading()
+    assert router.weight_16bit is None  # CPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("exact", [True, False])
+def test_router_16bit_gemm_matches_float32_logits(exact):
+    from dsinfer.layers.moe import Router, RouterConfig
+    from dsinfer.models.loader.model_loader import _default_dtype_and_device
+
+    with _default_dtype_and_device(torch.bfloat16, torch.device("cuda")):
+        router = Router(2048, RouterConfig(num_experts=64, top_k=6))
+    gen = torch.Generator("cuda").manual_seed(0)
+    router.weight.dummy_init(0.02, gen)
+    if not exact:
+        router.weight.data += 1e-6  # off the bf16 grid: the float32 path must stay
+    router.process_weights_after_loading()
+    assert (router.weight_16bit is not None) == exact
+    hidden = torch.randn(300, 2048, device="cuda", generator=gen).bfloat16()
+    weights, ids = router(hidden)
+    ref_w, ref_ids = select_experts_ref(hidden.float() @ router.weight.t(), 6)
+    assert torch.equal(ids.sort(1).values, ref_ids.sort(1).values)
+    torch.testing.assert_close(weights.sort(1).values, ref_w.sort(1).values, rtol=1e-5, atol=1e-6)

@@ -208,7 +208,8 @@ def _mla_decode_kernel(
     stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
     stride_c_blk, stride_c_off, stride_bt, block_size, stride_ot, stride_oh,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, RELOAD_Q: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     head_tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -229,10 +230,10 @@ def _mla_decode_kernel(
     r_valid = offs_r < RANK
     p_valid = offs_p < ROPE
     row64 = row.to(tl.int64)
-    qn = tl.load(qn_ptr + row64 * stride_qn_t + offs_h[:, None] * stride_qn_h + offs_r[None, :],
-                 mask=h_valid[:, None] & r_valid[None, :], other=0.0).to(cache_ptr.dtype.element_ty)
-    qp = tl.load(qp_ptr + row64 * stride_qp_t + offs_h[:, None] * stride_qp_h + offs_p[None, :],
-                 mask=h_valid[:, None] & p_valid[None, :], other=0.0).to(cache_ptr.dtype.element_ty)
+    qn_ptrs = qn_ptr + row64 * stride_qn_t + offs_h[:, None] * stride_qn_h + offs_r[None, :]
+    qp_ptrs = qp_ptr + row64 * stride_qp_t + offs_h[:, None] * stride_qp_h + offs_p[None, :]
+    qn = tl.load(qn_ptrs, mask=h_valid[:, None] & r_valid[None, :], other=0.0).to(cache_ptr.dtype.element_ty)
+    qp = tl.load(qp_ptrs, mask=h_valid[:, None] & p_valid[None, :], other=0.0).to(cache_ptr.dtype.element_ty)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_R), tl.float32)
@@ -245,6 +246,9 @@ def _mla_decode_kernel(
         c = tl.load(base[:, None] + offs_r[None, :], mask=n_valid[:, None] & r_valid[None, :], other=0.0)
         k_pe = tl.load(base[:, None] + RANK + offs_p[None, :], mask=n_valid[:, None] & p_valid[None, :],
                        other=0.0)
+        if RELOAD_Q:  # the query re-read (from L1) each step: not held in registers across the loop
+            qn = tl.load(qn_ptrs, mask=h_valid[:, None] & r_valid[None, :], other=0.0).to(c.dtype)
+            qp = tl.load(qp_ptrs, mask=h_valid[:, None] & p_valid[None, :], other=0.0).to(c.dtype)
         s = _dot(qn, tl.trans(c), UPCAST) + _dot(qp, tl.trans(k_pe), UPCAST)  # [BLOCK_H, BLOCK_N]
         s = tl.where(n_valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -310,9 +314,12 @@ def mla_decode_triton(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     config: dict | None = None,
+    kernel_info: dict | None = None,
 ) -> torch.Tensor:
     """See ``ops.mla.mla_decode_ref``. ``max_seq_len`` (host int) sizes the splits; without it the bound
-    comes from block_tables' width. ``num_splits`` / ``config`` override the heuristics (tuning)."""
+    comes from block_tables' width. ``num_splits`` / ``config`` override the heuristics (tuning; a config's
+    ``reload_q`` re-reads the query every key tile instead of holding it in registers); ``kernel_info`` (a
+    dict) receives the compiled kernel's register and spill counts (tuning)."""
     num_rows, num_heads, rank = q_nope_absorbed.shape
     rope = q_pe.shape[-1]
     if kv_cache.shape[-1] != rank + rope:
@@ -321,7 +328,9 @@ def mla_decode_triton(
     if num_rows == 0:
         return out
     cfg = config or decode_config(num_heads, q_nope_absorbed.is_cuda)
-    block_h = max(16, min(cfg["block_h"], triton.next_power_of_2(num_heads)))
+    # a tile wider than the heads is allowed (a tuned config may pad 16 heads to 64 rows: tl.dot then runs as
+    # Hopper wgmma, whose tiles start at 64 rows, instead of mma.sync); padding rows load zeros, store nothing
+    block_h = max(_MIN_DOT, cfg["block_h"])
     head_tiles = triton.cdiv(num_heads, block_h)
     if num_splits is None:
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * kv_cache.shape[1]
@@ -333,16 +342,18 @@ def mla_decode_triton(
     if not single:
         part_out = torch.empty(num_rows, num_heads, num_splits, rank, dtype=torch.float32, device=out.device)
         part_lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=out.device)
-    _mla_decode_kernel[(head_tiles, num_splits, num_rows)](
+    compiled = _mla_decode_kernel[(head_tiles, num_splits, num_rows)](
         q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, out, part_out, part_lse,
         num_seqs, num_heads, scale * _LOG2E, num_splits,
         q_nope_absorbed.stride(0), q_nope_absorbed.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), kv_cache.shape[1],
         out.stride(0), out.stride(1),
         RANK=rank, ROPE=rope, BLOCK_R=_tile(rank), BLOCK_P=_tile(rope), BLOCK_H=block_h, BLOCK_N=cfg["block_n"],
-        SINGLE=single, UPCAST=not q_nope_absorbed.is_cuda,
+        SINGLE=single, RELOAD_Q=cfg.get("reload_q", False), UPCAST=not q_nope_absorbed.is_cuda,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if kernel_info is not None:
+        kernel_info.update(n_regs=getattr(compiled, "n_regs", None), n_spills=getattr(compiled, "n_spills", None))
     if not single:
         _mla_reduce_kernel[(num_rows, num_heads)](
             part_out, part_lse, query_start_loc, out, num_seqs, num_heads, num_splits,
@@ -453,8 +464,11 @@ def mla_prefill_triton(
     seq_lens: torch.Tensor,
     w_kv_b: torch.Tensor,
     scale: float,
+    *,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """See ``ops.mla.mla_prefill_ref``."""
+    """See ``ops.mla.mla_prefill_ref``. ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the
+    default tile (tuning)."""
     num_heads, nope_v, rank = w_kv_b.shape
     num_rows, nope, rope = q_nope.shape[0], q_nope.shape[-1], q_pe.shape[-1]
     vdim = nope_v - nope
@@ -467,7 +481,8 @@ def mla_prefill_triton(
     kv = kv.view(-1, num_heads, nope_v)
     num_seqs = query_start_loc.shape[0] - 1
     is_cuda = q_nope.is_cuda
-    block_m, block_n, warps, stages = (64, 64, 4, 2) if is_cuda else (16, 16, 4, 1)
+    # CUDA tile: the best of a sweep at V2-Lite shapes (H=16, 4 x 2048; 8 warps over 128 rows, 3 stages)
+    block_m, block_n, warps, stages = config or ((128, 64, 8, 3) if is_cuda else (16, 16, 4, 1))
     grid = (num_rows // block_m + num_seqs, num_heads)
     _mla_prefill_kernel[grid](
         q_nope, q_pe, kv, ctx, cu, query_start_loc, seq_lens, out, num_seqs, scale * _LOG2E,

@@ -2,14 +2,14 @@
 
 1. ``moe_align``: the T * top_k (token, expert) pairs, sorted by expert, each expert's run padded to a multiple
    of ``BLOCK_M`` (padding entries hold the sentinel ``T * top_k``), with the expert of every block of rows.
-   One Triton launch at decode sizes (two past a few thousand pairs), sized from shapes (a capacity of
-   ``pairs + min(pairs, E) * (BLOCK_M - 1)`` rows), so no host sync and CUDA-graph safe; blocks past the real
-   total exit at once. ``moe_align_ref`` is the torch version.
+   One Triton launch at decode sizes (a program per expert; two launches past 4096 pairs), sized from shapes
+   (a capacity of ``pairs + min(pairs, E) * (BLOCK_M - 1)`` rows), so no host sync and CUDA-graph safe; blocks
+   past the real total exit at once. ``moe_align_ref`` is the torch version.
 2. Gate/up: ``_gemm_kernel`` with ``GATED``: each program multiplies a block of sorted pairs (rows gathered
    from ``hidden`` by ``pair // top_k``) by the gate and the up rows of its expert's ``w13`` (``fuse_gu``: one
    dot over the two interleaved, else two dots) and stores ``silu(gate) * up`` per pair ([pairs, I]).
 3. Down: the same kernel over the pair rows of the intermediate with ``w2``, scaled by each pair's top-k
-   weight; the top-k sum is a reduce over ``[T, top_k, H]``.
+   weight; ``topk_sum`` then adds up each token's top_k rows (float32, in slot order).
 
 FP8 (w8a8, block-scaled): weights e4m3 with a float32 scale per [GROUP_N, GROUP_K] block (128 x 128), the
 activations quantized per token and group of GROUP_K (``ops.triton.fp8.per_token_group_quant``). The kernel
@@ -61,7 +61,8 @@ def moe_config(key: str, rows_per_expert: float, fp8: bool, is_cuda: bool) -> di
     within a factor of 4, else ``default_config``. Keys of a config: block_m, block_n (output columns; the
     gated GEMM's dot is twice as wide), block_k, group_m (programs sharing a B tile, L2 swizzle), num_warps,
     num_stages, fuse_gu (gate and up in one dot; default off on CUDA), tma (weights, and the activations of a
-    dense GEMM, through TMA descriptors; default off; excludes fuse_gu) and ``down`` (see ``down_config``)."""
+    dense GEMM, through TMA descriptors; default off; excludes fuse_gu), defer_scale (FP8: scale a K step's
+    products one step later, see ``_gemm_kernel``; default off) and ``down`` (see ``down_config``)."""
     return nearest_config(key, rows_per_expert, is_cuda) or default_config(rows_per_expert, fp8, is_cuda)
 
 
@@ -143,26 +144,20 @@ def _moe_count_kernel(ids_ptr, counts_ptr, num_pairs, span, E_PAD: tl.constexpr,
 def _moe_align_kernel(
     ids_ptr, counts_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     num_pairs, num_experts, capacity, span, num_spans,
-    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, HCHUNK: tl.constexpr,
-    SPANS_BLOCK: tl.constexpr, NB: tl.constexpr, TWO_PASS: tl.constexpr,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, SPANS_BLOCK: tl.constexpr, NB: tl.constexpr,
 ):
-    """Program s places the pairs of span s and its share of the tail and of ``expert_ids``; program 0 also
-    writes each expert's padding and ``num_padded``. TWO_PASS: the per-span counts come from
-    ``_moe_count_kernel``; else the one program counts all pairs itself."""
+    """Program s places the pairs of span s (the per-span counts come from ``_moe_count_kernel``) and its share of
+    the tail and of ``expert_ids``; program 0 also writes each expert's padding and ``num_padded``."""
     pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
-    if TWO_PASS:
-        totals = tl.zeros([E_PAD], tl.int32)
-        before = tl.zeros([E_PAD], tl.int32)  # pairs of each expert in the spans before this one
-        for s0 in range(0, num_spans, SPANS_BLOCK):
-            spans = s0 + tl.arange(0, SPANS_BLOCK)
-            tab = tl.load(counts_ptr + spans[:, None] * E_PAD + experts[None, :], mask=spans[:, None] < num_spans,
-                          other=0)
-            totals += tl.sum(tab, axis=0)
-            before += tl.sum(tl.where(spans[:, None] < pid, tab, 0), axis=0)
-    else:
-        totals = _align_count(ids_ptr, 0, num_pairs, E_PAD, HCHUNK)
-        before = tl.zeros([E_PAD], tl.int32)
+    totals = tl.zeros([E_PAD], tl.int32)
+    before = tl.zeros([E_PAD], tl.int32)  # pairs of each expert in the spans before this one
+    for s0 in range(0, num_spans, SPANS_BLOCK):
+        spans = s0 + tl.arange(0, SPANS_BLOCK)
+        tab = tl.load(counts_ptr + spans[:, None] * E_PAD + experts[None, :], mask=spans[:, None] < num_spans,
+                      other=0)
+        totals += tl.sum(tab, axis=0)
+        before += tl.sum(tl.where(spans[:, None] < pid, tab, 0), axis=0)
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
@@ -187,14 +182,61 @@ def _moe_align_kernel(
         tl.store(expert_ids_ptr + blocks, tl.minimum(expert, num_experts - 1), mask=blocks < num_blocks)
 
 
+@triton.jit
+def _moe_align_by_expert_kernel(
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_pairs, num_experts, capacity,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr, NB: tl.constexpr,
+):
+    """Decode sizes (all pairs in one tile): program e < E places expert e's pairs (its rank = a scan of
+    ``ids == e`` over the pairs), its padding and the expert id of its blocks; program E writes ``num_padded``,
+    the tail past it and the expert of the tail's blocks. Every program counts all pairs (one histogram), so no
+    program waits on another: one launch of short, parallel programs."""
+    e = tl.program_id(0)
+    offs = tl.arange(0, P_PAD)
+    valid = offs < num_pairs
+    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    counts = tl.histogram(ids, E_PAD, mask=valid)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    experts = tl.arange(0, E_PAD)
+    if e < num_experts:
+        mine = (ids == e) & valid
+        count = tl.sum(mine.to(tl.int32))
+        if count > 0:
+            start = tl.sum(tl.where(experts == e, ends - padded, 0))
+            run = tl.sum(tl.where(experts == e, padded, 0))
+            rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1
+            tl.store(sorted_ids_ptr + start + rank, offs, mask=mine)
+            j = tl.arange(0, BLOCK_M)
+            tl.store(sorted_ids_ptr + start + count + j, tl.full([BLOCK_M], num_pairs, tl.int32),
+                     mask=j < run - count)
+            for b0 in range(start // BLOCK_M, (start + run) // BLOCK_M, NB):
+                blocks = b0 + tl.arange(0, NB)
+                tl.store(expert_ids_ptr + blocks, tl.full([NB], 0, tl.int32) + e,
+                         mask=blocks < (start + run) // BLOCK_M)
+    else:
+        total = tl.sum(padded)
+        tl.store(num_padded_ptr, total)
+        for t0 in range(total, capacity, 1024):
+            offs_t = t0 + tl.arange(0, 1024)
+            tl.store(sorted_ids_ptr + offs_t, tl.full([1024], num_pairs, tl.int32), mask=offs_t < capacity)
+        for b0 in range(total // BLOCK_M, capacity // BLOCK_M, NB):
+            blocks = b0 + tl.arange(0, NB)
+            tl.store(expert_ids_ptr + blocks, tl.full([NB], 0, tl.int32) + (num_experts - 1),
+                     mask=blocks < capacity // BLOCK_M)
+
+
+_ALIGN_BY_EXPERT_PAIRS = 4096  # up to here every program of the by-expert kernel holds all pairs in one tile
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """-> (sorted_ids [cap] int32, expert_ids [cap // block_m] int32, num_padded [1] int32); no host sync.
 
     sorted_ids: the pair indices (token * top_k + slot) sorted by expert, stably (by pair index within an
     expert), each expert's run padded to a multiple of ``block_m`` with the sentinel ``num_pairs`` (as is
     everything past ``num_padded``); expert_ids: the expert of each block of ``block_m`` rows (the last expert
-    past ``num_padded``). Triton: one launch up to a few chunks of pairs (decode), else two (per-span counts,
-    then placement by span programs). Same outputs as ``moe_align_ref``."""
+    past ``num_padded``). Triton: one launch of a program per expert up to 4096 pairs (decode), else two
+    (per-span counts, then placement by span programs). Same outputs as ``moe_align_ref``."""
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     device = flat.device
@@ -204,11 +246,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     e_pad = max(32, triton.next_power_of_2(num_experts))  # tl.histogram: at least a bin per lane of a warp
     chunk = max(16, 16384 // e_pad)  # one-hot tile [chunk, e_pad] of the placement scan
-    meta = dict(BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, HCHUNK=1024, SPANS_BLOCK=max(1, 4096 // e_pad),
-                NB=max(32, 8192 // e_pad), num_warps=8 if e_pad >= 128 else 4)
-    if num_pairs <= 4 * chunk:
-        _moe_align_kernel[(1,)](flat, num_padded, sorted_ids, expert_ids, num_padded, num_pairs, num_experts,
-                                capacity, max(num_pairs, 1), 1, TWO_PASS=False, **meta)
+    if num_pairs <= _ALIGN_BY_EXPERT_PAIRS:
+        _moe_align_by_expert_kernel[(num_experts + 1,)](
+            flat, sorted_ids, expert_ids, num_padded, num_pairs, num_experts, capacity, BLOCK_M=block_m,
+            E_PAD=e_pad, P_PAD=max(16, triton.next_power_of_2(num_pairs)), NB=128,
+            num_warps=4 if num_pairs <= 1024 else 8,
+        )
         return sorted_ids, expert_ids, num_padded
     num_spans = min(triton.cdiv(num_pairs, chunk), 64)
     span = triton.cdiv(triton.cdiv(num_pairs, num_spans), chunk) * chunk
@@ -216,7 +259,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     counts = torch.empty(num_spans, e_pad, dtype=torch.int32, device=device)
     _moe_count_kernel[(num_spans,)](flat, counts, num_pairs, span, E_PAD=e_pad, HCHUNK=1024, num_warps=4)
     _moe_align_kernel[(num_spans,)](flat, counts, sorted_ids, expert_ids, num_padded, num_pairs, num_experts,
-                                    capacity, span, num_spans, TWO_PASS=True, **meta)
+                                    capacity, span, num_spans, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk,
+                                    SPANS_BLOCK=max(1, 4096 // e_pad), NB=max(32, 8192 // e_pad),
+                                    num_warps=8 if e_pad >= 128 else 4)
     return sorted_ids, expert_ids, num_padded
 
 
@@ -247,7 +292,7 @@ def _gemm_kernel(
     MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr,
     GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SCALAR_BS: tl.constexpr, A_DESC: tl.constexpr,
-    B_DESC: tl.constexpr, UPCAST: tl.constexpr,
+    B_DESC: tl.constexpr, DEFER_SCALE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """C[rows] = A[rows] @ B[e]^T (rows: pairs sorted by expert when GATHER, else 0..M); see module doc.
 
@@ -258,7 +303,9 @@ def _gemm_kernel(
     columns lie in one scale block of B (BLOCK_N divides GROUP_N, two dots), so a K step's scale is per row only
     (one multiply-add per accumulator element). A_DESC / B_DESC: ``a_ptr`` / ``b_ptr`` are TMA tensor descriptors
     (A [M, K] without gather, B viewed [E * rows, K]) loading [BLOCK_M | BLOCK_N, BLOCK_K] tiles; the tiles
-    past N read the next rows (the next expert's, or zeros past the end), never stored; not with FUSE_GU."""
+    past N read the next rows (the next expert's, or zeros past the end), never stored; not with FUSE_GU.
+    DEFER_SCALE (FP8): a K step's products are scaled and accumulated one step later, after the next step's dots
+    are issued, so the scaling overlaps the tensor cores instead of waiting for them (two more float32 tiles)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -305,6 +352,15 @@ def _gemm_kernel(
         bs_up_ptrs = b_scale_ptr + expert * stride_bse + ((b_rows + up_offset) // GROUP_N) * stride_bsn
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N if GATED and FUSE_GU else BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if FP8 and DEFER_SCALE:
+        # the previous K step's raw products and scales (zeros times any finite scale to start)
+        prev = tl.zeros((BLOCK_M, 2 * BLOCK_N if GATED and FUSE_GU else BLOCK_N), tl.float32)
+        prev_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        prev_as = tl.load(as_ptrs)
+        prev_bs = tl.load(bs_ptrs)
+        prev_bs_up = prev_bs
+        if GATED and not FUSE_GU:
+            prev_bs_up = tl.load(bs_up_ptrs)
     for k0 in range(0, K, BLOCK_K):
         k_valid = offs_k < K - k0
         if A_DESC:
@@ -319,16 +375,6 @@ def _gemm_kernel(
             b = tl.load(b_ptrs)
         else:
             b = tl.load(b_ptrs, mask=k_valid[:, None], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if FP8:
-            kg = k0 // GROUP_K
-            a_s = tl.load(as_ptrs + kg * stride_ask)
-            b_s = tl.load(bs_ptrs + kg * stride_bsk)
-            acc += tl.dot(a, b) * _scale(a_s, b_s, SCALAR_BS)
-        else:
-            acc = _mma(a, b, acc)
         if GATED and not FUSE_GU:
             if B_DESC:
                 b_up = tl.trans(b_ptr.load([b_row0 + up_offset, k0]))
@@ -338,15 +384,45 @@ def _gemm_kernel(
                 b_up = tl.load(b_ptrs + up_offset * stride_bn, mask=k_valid[:, None], other=0.0)
             if UPCAST:
                 b_up = b_up.to(tl.float32)
-            if FP8:
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if FP8:
+            kg = k0 // GROUP_K
+            a_s = tl.load(as_ptrs + kg * stride_ask)
+            b_s = tl.load(bs_ptrs + kg * stride_bsk)
+            b_up_s = b_s
+            if GATED and not FUSE_GU:
                 b_up_s = tl.load(bs_up_ptrs + kg * stride_bsk)
-                acc_up += tl.dot(a, b_up) * _scale(a_s, b_up_s, SCALAR_BS)
+            if DEFER_SCALE:
+                # issue this step's products, then scale-and-add the previous step's while they run (the
+                # scaling no longer waits on the newest wgmma)
+                d = tl.dot(a, b)
+                if GATED and not FUSE_GU:
+                    d_up = tl.dot(a, b_up)
+                    acc_up += prev_up * _scale(prev_as, prev_bs_up, SCALAR_BS)
+                    prev_up = d_up
+                    prev_bs_up = b_up_s
+                acc += prev * _scale(prev_as, prev_bs, SCALAR_BS)
+                prev = d
+                prev_as = a_s
+                prev_bs = b_s
             else:
+                acc += tl.dot(a, b) * _scale(a_s, b_s, SCALAR_BS)
+                if GATED and not FUSE_GU:
+                    acc_up += tl.dot(a, b_up) * _scale(a_s, b_up_s, SCALAR_BS)
+        else:
+            acc = _mma(a, b, acc)
+            if GATED and not FUSE_GU:
                 acc_up = _mma(a, b_up, acc_up)
         if not A_DESC:
             a_ptrs += BLOCK_K * stride_ak
         if not B_DESC:
             b_ptrs += BLOCK_K * stride_bk
+    if FP8 and DEFER_SCALE:
+        acc += prev * _scale(prev_as, prev_bs, SCALAR_BS)
+        if GATED and not FUSE_GU:
+            acc_up += prev_up * _scale(prev_as, prev_bs_up, SCALAR_BS)
     if GATED:
         if FUSE_GU:
             acc, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
@@ -428,7 +504,7 @@ def grouped_gemm(
         GROUP_N=block_size[0] if fp8 else 1, GROUP_K=block_size[1] if fp8 else 1,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k, GROUP_M=cfg["group_m"],
         EVEN_K=k % block_k == 0, SCALAR_BS=fp8 and not fuse_gu and block_size[0] % cfg["block_n"] == 0,
-        A_DESC=a_desc, B_DESC=b_desc,
+        A_DESC=a_desc, B_DESC=b_desc, DEFER_SCALE=fp8 and cfg.get("defer_scale", False),
         UPCAST=not a.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -480,6 +556,30 @@ def expert_pair_outputs(
     return down
 
 
+@triton.jit
+def _topk_sum_kernel(x_ptr, out_ptr, hidden_size, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum_j x[t * TOP_K + j] in float32, j in order, rounded once."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    valid = offs < hidden_size
+    acc = tl.zeros((BLOCK_H,), tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(x_ptr + (t * TOP_K + j) * hidden_size + offs, mask=valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * hidden_size + offs, acc.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def topk_sum(pair_rows: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    """[T * k, H] (token-major) -> [T, H]: each token's k rows summed in float32. One pass at the copy rate
+    (``torch.sum`` over the middle dim of [T, k, H] ran at ~30% of it)."""
+    hidden_size = pair_rows.shape[1]
+    out = pair_rows.new_empty(num_tokens, hidden_size)
+    block_h = min(1024, triton.next_power_of_2(hidden_size))
+    _topk_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
+        pair_rows, out, hidden_size, TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+    )
+    return out
+
+
 def fused_moe_triton(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -505,4 +605,4 @@ def fused_moe_triton(
                                hidden.is_cuda)
     down = expert_pair_outputs(hidden, w13, w2, topk_weights, topk_ids, cfg, down_config(cfg),
                                w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv, block_size=block_size)
-    return down if top_k == 1 else down.view(num_tokens, top_k, hidden_size).sum(dim=1)
+    return down if top_k == 1 else topk_sum(down, num_tokens, top_k)
