@@ -182,7 +182,7 @@ def _moe_align_kernel(
         tl.store(expert_ids_ptr + blocks, tl.minimum(expert, num_experts - 1), mask=blocks < num_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "capacity"])  # one compile per tile, whatever the batch
 def _moe_align_by_expert_kernel(
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_pairs, num_experts, capacity,
     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr, NB: tl.constexpr,
@@ -226,7 +226,10 @@ def _moe_align_by_expert_kernel(
                      mask=blocks < capacity // BLOCK_M)
 
 
-_ALIGN_BY_EXPERT_PAIRS = 4096  # up to here every program of the by-expert kernel holds all pairs in one tile
+# Up to here every program of the by-expert kernel holds all pairs in one tile. The tile is 1024 or 4096 wide,
+# not the next power of two of the pair count: mixed prefill steps bring ever new pair counts, and each new
+# width would be a JIT compile (seconds) inside a running workload.
+_ALIGN_BY_EXPERT_PAIRS = 4096
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -249,7 +252,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     if num_pairs <= _ALIGN_BY_EXPERT_PAIRS:
         _moe_align_by_expert_kernel[(num_experts + 1,)](
             flat, sorted_ids, expert_ids, num_padded, num_pairs, num_experts, capacity, BLOCK_M=block_m,
-            E_PAD=e_pad, P_PAD=max(16, triton.next_power_of_2(num_pairs)), NB=128,
+            E_PAD=e_pad, P_PAD=1024 if num_pairs <= 1024 else _ALIGN_BY_EXPERT_PAIRS, NB=128,
             num_warps=4 if num_pairs <= 1024 else 8,
         )
         return sorted_ids, expert_ids, num_padded
