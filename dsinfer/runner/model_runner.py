@@ -22,6 +22,7 @@ from dsinfer.models.loader.model_loader import _default_dtype_and_device, load_m
 from dsinfer.models.registry import model_class
 from dsinfer.runner.cuda_graphs import DecodeGraphs
 from dsinfer.runner.input_batch import StepInputs, build_sampling_batch, build_step_inputs, to_device
+from dsinfer.runner.warmup import warm_up_prefill
 from dsinfer.sampling.sampler import Sampler
 from dsinfer.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -110,6 +111,10 @@ class ModelRunner:
                                        max_len, self.device)
             with batch_invariant(config.device.deterministic):  # capture the kernels the eager steps run
                 self.graphs.capture()
+        if self.device.type == "cuda":
+            with batch_invariant(config.device.deterministic):
+                warm_up_prefill(self.model, config.scheduler.max_num_batched_tokens, config.model.max_model_len,
+                                self.block_size, self.device)
 
     @property
     def kv_bytes_per_token(self) -> int:
