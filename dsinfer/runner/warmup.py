@@ -7,8 +7,9 @@ that was seconds of compiles inside the first batches: DeepSeek-V2-Lite offline,
 22 s in a new process and 8 s once compiled (H200, 2026-11-29).
 
 The warm-up runs the model on dummy prefill batches at token counts from one token to the step budget (powers
-of two and one less), split into sequences of up to 1k tokens as prompts would be. Nothing is stored (every
-slot is -1); the logits of each sequence's last token are computed, as a step would, and dropped.
+of two and one less), split into sequences of up to 1k tokens as prompts would be, and again with a sixteenth
+of the tokens as one-token decode rows over a short context (a mixed step). Nothing is stored (every slot is
+-1); the logits of each sequence's last token are computed, as a step would, and dropped.
 """
 
 from __future__ import annotations
@@ -36,25 +37,29 @@ def prefill_token_counts(max_tokens: int) -> list[int]:
     return sorted(counts)
 
 
-def dummy_prefill_batch(num_tokens: int, max_seq_tokens: int, block_size: int, device: torch.device) -> ForwardBatch:
-    """``num_tokens`` prompt tokens in sequences of ``max_seq_tokens`` (the last one shorter), stored nowhere."""
-    full, rest = divmod(num_tokens, max_seq_tokens)
-    lens = [max_seq_tokens] * full + ([rest] if rest else [])
-    lengths = torch.tensor(lens, dtype=torch.int32)
-    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    torch.cumsum(lengths, 0, out=cu[1:])
-    positions = torch.cat([torch.arange(n) for n in lens])
-    width = -(-max(lens) // block_size)
+def dummy_prefill_batch(num_tokens: int, max_seq_tokens: int, block_size: int, device: torch.device,
+                        decode_rows: int = 0, decode_context: int = 64) -> ForwardBatch:
+    """``num_tokens`` tokens: ``decode_rows`` one-token rows with ``decode_context`` tokens of context (decode
+    requests riding along a chunked prefill), then prompt tokens in sequences of ``max_seq_tokens`` (the last
+    one shorter). Stored nowhere (slots -1); the context rows read block 0."""
+    prompt = num_tokens - decode_rows
+    full, rest = divmod(prompt, max_seq_tokens)
+    q_lens = [1] * decode_rows + [max_seq_tokens] * full + ([rest] if rest else [])
+    ctx_lens = [decode_context] * decode_rows + q_lens[decode_rows:]
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0, out=cu[1:])
+    positions = torch.cat([torch.arange(c - q, c) for q, c in zip(q_lens, ctx_lens)])
+    width = -(-max(ctx_lens) // block_size)
     return ForwardBatch(
         input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
         positions=positions.to(device),
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
-        block_tables=torch.zeros(len(lens), width, dtype=torch.int32, device=device),
+        block_tables=torch.zeros(len(q_lens), width, dtype=torch.int32, device=device),
         query_start_loc=cu.to(device),
-        seq_lens=lengths.to(device),
+        seq_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
         logits_indices=(cu[1:] - 1).long().to(device),
-        max_query_len=max(lens),
-        max_seq_len=max(lens),
+        max_query_len=max(q_lens),
+        max_seq_len=max(ctx_lens),
     )
 
 
@@ -68,9 +73,12 @@ def warm_up_prefill(model: nn.Module, max_tokens: int, max_model_len: int, block
     seq_tokens = max(1, min(SEQUENCE_TOKENS, max_model_len))
     try:
         for n in counts:
-            batch = dummy_prefill_batch(n, seq_tokens, block_size, device)
-            hidden = model(batch.input_ids, batch.positions, batch)
-            model.compute_logits(hidden[batch.logits_indices])
+            # a prompt-only step, and from 32 tokens on one with decode rows riding along (a mixed step)
+            for decode_rows in (0, n // 16) if n >= 32 else (0,):
+                batch = dummy_prefill_batch(n, seq_tokens, block_size, device, decode_rows,
+                                            min(64, max_model_len))
+                hidden = model(batch.input_ids, batch.positions, batch)
+                model.compute_logits(hidden[batch.logits_indices])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as exc:  # noqa: BLE001 (a warm-up must not stop the engine)

@@ -26,6 +26,10 @@ def test_dummy_batch_cuts_prompts_and_stores_nothing():
     assert bool((batch.slot_mapping == -1).all()) and batch.block_tables.shape == (3, 64)
     assert batch.logits_indices.tolist() == [1023, 2047, 2499]
     assert batch.max_query_len == batch.max_seq_len == 1024 and not batch.is_decode_only
+    mixed = dummy_prefill_batch(100, 64, 16, torch.device("cpu"), decode_rows=6, decode_context=40)
+    assert mixed.seq_lens.tolist() == [40] * 6 + [64, 30] and mixed.query_start_loc.tolist()[-3:] == [6, 70, 100]
+    assert mixed.positions[:6].tolist() == [39] * 6 and mixed.block_tables.shape == (8, 4)
+    assert mixed.max_query_len == 64 and mixed.max_seq_len == 64
 
 
 class _Recorder(torch.nn.Module):
@@ -46,7 +50,8 @@ class _Recorder(torch.nn.Module):
 def test_warm_up_runs_every_size_and_logs_a_failure(caplog):
     model = _Recorder()
     warm_up_prefill(model, 100, 64, 16, torch.device("cpu"))
-    assert model.sizes == prefill_token_counts(100)
+    counts = prefill_token_counts(100)
+    assert model.sizes == [n for n in counts for _ in range(2 if n >= 32 else 1)]  # prompt-only and mixed
     failing = _Recorder(fail_at=31)
     with caplog.at_level(logging.WARNING, logger="dsinfer"):
         warm_up_prefill(failing, 100, 64, 16, torch.device("cpu"))  # logged, not raised
