@@ -370,11 +370,13 @@ def tune_mla(budget: Budget, table: dict) -> None:
     from dsinfer.ops.triton.mla import decode_config, mla_decode_triton
 
     shapes = MLA_SHAPES
-    # (block_h, block_n, num_warps, num_stages), most promising first (the current tile is measured first).
-    # 16 heads: also tiles padded to 32 / 64 rows (64: the dots run as wgmma, whose tiles start at 64 rows)
-    tiles = {16: [(64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (64, 16, 8, 4), (64, 32, 4, 2), (32, 32, 4, 3),
-                  (32, 32, 8, 2), (32, 64, 8, 2), (16, 32, 4, 3), (16, 32, 4, 4), (16, 16, 4, 3), (16, 64, 4, 3),
-                  (16, 32, 8, 3)],
+    # (block_h, block_n, num_warps, num_stages[, extra config keys]), most promising first (the current config
+    # is measured first). 16 heads: the scores in latent chunks (r_chunks: fewer live registers, so more programs
+    # per SM); tiles padded to 64 rows (wgmma) measured 2-5x slower in session 3 and are left out.
+    tiles = {16: [(16, 32, 4, 2, dict(r_chunks=4)), (16, 32, 4, 1, dict(r_chunks=4)), (16, 32, 4, 3, dict(r_chunks=4)),
+                  (16, 64, 4, 2, dict(r_chunks=4)), (16, 32, 4, 2, dict(r_chunks=2)), (16, 32, 4, 2, dict(r_chunks=8)),
+                  (16, 16, 4, 3, dict(r_chunks=4)), (16, 32, 4, 2, dict(reload_q=True)), (16, 32, 4, 3),
+                  (16, 32, 4, 4), (16, 16, 4, 3), (16, 64, 4, 3), (16, 32, 8, 3)],
              128: [(64, 32, 8, 3), (64, 16, 8, 3), (64, 16, 8, 4), (64, 64, 8, 2), (32, 32, 4, 3), (32, 32, 8, 3)]}
     fills = {16: [2, 3, 4, 6, 8, 16], 128: [2, 4, 8]}
     for heads in (16, 128):
@@ -404,8 +406,9 @@ def tune_mla(budget: Budget, table: dict) -> None:
         key_case = shapes[0]
         tile_keys = ("block_h", "block_n", "num_warps", "num_stages")
         cur_tile = tuple(current[k] for k in tile_keys)
-        cands = [dict(zip(tile_keys, t), programs_per_sm=16) for t in [cur_tile] + [t for t in tiles[heads]
-                                                                                    if t != cur_tile]]
+        first = dict(current, programs_per_sm=16)
+        cands = [first] + [c for c in (dict(zip(tile_keys, t[:4]), programs_per_sm=16, **(t[4] if len(t) > 4 else {}))
+                                       for t in tiles[heads]) if c != first]
         stage1 = []
         tile_budget = Budget(sub.left() * 0.45)
         for i, cfg in enumerate(cands):
