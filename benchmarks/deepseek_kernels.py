@@ -160,7 +160,8 @@ def _routing(tokens: int, num_experts: int, top_k: int):
 def moe_rows(sweep: bool, best: dict) -> list[Row]:
     from dsinfer.ops.moe import fused_moe
     from dsinfer.ops.triton.fp8 import per_token_group_quant
-    from dsinfer.ops.triton.moe import down_config, grouped_gemm, moe_align, moe_config
+    from dsinfer.ops.triton.moe import down_config, grouped_gemm, moe_config
+    from dsinfer.ops.triton.moe_align import moe_align
 
     rows = []
     # DeepSeek-V3 experts, FP8: E=256, H=7168, I=2048, top-8.

@@ -153,16 +153,13 @@ def sweep(label: str, candidates: list[dict], run, check, budget: Budget, timer=
 
 def _cfg(bm, bn, bk, gm, w, st, mode=None) -> dict:
     """mode: None (the default GEMM), "fuse" (gate/up in one dot), "two" (two dots), "tma" (weights through TMA
-    descriptors, two dots), each optionally with "+defer" (FP8 scales applied one K step late) and "+bkN" (K tile
-    N instead of the grid's)."""
+    descriptors, two dots), each optionally with "+bkN" (K tile N instead of the grid's)."""
     cfg = dict(block_m=bm, block_n=bn, block_k=bk, group_m=gm, num_warps=w, num_stages=st)
     flags = set((mode or "").split("+"))
     if flags & {"fuse", "two"}:
         cfg["fuse_gu"] = "fuse" in flags
     elif "tma" in flags:
         cfg["tma"] = True
-    if "defer" in flags:
-        cfg["defer_scale"] = True
     for flag in flags:
         if flag.startswith("bk"):  # "bk128": a K tile of its own
             cfg["block_k"] = int(flag[2:])
@@ -176,14 +173,13 @@ def moe_grids(fp8: bool, rows_per_expert: float) -> tuple[list[dict], list[dict]
     tiles."""
     bk = 128 if fp8 else 64
     if rows_per_expert >= 128 and fp8:
-        gate_up = [(64, 64, 8, 4, 4, "tma+defer"), (64, 64, 8, 8, 4, "tma+defer"), (128, 64, 8, 8, 3, "tma+defer"),
-                   (128, 64, 8, 8, 4, "tma+defer"), (64, 128, 8, 8, 3, "tma+defer"), (128, 128, 8, 8, 3, "tma+defer"),
-                   (128, 64, 8, 8, 3, "fuse+defer"), (64, 64, 8, 4, 4, "fuse"), (64, 64, 8, 4, 4, "tma"),
-                   (128, 64, 8, 8, 3, "fuse"), (128, 64, 8, 8, 3, "tma"), (64, 128, 8, 8, 3, "fuse")]
-        down = [(64, 128, 8, 4, 3, "defer"), (64, 128, 8, 8, 3, "tma+defer"), (128, 128, 8, 8, 3, "tma+defer"),
-                (128, 128, 8, 8, 4, "tma+defer"), (128, 256, 8, 8, 3, "tma+defer"), (64, 256, 8, 8, 3, "tma+defer"),
-                (64, 128, 8, 4, 3), (64, 128, 8, 4, 3, "tma"), (128, 128, 8, 8, 3), (128, 128, 8, 8, 3, "tma"),
-                (64, 256, 8, 8, 3)]
+        gate_up = [(64, 64, 8, 4, 4, "fuse"), (64, 64, 8, 4, 4, "tma"), (128, 64, 8, 8, 3, "fuse"),
+                   (128, 64, 8, 8, 3, "tma"), (64, 128, 8, 8, 3, "fuse"), (128, 64, 8, 8, 4, "fuse"),
+                   (64, 64, 32, 4, 4, "fuse"), (64, 64, 8, 4, 3, "fuse"), (128, 64, 32, 8, 3, "tma"),
+                   (128, 32, 8, 8, 4, "two")]
+        down = [(64, 128, 8, 4, 3), (64, 128, 8, 4, 3, "tma"), (128, 128, 8, 8, 3), (128, 128, 8, 8, 3, "tma"),
+                (64, 256, 8, 8, 3), (64, 128, 8, 4, 4), (128, 128, 8, 8, 4, "tma"), (128, 128, 32, 8, 3),
+                (64, 128, 32, 4, 3)]
     elif rows_per_expert >= 128:
         gate_up = [(64, 64, 8, 4, 3, "fuse"), (128, 64, 8, 8, 3, "fuse"), (128, 128, 8, 8, 3, "fuse"),
                    (128, 64, 8, 8, 3, "tma"), (64, 128, 8, 4, 3, "fuse"), (64, 128, 8, 4, 3, "two"),
@@ -241,7 +237,8 @@ def _rows_err(out, rows, ref):
 def tune_moe(name: str, e: int, h: int, inter: int, top_k: int, fp8: bool, token_counts, budget: Budget,
              table: dict) -> None:
     from dsinfer.ops.triton.fp8 import per_token_group_quant
-    from dsinfer.ops.triton.moe import down_config, grouped_gemm, moe_align, moe_config
+    from dsinfer.ops.triton.moe import down_config, grouped_gemm, moe_config
+    from dsinfer.ops.triton.moe_align import moe_align
 
     dtype = "fp8" if fp8 else "bfloat16"
     key = f"{e},{inter},{h},{dtype}"

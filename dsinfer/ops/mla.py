@@ -33,7 +33,7 @@ def store_mla_kv(
 ) -> None:
     """kv_c [T, R], k_pe [T, P] -> cache rows ``slot_mapping`` (negative slots are padding, skipped)."""
     if use_triton(kv_c):
-        from dsinfer.ops.triton.mla import store_mla_kv_triton
+        from dsinfer.ops.triton.mla_cache import store_mla_kv_triton
 
         return store_mla_kv_triton(kv_c, k_pe, kv_cache, slot_mapping)
     store_mla_kv_ref(kv_c, k_pe, kv_cache, slot_mapping)
@@ -70,7 +70,7 @@ def rope_norm_store_mla(
     fusable = (cos_sin_cache.shape[-1] == q_pe.shape[-1] == k_pe.shape[-1]
                and torch.promote_types(norm_weight.dtype, kv_c.dtype) == kv_c.dtype)
     if use_triton(q_pe) and fusable:
-        from dsinfer.ops.triton.mla import rope_norm_store_mla_triton
+        from dsinfer.ops.triton.mla_cache import rope_norm_store_mla_triton
 
         return rope_norm_store_mla_triton(positions, q_pe, k_pe, kv_c, norm_weight, eps, cos_sin_cache, is_neox,
                                           kv_cache, slot_mapping)

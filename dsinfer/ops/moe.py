@@ -60,20 +60,15 @@ def select_experts(
     On the Triton path (CUDA) one kernel does all of it (``ops.triton.router``), except in deterministic mode,
     which keeps this torch path (expert-id order, sequential sums).
     """
+    routing = dict(scoring_func=scoring_func, topk_method=topk_method, n_group=n_group, topk_group=topk_group,
+                   norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
+                   e_score_correction_bias=e_score_correction_bias)
     if use_triton(router_logits) and not batch_invariant.is_enabled():
         from dsinfer.ops.triton import router
 
         if router.supports(router_logits.shape[-1], top_k, n_group):
-            return router.select_experts_triton(
-                router_logits, top_k, scoring_func=scoring_func, topk_method=topk_method, n_group=n_group,
-                topk_group=topk_group, norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
-                e_score_correction_bias=e_score_correction_bias,
-            )
-    return select_experts_ref(
-        router_logits, top_k, scoring_func=scoring_func, topk_method=topk_method, n_group=n_group,
-        topk_group=topk_group, norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
-        e_score_correction_bias=e_score_correction_bias,
-    )
+            return router.select_experts_triton(router_logits, top_k, **routing)
+    return select_experts_ref(router_logits, top_k, **routing)
 
 
 def select_experts_ref(

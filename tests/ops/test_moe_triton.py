@@ -44,7 +44,7 @@ def _emulated_fp8_moe(x, w13, w2, weights, ids, group):
 
 
 def test_moe_align_sorts_pairs_by_expert_in_padded_blocks(device):
-    from dsinfer.ops.triton.moe import moe_align
+    from dsinfer.ops.triton.moe_align import moe_align
 
     topk_ids = torch.tensor([[2, 0], [2, 3], [0, 2]], device=device)
     sorted_ids, expert_ids, num_padded = moe_align(topk_ids, 5, 4)
@@ -68,7 +68,7 @@ def _align_ids(num_pairs, num_experts, pattern, gen):
 
 
 def _check_align(ids, num_experts, block_m):
-    from dsinfer.ops.triton.moe import moe_align, moe_align_ref
+    from dsinfer.ops.triton.moe_align import moe_align, moe_align_ref
 
     out = moe_align(ids, num_experts, block_m)
     ref = moe_align_ref(ids.cpu(), num_experts, block_m)
@@ -90,7 +90,7 @@ def test_moe_align_kernel_matches_reference(num_experts, block_m, num_pairs, dev
 
 
 def test_moe_align_kernel_no_pairs_and_int32_ids(device):
-    from dsinfer.ops.triton.moe import moe_align
+    from dsinfer.ops.triton.moe_align import moe_align
 
     sorted_ids, expert_ids, num_padded = moe_align(torch.zeros(0, 6, dtype=torch.long, device=device), 64, 16)
     assert sorted_ids.numel() == 0 and expert_ids.numel() == 0 and int(num_padded) == 0
@@ -212,7 +212,7 @@ def test_moe_align_kernel_real_sizes(num_experts, top_k, num_tokens):
 
 @pytest.mark.gpu
 def test_moe_align_kernel_cuda_graph():
-    from dsinfer.ops.triton.moe import moe_align, moe_align_ref
+    from dsinfer.ops.triton.moe_align import moe_align, moe_align_ref
 
     ids = torch.randint(0, 256, (16, 8), device="cuda")
     moe_align(ids, 256, 16)  # compile outside the capture
@@ -263,10 +263,9 @@ def test_fused_moe_fp8_v3_expert_shapes(num_tokens, assert_close):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["fuse_gu", "tma", "defer_scale"])
+@pytest.mark.parametrize("mode", ["fuse_gu", "tma"])
 def test_fused_moe_fp8_v3_tile_modes(mode, assert_close):
-    """The tuner's tile modes at V3 expert shapes: gate/up in one dot, weights through TMA descriptors, the
-    block scales applied one K step late."""
+    """The tuner's tile modes at V3 expert shapes: gate/up in one dot, weights through TMA descriptors."""
     from dsinfer.ops.triton.moe import fused_moe_triton
 
     gen = torch.Generator().manual_seed(4)
@@ -285,12 +284,10 @@ def test_fused_moe_fp8_v3_tile_modes(mode, assert_close):
     assert_close(out, ref, torch.bfloat16, tol=0.15)
 
 
-@pytest.mark.parametrize("fuse_gu, tma, defer", [(False, False, False), (True, False, False), (False, True, False),
-                                                 (False, False, True), (True, False, True)])
-def test_fused_moe_tile_configs_agree(fuse_gu, tma, defer, device, poisoned, assert_close):
+@pytest.mark.parametrize("fuse_gu, tma", [(False, False), (True, False), (False, True)])
+def test_fused_moe_tile_configs_agree(fuse_gu, tma, device, poisoned, assert_close):
     """Gate and up in one interleaved dot or two; weights through TMA descriptors (the last N tile reads the
-    next expert's rows); FP8 scales applied one K step late; the down GEMM with its own tile and alignment
-    (block_m)."""
+    next expert's rows); the down GEMM with its own tile and alignment (block_m)."""
     from dsinfer.ops.triton.moe import fused_moe_triton
 
     gen = torch.Generator().manual_seed(7)
@@ -300,7 +297,7 @@ def test_fused_moe_tile_configs_agree(fuse_gu, tma, defer, device, poisoned, ass
     weights, ids = _route(11, num_experts, top_k, gen, device)
     # bf16 down: K 48 in steps of 32 (a masked K tail)
     cfg = dict(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1, fuse_gu=fuse_gu,
-               tma=tma, defer_scale=defer, down=dict(block_m=32, block_n=16))
+               tma=tma, down=dict(block_m=32, block_n=16))
     out = fused_moe_triton(x.to(device), w13.bfloat16().to(device), w2.bfloat16().to(device), weights, ids,
                            config=cfg)
     ref = fused_moe_ref(x.double(), w13.bfloat16().double(), w2.bfloat16().double(), weights.double().cpu(),

@@ -1,4 +1,5 @@
-"""Triton MLA kernels over the paged latent cache: latent store, absorbed split-KV decode, expanded prefill.
+"""Triton MLA attention over the paged latent cache: absorbed split-KV decode, expanded prefill (the cache
+writes are in ``ops.triton.mla_cache``).
 
 Cache rows are ``[c | k_pe]`` (R + P values, shared by every head); see ``ops.mla``.
 
@@ -11,9 +12,6 @@ writes a float32 partial and its log-sum-exp and ``_mla_reduce_kernel`` combines
 found by binary search over ``query_start_loc``, so several query rows per sequence (draft verification) work,
 each with its causal limit. The split count comes from shapes and the ``max_seq_len`` hint only: no host read
 (CUDA-graph safe).
-
-Preamble (``rope_norm_store_mla_triton``): one program per token ropes the query's rope part and the shared rope
-key, RMS-normalizes the latent and stores ``[c | k_pe]``: one kernel where rotary, norm and store were three.
 
 Prefill (expanded): the context latent of each prefill sequence (cached prefix included) is gathered and
 expanded through ``kv_b_proj`` by one matmul; a flash-attention kernel then attends with the score split as
@@ -31,7 +29,6 @@ import triton
 import triton.language as tl
 
 from dsinfer.ops.triton.attention import find_tile_seq
-from dsinfer.ops.triton.rotary import _rotate_heads
 from dsinfer.ops.triton.utils import num_sms
 
 _LOG2E = 1.4426950408889634
@@ -61,116 +58,6 @@ def decode_config(num_heads: int, is_cuda: bool) -> dict:
         return dict(table[str(num_heads)])
     return dict(block_h=min(64, max(16, triton.next_power_of_2(num_heads))), block_n=32,
                 num_warps=4 if num_heads <= 16 else 8, num_stages=2)
-
-
-# ---- latent store ----
-
-@triton.jit
-def _store_kernel(kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, stride_c, stride_p, stride_slot,
-                  RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_p = tl.arange(0, BLOCK_P)
-    c = tl.load(kv_c_ptr + t.to(tl.int64) * stride_c + offs_r, mask=offs_r < RANK)
-    p = tl.load(k_pe_ptr + t.to(tl.int64) * stride_p + offs_p, mask=offs_p < ROPE)
-    row = cache_ptr + slot * stride_slot
-    tl.store(row + offs_r, c.to(cache_ptr.dtype.element_ty), mask=offs_r < RANK)
-    tl.store(row + RANK + offs_p, p.to(cache_ptr.dtype.element_ty), mask=offs_p < ROPE)
-
-
-def store_mla_kv_triton(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                        slot_mapping: torch.Tensor) -> None:
-    """kv_c [T, R], k_pe [T, P] -> cache rows ``slot_mapping`` (negative slots skipped); no host sync."""
-    num_tokens, rank = kv_c.shape
-    rope = k_pe.shape[-1]
-    if num_tokens == 0:
-        return
-    if kv_c.stride(-1) != 1 or k_pe.stride(-1) != 1:
-        kv_c, k_pe = kv_c.contiguous(), k_pe.contiguous()
-    flat = kv_cache.view(-1, kv_cache.shape[-1])
-    _store_kernel[(num_tokens,)](
-        kv_c, k_pe, flat, slot_mapping, kv_c.stride(0), k_pe.stride(0), flat.stride(0),
-        RANK=rank, ROPE=rope, BLOCK_R=triton.next_power_of_2(rank), BLOCK_P=triton.next_power_of_2(rope),
-        num_warps=4,
-    )
-
-
-# ---- rope + latent norm + store (one kernel per step and layer) ----
-
-@triton.jit
-def _rope_norm_store_kernel(
-    pos_ptr, qp_ptr, qp_out_ptr, kv_c_ptr, k_pe_ptr, norm_w_ptr, cos_sin_ptr, cache_ptr, slot_ptr,
-    stride_qp_t, stride_qp_h, stride_qo_t, stride_qo_h, stride_c, stride_p, stride_cs, stride_slot, eps,
-    NUM_HEADS: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    j = tl.arange(0, BLOCK_HALF)[None, :]
-    j_valid = j < HALF
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + j, mask=j_valid, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + j, mask=j_valid, other=0.0).to(tl.float32)
-    # the query's rope part, every head (padding rows too: harmless, and the output is fully written)
-    _rotate_heads(qp_ptr, qp_out_ptr, stride_qp_t, stride_qp_h, stride_qo_t, stride_qo_h, t, cos, sin,
-                  NUM_HEADS, 2 * HALF, HALF, BLOCK_H, BLOCK_HALF, 1, IS_NEOX)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot >= 0:
-        row = cache_ptr + slot * stride_slot
-        cache_ty = cache_ptr.dtype.element_ty
-        # the latent: RMSNorm as ops.rms_norm (float32 statistics, rounded to x's dtype, times the weight)
-        offs_r = tl.arange(0, BLOCK_R)
-        r_valid = offs_r < RANK
-        x = tl.load(kv_c_ptr + t * stride_c + offs_r, mask=r_valid, other=0.0)
-        xf = x.to(tl.float32)
-        inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / RANK + eps)
-        normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
-        w = tl.load(norm_w_ptr + offs_r, mask=r_valid, other=0.0).to(tl.float32)
-        tl.store(row + offs_r, (w * normed).to(x.dtype).to(cache_ty), mask=r_valid)
-        # the shared rope key, rounded to its own dtype first (as rotary, then the store, would)
-        if IS_NEOX:
-            i1 = j
-            i2 = j + HALF
-        else:
-            i1 = 2 * j
-            i2 = 2 * j + 1
-        k_row = k_pe_ptr + t * stride_p
-        k1 = tl.load(k_row + i1, mask=j_valid, other=0.0)
-        k2 = tl.load(k_row + i2, mask=j_valid, other=0.0)
-        k_ty = k1.dtype
-        k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
-        tl.store(row + RANK + i1, (k1f * cos - k2f * sin).to(k_ty).to(cache_ty), mask=j_valid)
-        tl.store(row + RANK + i2, (k2f * cos + k1f * sin).to(k_ty).to(cache_ty), mask=j_valid)
-
-
-def rope_norm_store_mla_triton(
-    positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor, kv_c: torch.Tensor, norm_weight: torch.Tensor,
-    eps: float, cos_sin_cache: torch.Tensor, is_neox: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-) -> torch.Tensor:
-    """See ``ops.mla.rope_norm_store_mla``: one program per token; no host sync."""
-    num_tokens, num_heads, rope = q_pe.shape
-    rank = kv_c.shape[-1]
-    q_out = torch.empty(q_pe.shape, dtype=q_pe.dtype, device=q_pe.device)
-    if num_tokens == 0:
-        return q_out
-    if q_pe.stride(-1) != 1:
-        q_pe = q_pe.contiguous()
-    if kv_c.stride(-1) != 1 or k_pe.stride(-1) != 1:
-        kv_c, k_pe = kv_c.contiguous(), k_pe.contiguous()
-    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
-    flat = kv_cache.view(-1, kv_cache.shape[-1])
-    half = rope // 2
-    _rope_norm_store_kernel[(num_tokens,)](
-        positions, q_pe, q_out, kv_c, k_pe, norm_weight, cache, flat, slot_mapping,
-        q_pe.stride(0), q_pe.stride(1), q_out.stride(0), q_out.stride(1), kv_c.stride(0), k_pe.stride(0),
-        cache.stride(0), flat.stride(0), eps,
-        NUM_HEADS=num_heads, RANK=rank, HALF=half, BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_R=triton.next_power_of_2(rank), BLOCK_HALF=triton.next_power_of_2(half), IS_NEOX=is_neox,
-        num_warps=4,
-    )
-    return q_out
 
 
 # ---- decode ----
@@ -328,13 +215,11 @@ def mla_decode_triton(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     config: dict | None = None,
-    kernel_info: dict | None = None,
 ) -> torch.Tensor:
     """See ``ops.mla.mla_decode_ref``. ``max_seq_len`` (host int) sizes the splits; without it the bound
     comes from block_tables' width. ``num_splits`` / ``config`` override the heuristics (tuning; a config's
     ``reload_q`` re-reads the query every key tile instead of holding it in registers; ``r_chunks`` splits the
-    scores over the latent in that many chunks, each with its query slice); ``kernel_info`` (a
-    dict) receives the compiled kernel's register and spill counts (tuning)."""
+    scores over the latent in that many chunks, each with its query slice)."""
     num_rows, num_heads, rank = q_nope_absorbed.shape
     rope = q_pe.shape[-1]
     if kv_cache.shape[-1] != rank + rope:
@@ -360,7 +245,7 @@ def mla_decode_triton(
     if not single:
         part_out = torch.empty(num_rows, num_heads, num_splits, rank, dtype=torch.float32, device=out.device)
         part_lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=out.device)
-    compiled = _mla_decode_kernel[(head_tiles, num_splits, num_rows)](
+    _mla_decode_kernel[(head_tiles, num_splits, num_rows)](
         q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, out, part_out, part_lse,
         num_seqs, num_heads, scale * _LOG2E, num_splits,
         q_nope_absorbed.stride(0), q_nope_absorbed.stride(1), q_pe.stride(0), q_pe.stride(1),
@@ -370,8 +255,6 @@ def mla_decode_triton(
         SINGLE=single, RELOAD_Q=cfg.get("reload_q", False), R_CHUNKS=r_chunks, UPCAST=not q_nope_absorbed.is_cuda,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if kernel_info is not None:
-        kernel_info.update(n_regs=getattr(compiled, "n_regs", None), n_spills=getattr(compiled, "n_spills", None))
     if not single:
         _mla_reduce_kernel[(num_rows, num_heads)](
             part_out, part_lse, query_start_loc, out, num_seqs, num_heads, num_splits,

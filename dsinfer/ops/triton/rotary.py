@@ -12,6 +12,14 @@ import triton.language as tl
 
 
 @triton.jit
+def _pair_offsets(j, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    """The two offsets rotated together for pair j: (j, j + HALF) in neox style, (2j, 2j + 1) interleaved."""
+    if IS_NEOX:
+        return j, j + HALF
+    return 2 * j, 2 * j + 1
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, t, cos, sin,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
@@ -20,12 +28,7 @@ def _rotate_heads(
     h = tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < NUM_HEADS) & (j < HALF)
-    if IS_NEOX:
-        i1 = j
-        i2 = j + HALF
-    else:
-        i1 = 2 * j
-        i2 = 2 * j + 1
+    i1, i2 = _pair_offsets(j, HALF, IS_NEOX)
     src = x_ptr + t * stride_xt + h * stride_xh
     dst = out_ptr + t * stride_ot + h * stride_oh
     x1 = tl.load(src + i1, mask=mask, other=0.0).to(tl.float32)

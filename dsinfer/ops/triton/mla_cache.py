@@ -1,0 +1,117 @@
+"""Triton writes of the MLA latent cache (rows ``[c | k_pe]``, see ``ops.mla``): the plain store, and the
+per-step preamble that ropes, normalizes and stores in one kernel.
+
+Preamble (``rope_norm_store_mla_triton``): one program per token ropes the query's rope part and the shared rope
+key, RMS-normalizes the latent and stores ``[c | k_pe]``: one kernel where rotary, norm and store were three.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsinfer.ops.triton.rotary import _pair_offsets, _rotate_heads
+
+
+@triton.jit
+def _store_kernel(kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, stride_c, stride_p, stride_slot,
+                  RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_p = tl.arange(0, BLOCK_P)
+    c = tl.load(kv_c_ptr + t.to(tl.int64) * stride_c + offs_r, mask=offs_r < RANK)
+    p = tl.load(k_pe_ptr + t.to(tl.int64) * stride_p + offs_p, mask=offs_p < ROPE)
+    row = cache_ptr + slot * stride_slot
+    tl.store(row + offs_r, c.to(cache_ptr.dtype.element_ty), mask=offs_r < RANK)
+    tl.store(row + RANK + offs_p, p.to(cache_ptr.dtype.element_ty), mask=offs_p < ROPE)
+
+
+def store_mla_kv_triton(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+    """kv_c [T, R], k_pe [T, P] -> cache rows ``slot_mapping`` (negative slots skipped); no host sync."""
+    num_tokens, rank = kv_c.shape
+    rope = k_pe.shape[-1]
+    if num_tokens == 0:
+        return
+    if kv_c.stride(-1) != 1 or k_pe.stride(-1) != 1:
+        kv_c, k_pe = kv_c.contiguous(), k_pe.contiguous()
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    _store_kernel[(num_tokens,)](
+        kv_c, k_pe, flat, slot_mapping, kv_c.stride(0), k_pe.stride(0), flat.stride(0),
+        RANK=rank, ROPE=rope, BLOCK_R=triton.next_power_of_2(rank), BLOCK_P=triton.next_power_of_2(rope),
+        num_warps=4,
+    )
+
+
+# ---- rope + latent norm + store (one kernel per step and layer) ----
+
+@triton.jit
+def _rope_norm_store_kernel(
+    pos_ptr, qp_ptr, qp_out_ptr, kv_c_ptr, k_pe_ptr, norm_w_ptr, cos_sin_ptr, cache_ptr, slot_ptr,
+    stride_qp_t, stride_qp_h, stride_qo_t, stride_qo_h, stride_c, stride_p, stride_cs, stride_slot, eps,
+    NUM_HEADS: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    j_valid = j < HALF
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + j, mask=j_valid, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + j, mask=j_valid, other=0.0).to(tl.float32)
+    # the query's rope part, every head (padding rows too: harmless, and the output is fully written)
+    _rotate_heads(qp_ptr, qp_out_ptr, stride_qp_t, stride_qp_h, stride_qo_t, stride_qo_h, t, cos, sin,
+                  NUM_HEADS, 2 * HALF, HALF, BLOCK_H, BLOCK_HALF, 1, IS_NEOX)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        row = cache_ptr + slot * stride_slot
+        cache_ty = cache_ptr.dtype.element_ty
+        # the latent: RMSNorm as ops.rms_norm (float32 statistics, rounded to x's dtype, times the weight)
+        offs_r = tl.arange(0, BLOCK_R)
+        r_valid = offs_r < RANK
+        x = tl.load(kv_c_ptr + t * stride_c + offs_r, mask=r_valid, other=0.0)
+        xf = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / RANK + eps)
+        normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
+        w = tl.load(norm_w_ptr + offs_r, mask=r_valid, other=0.0).to(tl.float32)
+        tl.store(row + offs_r, (w * normed).to(x.dtype).to(cache_ty), mask=r_valid)
+        # the shared rope key, rounded to its own dtype first (as rotary, then the store, would)
+        i1, i2 = _pair_offsets(j, HALF, IS_NEOX)
+        k_row = k_pe_ptr + t * stride_p
+        k1 = tl.load(k_row + i1, mask=j_valid, other=0.0)
+        k2 = tl.load(k_row + i2, mask=j_valid, other=0.0)
+        k_ty = k1.dtype
+        k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
+        tl.store(row + RANK + i1, (k1f * cos - k2f * sin).to(k_ty).to(cache_ty), mask=j_valid)
+        tl.store(row + RANK + i2, (k2f * cos + k1f * sin).to(k_ty).to(cache_ty), mask=j_valid)
+
+
+def rope_norm_store_mla_triton(
+    positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor, kv_c: torch.Tensor, norm_weight: torch.Tensor,
+    eps: float, cos_sin_cache: torch.Tensor, is_neox: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """See ``ops.mla.rope_norm_store_mla``: one program per token; no host sync."""
+    num_tokens, num_heads, rope = q_pe.shape
+    rank = kv_c.shape[-1]
+    q_out = torch.empty(q_pe.shape, dtype=q_pe.dtype, device=q_pe.device)
+    if num_tokens == 0:
+        return q_out
+    if q_pe.stride(-1) != 1:
+        q_pe = q_pe.contiguous()
+    if kv_c.stride(-1) != 1 or k_pe.stride(-1) != 1:
+        kv_c, k_pe = kv_c.contiguous(), k_pe.contiguous()
+    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    half = rope // 2
+    _rope_norm_store_kernel[(num_tokens,)](
+        positions, q_pe, q_out, kv_c, k_pe, norm_weight, cache, flat, slot_mapping,
+        q_pe.stride(0), q_pe.stride(1), q_out.stride(0), q_out.stride(1), kv_c.stride(0), k_pe.stride(0),
+        cache.stride(0), flat.stride(0), eps,
+        NUM_HEADS=num_heads, RANK=rank, HALF=half, BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_R=triton.next_power_of_2(rank), BLOCK_HALF=triton.next_power_of_2(half), IS_NEOX=is_neox,
+        num_warps=4,
+    )
+    return q_out
