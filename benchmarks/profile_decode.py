@@ -3,9 +3,10 @@
     python benchmarks/profile_decode.py [--model benchmarks/configs/llama-3.1-8b] [--batch 1] [--context 1024]
     python benchmarks/profile_decode.py --prefill --batch 8 --context 1024   # one step prefilling 8 x 1024 tokens
 
-Runs ``--batch`` prompts of ``--context`` random tokens through the offline engine with ``enforce_eager`` (a CUDA
-graph hides its kernels from the profiler; the kernels are the same), profiles ``--steps`` decode steps after a
-warm-up, and prints each kernel's time and launches per step, the sum, and the share of the step the GPU was busy.
+Runs ``--batch`` prompts of ``--context`` random tokens through the offline engine with ``enforce_eager`` (or
+through the decode CUDA graphs with ``--graph``: the same kernels, unless a library picks others under capture),
+profiles ``--steps`` decode steps after a warm-up, and prints each kernel's time and launches per step, the sum,
+and the share of the step the GPU was busy.
 A kernel that reads the weights is compared with the bandwidth floor of its bytes by ``latency.py``; this script
 only answers "which kernels, how many, how long".
 """
@@ -39,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--prefill", action="store_true", help="profile steps that prefill --batch x --context tokens")
+    p.add_argument("--graph", action="store_true",
+                   help="decode through the CUDA graphs (CUPTI still reports the kernels a replay runs)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     return p.parse_args(argv)
@@ -54,7 +57,7 @@ def main(argv=None) -> int:
     if args.prefill:  # every prompt in one step, none of it from the prefix cache
         extra = dict(enable_prefix_caching=False, max_num_batched_tokens=args.batch * args.context,
                      max_num_seqs=max(args.batch, 1))
-    llm = make_llm(args.model, args, enforce_eager=True, **extra)
+    llm = make_llm(args.model, args, enforce_eager=not args.graph, **extra)
     gen = torch.Generator().manual_seed(0)
     vocab = llm.engine.model_config.vocab_size
 

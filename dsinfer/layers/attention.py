@@ -11,6 +11,7 @@ from torch import nn
 
 from dsinfer import ops
 from dsinfer.kvcache.spec import FullAttentionSpec, SlidingWindowSpec
+from dsinfer.layers.rotary import RotaryEmbedding
 from dsinfer.runner.forward_batch import ForwardBatch
 
 
@@ -30,12 +31,18 @@ class Attention(nn.Module):
             return SlidingWindowSpec(block_size, self.num_kv_heads, self.head_dim, dtype, self.sliding_window)
         return FullAttentionSpec(block_size, self.num_kv_heads, self.head_dim, dtype)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """q: [T, Hq*D], k/v: [T, Hkv*D] -> [T, Hq*D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                rotary: RotaryEmbedding | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, Hq*D], k/v: [T, Hkv*D] -> [T, Hq*D]. With ``rotary`` (and ``positions``), q and k are rotated
+        here, in the same pass that stores k and v in the cache."""
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        ops.store_kv(k, v, self.kv_cache, batch.slot_mapping)
+        if rotary is not None:
+            q = ops.rotary_store_kv(positions, q, k, v, rotary.cos_sin_cache, rotary.is_neox, self.kv_cache,
+                                    batch.slot_mapping)
+        else:
+            ops.store_kv(k, v, self.kv_cache, batch.slot_mapping)
         # the batch's host-side bounds spare the kernels a host sync (and make decode capturable in a graph)
         out = ops.paged_attention(q, self.kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
                                   self.scale, self.sliding_window, max_query_len=batch.max_query_len,

@@ -53,8 +53,7 @@ class LlamaAttention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, batch))
+        return self.o_proj(self.attn(q, k, v, batch, self.rotary, positions))
 
 
 class LlamaMLP(nn.Module):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from dsinfer.ops.dispatch import use_triton
+from dsinfer.ops.kv_cache import store_kv_ref
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
@@ -79,3 +80,25 @@ def apply_rotary(
 
         return apply_rotary_triton(positions, q, k, cos_sin_cache, is_neox)
     return apply_rotary_ref(positions, q, k, cos_sin_cache, is_neox)
+
+
+def rotary_store_kv_ref(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
+    is_neox: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """``apply_rotary`` to q and k, then ``store_kv`` of the rotated k and v into ``kv_cache`` [2, blocks,
+    block_size, Hkv, D] at ``slot_mapping`` (negative slots skipped). q, k, v: [T, H, D]. Returns the rotated q."""
+    q, k = apply_rotary_ref(positions, q, k, cos_sin_cache, is_neox)
+    store_kv_ref(k, v, kv_cache, slot_mapping)
+    return q
+
+
+def rotary_store_kv(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
+    is_neox: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    if use_triton(q):
+        from dsinfer.ops.triton.rotary import rotary_store_kv_triton
+
+        return rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, is_neox, kv_cache, slot_mapping)
+    return rotary_store_kv_ref(positions, q, k, v, cos_sin_cache, is_neox, kv_cache, slot_mapping)

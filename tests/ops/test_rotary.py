@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsinfer.ops import apply_rotary
-from dsinfer.ops.rotary import apply_rotary_ref
+from dsinfer.ops import apply_rotary, rotary_store_kv
+from dsinfer.ops.rotary import apply_rotary_ref, rotary_store_kv_ref
 
 
 def _cos_sin_cache(max_pos: int, rotary_dim: int, device) -> torch.Tensor:
@@ -44,6 +44,38 @@ def test_rotary_reads_strided_views_of_a_fused_projection(device, assert_close):
     assert_close(q_out, q_ref, torch.float32)
 
 
+def _rotary_store_case(num_tokens, q_heads, kv_heads, head_dim, rotary_dim, dtype, device, seed=0):
+    """q, k, v as strided views of one fused qkv output, a cache [2, 5, 4, Hkv, D] poisoned with NaN, slots with
+    a negative (skipped) entry."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(num_tokens, q_heads + 2 * kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    q, k, v = qkv[:, :q_heads], qkv[:, q_heads:q_heads + kv_heads], qkv[:, q_heads + kv_heads:]
+    kv_cache = torch.full((2, 5, 4, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    slots = torch.randperm(20, generator=gen)[:num_tokens]
+    slots[1] = -1
+    positions = torch.randint(0, 64, (num_tokens,), generator=gen).to(device)
+    return positions, q, k, v, _cos_sin_cache(64, rotary_dim, device), kv_cache, slots.to(device)
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(32, 32), (48, 16)])
+def test_rotary_store_kv_matches_rotary_then_store(is_neox, dtype, head_dim, rotary_dim, device, assert_close):
+    """The fused op returns the rotated q and leaves the cache exactly as apply_rotary + store_kv would: rotated
+    k and v in the mapped slots, the skipped slot's and every other row untouched (still NaN)."""
+    positions, q, k, v, cos_sin, kv_cache, slots = _rotary_store_case(7, 4, 2, head_dim, rotary_dim, dtype, device)
+    cache_ref = kv_cache.clone().cpu()
+    q_out = rotary_store_kv(positions, q, k, v, cos_sin, is_neox, kv_cache, slots)
+    q_ref = rotary_store_kv_ref(positions.cpu(), q.cpu(), k.cpu(), v.cpu(), cos_sin.cpu(), is_neox, cache_ref,
+                                slots.cpu())
+    assert_close(q_out, q_ref, dtype)
+    written = torch.zeros(2, 20, dtype=torch.bool)
+    written[:, slots[slots >= 0].cpu()] = True
+    flat, flat_ref = kv_cache.cpu().view(2, 20, -1), cache_ref.view(2, 20, -1)
+    assert flat[~written].isnan().all()
+    assert_close(flat[written], flat_ref[written], dtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_neox", [True, False])
 def test_llama_heads_on_gpu(is_neox, assert_close):
@@ -55,3 +87,19 @@ def test_llama_heads_on_gpu(is_neox, assert_close):
     q_ref, k_ref = apply_rotary_ref(positions, q.double(), k.double(), cache.double(), is_neox)
     assert_close(q_out, q_ref, torch.bfloat16)
     assert_close(k_out, k_ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_rotary_store_kv_llama_heads_on_gpu(assert_close):
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(300, 32 + 16, 128, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
+    kv_cache = torch.zeros(2, 40, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    cache_ref = kv_cache.clone()
+    slots = torch.randperm(640, generator=gen)[:300].cuda()
+    positions = torch.randint(0, 8192, (300,), generator=gen).cuda()
+    cos_sin = _cos_sin_cache(8192, 128, "cuda")
+    q_out = rotary_store_kv(positions, q, k, v, cos_sin, True, kv_cache, slots)
+    q_ref = rotary_store_kv_ref(positions, q, k, v, cos_sin, True, cache_ref, slots)
+    assert_close(q_out, q_ref, torch.bfloat16)
+    assert_close(kv_cache, cache_ref, torch.bfloat16)

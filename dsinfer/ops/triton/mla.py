@@ -96,7 +96,7 @@ def _mla_decode_kernel(
     stride_c_blk, stride_c_off, stride_bt, block_size, stride_ot, stride_oh,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, RELOAD_Q: tl.constexpr,
-    R_CHUNKS: tl.constexpr, UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     head_tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -132,25 +132,11 @@ def _mla_decode_kernel(
         base = cache_ptr + block * stride_c_blk + (offs_n % block_size) * stride_c_off
         k_pe = tl.load(base[:, None] + RANK + offs_p[None, :], mask=n_valid[:, None] & p_valid[None, :],
                        other=0.0)
-        if R_CHUNKS == 1:
-            c = tl.load(base[:, None] + offs_r[None, :], mask=n_valid[:, None] & r_valid[None, :], other=0.0)
-            if RELOAD_Q:  # the query re-read (from L1) each step: not held in registers across the loop
-                qn = tl.load(qn_ptrs, mask=h_valid[:, None] & r_valid[None, :], other=0.0).to(c.dtype)
-                qp = tl.load(qp_ptrs, mask=h_valid[:, None] & p_valid[None, :], other=0.0).to(c.dtype)
-            s = _dot(qn, tl.trans(c), UPCAST) + _dot(qp, tl.trans(k_pe), UPCAST)  # [BLOCK_H, BLOCK_N]
-        else:
-            # scores over R in chunks, each with its slice of the query read then (fewer live registers than a
-            # whole [BLOCK_H, R] query operand); the value tile is then read whole (the rows are in cache)
-            s = _dot(qp, tl.trans(k_pe), UPCAST)
-            for j in tl.static_range(R_CHUNKS):
-                offs_rj = j * (BLOCK_R // R_CHUNKS) + tl.arange(0, BLOCK_R // R_CHUNKS)
-                rj_valid = offs_rj < RANK
-                c_j = tl.load(base[:, None] + offs_rj[None, :], mask=n_valid[:, None] & rj_valid[None, :],
-                              other=0.0)
-                q_j = tl.load(qn_ptr + row64 * stride_qn_t + offs_h[:, None] * stride_qn_h + offs_rj[None, :],
-                              mask=h_valid[:, None] & rj_valid[None, :], other=0.0).to(c_j.dtype)
-                s += _dot(q_j, tl.trans(c_j), UPCAST)
-            c = tl.load(base[:, None] + offs_r[None, :], mask=n_valid[:, None] & r_valid[None, :], other=0.0)
+        c = tl.load(base[:, None] + offs_r[None, :], mask=n_valid[:, None] & r_valid[None, :], other=0.0)
+        if RELOAD_Q:  # the query re-read (from L1) each step: not held in registers across the loop
+            qn = tl.load(qn_ptrs, mask=h_valid[:, None] & r_valid[None, :], other=0.0).to(c.dtype)
+            qp = tl.load(qp_ptrs, mask=h_valid[:, None] & p_valid[None, :], other=0.0).to(c.dtype)
+        s = _dot(qn, tl.trans(c), UPCAST) + _dot(qp, tl.trans(k_pe), UPCAST)  # [BLOCK_H, BLOCK_N]
         s = tl.where(n_valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
@@ -218,8 +204,7 @@ def mla_decode_triton(
 ) -> torch.Tensor:
     """See ``ops.mla.mla_decode_ref``. ``max_seq_len`` (host int) sizes the splits; without it the bound
     comes from block_tables' width. ``num_splits`` / ``config`` override the heuristics (tuning; a config's
-    ``reload_q`` re-reads the query every key tile instead of holding it in registers; ``r_chunks`` splits the
-    scores over the latent in that many chunks, each with its query slice)."""
+    ``reload_q`` re-reads the query every key tile instead of holding it in registers)."""
     num_rows, num_heads, rank = q_nope_absorbed.shape
     rope = q_pe.shape[-1]
     if kv_cache.shape[-1] != rank + rope:
@@ -236,9 +221,6 @@ def mla_decode_triton(
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * kv_cache.shape[1]
         num_splits = decode_num_splits(num_rows, head_tiles, bound, q_nope_absorbed.device,
                                        cfg.get("programs_per_sm", 4))
-    r_chunks = cfg.get("r_chunks", 1)
-    if r_chunks < 1 or _tile(rank) % r_chunks or _tile(rank) // r_chunks < _MIN_DOT:
-        r_chunks = 1  # chunks must split the latent tile into tiles tl.dot takes
     num_seqs = query_start_loc.shape[0] - 1
     single = num_splits == 1
     part_out = part_lse = out
@@ -252,7 +234,7 @@ def mla_decode_triton(
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), kv_cache.shape[1],
         out.stride(0), out.stride(1),
         RANK=rank, ROPE=rope, BLOCK_R=_tile(rank), BLOCK_P=_tile(rope), BLOCK_H=block_h, BLOCK_N=cfg["block_n"],
-        SINGLE=single, RELOAD_Q=cfg.get("reload_q", False), R_CHUNKS=r_chunks, UPCAST=not q_nope_absorbed.is_cuda,
+        SINGLE=single, RELOAD_Q=cfg.get("reload_q", False), UPCAST=not q_nope_absorbed.is_cuda,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not single:

@@ -1,4 +1,6 @@
-"""Triton ``apply_rotary``: one program per token rotates all heads of q and k (neox or interleaved pairs).
+"""Triton ``apply_rotary``: one program per token rotates all heads of q and k (neox or interleaved pairs);
+``rotary_store_kv_triton`` does the same but writes the rotated k, and v, straight into their KV-cache slot
+(one launch instead of a rotary and a store kernel per layer, and no rotated-k tensor).
 
 The first ``rotary_dim`` features of each head are rotated in float32 with cos/sin read from
 ``cos_sin_cache[position]`` ([cos | sin], each rotary_dim / 2 wide); the rest of the head is copied through.
@@ -90,3 +92,57 @@ def apply_rotary_triton(
         IS_NEOX=is_neox, num_warps=4,
     )
     return q_out, k_out
+
+
+@triton.jit
+def _rotary_store_kv_kernel(
+    pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, q_out_ptr, kv_cache_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh, stride_cos_sin,
+    stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, block_size,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_REST: tl.constexpr, IS_NEOX: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + j, mask=j < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, t, cos, sin,
+                  NUM_Q_HEADS, HEAD_DIM, HALF, BLOCK_QH, BLOCK_HALF, BLOCK_REST, IS_NEOX)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:  # a negative slot (padding, or a token whose KV is not kept) stores nothing
+        row = kv_cache_ptr + (slot // block_size) * stride_c_blk + (slot % block_size) * stride_c_off
+        _rotate_heads(k_ptr, row, stride_kt, stride_kh, 0, stride_c_h, t, cos, sin,
+                      NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_KH, BLOCK_HALF, BLOCK_REST, IS_NEOX)
+        h = tl.arange(0, BLOCK_KH)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+        tl.store(row + stride_c_kv + h * stride_c_h + d, v.to(kv_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def rotary_store_kv_triton(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
+    is_neox: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    q, k, v = _heads(q), _heads(k), _heads(v)
+    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    if kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache must have a contiguous head dim, got strides {kv_cache.stride()}")
+    rotary_dim = cache.shape[-1]
+    (num_tokens, q_heads, head_dim), kv_heads = q.shape, k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    _rotary_store_kv_kernel[(num_tokens,)](
+        positions, slot_mapping, q, k, v, cache, q_out, kv_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1), cache.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.shape[2],
+        NUM_Q_HEADS=q_heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF=rotary_dim // 2,
+        BLOCK_QH=triton.next_power_of_2(q_heads), BLOCK_KH=triton.next_power_of_2(kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_REST=triton.next_power_of_2(max(head_dim - rotary_dim, 1)), IS_NEOX=is_neox, num_warps=4,
+    )
+    return q_out
