@@ -79,11 +79,11 @@ def _elementwise_cases() -> list[Case]:
     from dsinfer.ops.activation import silu_and_mul_ref
     from dsinfer.ops.kv_cache import store_kv_ref
     from dsinfer.ops.norm import rms_norm_ref
-    from dsinfer.ops.rotary import apply_rotary_ref
+    from dsinfer.ops.rotary import apply_rotary_ref, rotary_store_kv_ref
     from dsinfer.ops.triton.activation import silu_and_mul_triton
     from dsinfer.ops.triton.kv_cache import store_kv_triton
     from dsinfer.ops.triton.norm import rms_norm_triton
-    from dsinfer.ops.triton.rotary import apply_rotary_triton
+    from dsinfer.ops.triton.rotary import apply_rotary_triton, rotary_store_kv_triton
 
     cases = []
     for t in (256, 16384):
@@ -114,6 +114,13 @@ def _elementwise_cases() -> list[Case]:
                           lambda kk=kk, vv=vv, c=cache, s=slots: store_kv_triton(kk, vv, c, s),
                           lambda kk=kk, vv=vv, c=cache, s=slots: store_kv_ref(kk, vv, c, s),
                           num_bytes=4 * kk.numel() * 2))
+        # the fused op of a Llama layer: q rotated into a new tensor, k rotated and v copied into the cache
+        qkv = torch.randn(t, HQ + 2 * HKV, D, device="cuda", dtype=BF16)
+        q3, k3, v3 = qkv[:, :HQ], qkv[:, HQ:HQ + HKV], qkv[:, HQ + HKV:]
+        cases.append(Case("rotary+store_kv", f"{t}x({HQ}+2x{HKV})x{D}",
+                          lambda a=(pos, q3, k3, v3, cs, True, cache, slots): rotary_store_kv_triton(*a),
+                          lambda a=(pos, q3, k3, v3, cs, True, cache, slots): rotary_store_kv_ref(*a),
+                          num_bytes=(2 * q3.numel() + 4 * k3.numel()) * 2 + t * D * 4))
     return cases
 
 

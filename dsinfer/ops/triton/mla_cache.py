@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.triton.rotary import _pair_offsets, _rotate_heads
+from dsinfer.ops.triton.rotary import _cos_sin_at, _pair_offsets, _rotate_heads
 
 
 @triton.jit
@@ -57,11 +57,9 @@ def _rope_norm_store_kernel(
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)[None, :]
     j_valid = j < HALF
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + j, mask=j_valid, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + j, mask=j_valid, other=0.0).to(tl.float32)
+    cos, sin = _cos_sin_at(pos_ptr, cos_sin_ptr, stride_cs, t, HALF, BLOCK_HALF)
     # the query's rope part, every head (padding rows too: harmless, and the output is fully written)
     _rotate_heads(qp_ptr, qp_out_ptr, stride_qp_t, stride_qp_h, stride_qo_t, stride_qo_h, t, cos, sin,
                   NUM_HEADS, 2 * HALF, HALF, BLOCK_H, BLOCK_HALF, 1, IS_NEOX)

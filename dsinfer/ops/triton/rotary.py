@@ -22,6 +22,16 @@ def _pair_offsets(j, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
 
 
 @triton.jit
+def _cos_sin_at(pos_ptr, cos_sin_ptr, stride_cos_sin, t, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """cos and sin ([1, BLOCK_HALF] float32, zero past HALF) at token t's position."""
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + j, mask=j < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, t, cos, sin,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
@@ -53,10 +63,7 @@ def _rotary_kernel(
     BLOCK_QD: tl.constexpr, BLOCK_KD: tl.constexpr, IS_NEOX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    j = tl.arange(0, BLOCK_HALF)[None, :]
-    cos = tl.load(cache_ptr + pos * stride_cache + j, mask=j < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
+    cos, sin = _cos_sin_at(pos_ptr, cache_ptr, stride_cache, t, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, t, cos, sin,
                   NUM_Q_HEADS, Q_DIM, HALF, BLOCK_QH, BLOCK_HALF, BLOCK_QD, IS_NEOX)
     _rotate_heads(k_ptr, k_out_ptr, stride_kt, stride_kh, stride_kot, stride_koh, t, cos, sin,
@@ -104,10 +111,7 @@ def _rotary_store_kv_kernel(
     BLOCK_REST: tl.constexpr, IS_NEOX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    j = tl.arange(0, BLOCK_HALF)[None, :]
-    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + j, mask=j < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
+    cos, sin = _cos_sin_at(pos_ptr, cos_sin_ptr, stride_cos_sin, t, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, t, cos, sin,
                   NUM_Q_HEADS, HEAD_DIM, HALF, BLOCK_QH, BLOCK_HALF, BLOCK_REST, IS_NEOX)
     slot = tl.load(slot_ptr + t).to(tl.int64)
