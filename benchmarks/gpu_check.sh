@@ -16,6 +16,8 @@
 #             latency.py (decode B=1/64/256 at 1k context vs the floor of the experts actually routed to, prefill);
 #             throughput.py (V2-Lite 512 x 1000 / 100 with HF on 32 prompts; V3 256 x 1000 / 100; two runs
 #             each, the faster kept: a fresh machine still JIT-compiles a few kernels in the first one)
+#   profile   not in "all": profile_decode.py --graph (the kernels of the decode graph replays, per step) for
+#             Llama-3.1-8B at B=1 and 256 and DeepSeek-V2-Lite at B=1, 64 and 256 (~3 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ONLY=all
@@ -28,7 +30,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 for part in ${ONLY//,/ }; do
-    case $part in all|tests|kernels|llama|deepseek) ;; *) echo "unknown part: $part" >&2; exit 2 ;; esac
+    case $part in all|tests|kernels|llama|deepseek|profile) ;; *) echo "unknown part: $part" >&2; exit 2 ;; esac
 done
 want() { [[ ,$ONLY, == *,all,* || ,$ONLY, == *,$1,* ]]; }
 OUT=${OUT:-/tmp/dsinfer-gpu-check}
@@ -88,6 +90,12 @@ if want deepseek; then
     step throughput-v3 "$PY" benchmarks/throughput.py "${DUMMY[@]}" --model "$V3" --hf-overrides "$V3_5L" \
         --num-prompts 256 --input-len 1000 --output-len 100 --max-num-seqs 256 --max-num-batched-tokens 8192 \
         --gpu-memory-utilization 0.8 --repeat 2 --json-out "$OUT/throughput-v3.json"
+fi
+if [[ ,$ONLY, == *,profile,* ]]; then
+    for b in 1 256; do step "profile-llama-b$b" "$PY" benchmarks/profile_decode.py --graph --batch "$b" --top 20; done
+    for b in 1 64 256; do
+        step "profile-v2-lite-b$b" "$PY" benchmarks/profile_decode.py --graph --model "$V2LITE" --batch "$b" --top 30
+    done
 fi
 echo
 if want tests; then grep -E "passed|failed|error" "$OUT/pytest.log" | tail -1; fi
