@@ -17,44 +17,34 @@ from torch import nn
 from dsinfer import batch_invariant
 from dsinfer.layers.fp8_linear import BlockScaledShards, Fp8Config
 from dsinfer.ops.fp8 import FP8_DTYPE
-from dsinfer.ops.moe import SCORING_FUNCS, TOPK_METHODS, fused_moe, select_experts
+from dsinfer.ops.moe import Routing, fused_moe, select_experts
 
 SHARDS = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", 0)}
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """How a token picks its experts (see ``ops.moe.select_experts``)."""
+    """A MoE layer's gate: how many experts, how many per token, and how they are picked (``ops.moe.Routing``)."""
 
     num_experts: int
     top_k: int
-    scoring_func: str = "softmax"
-    topk_method: str = "greedy"
-    n_group: int = 1
-    topk_group: int = 1
-    norm_topk_prob: bool = False
-    routed_scaling_factor: float = 1.0
+    routing: Routing = Routing()
 
     def __post_init__(self):
-        if self.scoring_func not in SCORING_FUNCS:
-            raise ValueError(
-                f"scoring_func={self.scoring_func!r} is not supported; supported: {SCORING_FUNCS}"
-            )
-        if self.topk_method not in TOPK_METHODS:
-            raise ValueError(f"topk_method={self.topk_method!r} is not supported; supported: {TOPK_METHODS}")
+        n_group, topk_group = self.routing.n_group, self.routing.topk_group
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok={self.top_k} must be in [1, n_routed_experts={self.num_experts}]"
             )
-        if self.num_experts % self.n_group:
+        if self.num_experts % n_group:
             raise ValueError(
-                f"n_routed_experts={self.num_experts} is not divisible by n_group={self.n_group}"
+                f"n_routed_experts={self.num_experts} is not divisible by n_group={n_group}"
             )
-        if not 0 < self.topk_group <= self.n_group:
-            raise ValueError(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
-        if self.n_group > 1 and self.topk_group * (self.num_experts // self.n_group) < self.top_k:
+        if not 0 < topk_group <= n_group:
+            raise ValueError(f"topk_group={topk_group} must be in [1, n_group={n_group}]")
+        if n_group > 1 and topk_group * (self.num_experts // n_group) < self.top_k:
             raise ValueError(
-                f"topk_group={self.topk_group} groups of {self.num_experts // self.n_group} experts "
+                f"topk_group={topk_group} groups of {self.num_experts // n_group} experts "
                 f"hold fewer than num_experts_per_tok={self.top_k}"
             )
 
@@ -77,7 +67,7 @@ class Router(nn.Module):
         self.weight.dummy_init = self._dummy_init
         self.weight_16bit: torch.Tensor | None = None
         self.e_score_correction_bias = None
-        if cfg.topk_method == "noaux_tc":
+        if cfg.routing.topk_method == "noaux_tc":
             self.e_score_correction_bias = nn.Parameter(
                 torch.empty(cfg.num_experts, dtype=torch.float32), requires_grad=False
             )
@@ -105,18 +95,7 @@ class Router(nn.Module):
             logits = torch.mm(hidden, self.weight_16bit.t(), out_dtype=torch.float32)
         else:
             logits = torch.nn.functional.linear(hidden.float(), self.weight)
-        c = self.cfg
-        return select_experts(
-            logits,
-            c.top_k,
-            scoring_func=c.scoring_func,
-            topk_method=c.topk_method,
-            n_group=c.n_group,
-            topk_group=c.topk_group,
-            norm_topk_prob=c.norm_topk_prob,
-            routed_scaling_factor=c.routed_scaling_factor,
-            e_score_correction_bias=self.e_score_correction_bias,
-        )
+        return select_experts(logits, self.cfg.top_k, self.cfg.routing, self.e_score_correction_bias)
 
 
 class FusedExperts(nn.Module):

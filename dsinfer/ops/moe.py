@@ -11,6 +11,7 @@ Weight layout (stacked at load from the checkpoint's per-expert tensors):
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,26 @@ from dsinfer.ops.dispatch import use_triton
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How router scores pick a token's experts and weight them (see ``select_experts``)."""
+
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self):
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(
+                f"scoring_func={self.scoring_func!r} is not supported; supported: {SCORING_FUNCS}"
+            )
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"topk_method={self.topk_method!r} is not supported; supported: {TOPK_METHODS}")
 
 
 def _group_mask(scores: torch.Tensor, n_group: int, topk_group: int, group_score: str) -> torch.Tensor:
@@ -39,13 +60,7 @@ def _group_mask(scores: torch.Tensor, n_group: int, topk_group: int, group_score
 def select_experts(
     router_logits: torch.Tensor,
     top_k: int,
-    *,
-    scoring_func: str = "softmax",
-    topk_method: str = "greedy",
-    n_group: int = 1,
-    topk_group: int = 1,
-    norm_topk_prob: bool = False,
-    routed_scaling_factor: float = 1.0,
+    routing: Routing = Routing(),
     e_score_correction_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] (float32) -> (topk_weights [T, k] float32, topk_ids [T, k] int64).
@@ -60,52 +75,44 @@ def select_experts(
     On the Triton path (CUDA) one kernel does all of it (``ops.triton.router``), except in deterministic mode,
     which keeps this torch path (expert-id order, sequential sums).
     """
-    routing = dict(scoring_func=scoring_func, topk_method=topk_method, n_group=n_group, topk_group=topk_group,
-                   norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
-                   e_score_correction_bias=e_score_correction_bias)
     if use_triton(router_logits) and not batch_invariant.is_enabled():
         from dsinfer.ops.triton import router
 
-        if router.supports(router_logits.shape[-1], top_k, n_group):
-            return router.select_experts_triton(router_logits, top_k, **routing)
-    return select_experts_ref(router_logits, top_k, **routing)
+        if router.supports(router_logits.shape[-1], top_k, routing.n_group):
+            return router.select_experts_triton(router_logits, top_k, routing, e_score_correction_bias)
+    return select_experts_ref(router_logits, top_k, routing, e_score_correction_bias)
 
 
 def select_experts_ref(
     router_logits: torch.Tensor,
     top_k: int,
-    *,
-    scoring_func: str = "softmax",
-    topk_method: str = "greedy",
-    n_group: int = 1,
-    topk_group: int = 1,
-    norm_topk_prob: bool = False,
-    routed_scaling_factor: float = 1.0,
+    routing: Routing = Routing(),
     e_score_correction_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``select_experts`` in torch ops (the reference, the CPU path and the deterministic mode's path)."""
+    r, n_group, topk_group = routing, routing.n_group, routing.topk_group
     logits = router_logits.float()
-    scores = logits.softmax(dim=-1) if scoring_func == "softmax" else logits.sigmoid()
-    if topk_method == "noaux_tc":
+    scores = logits.softmax(dim=-1) if r.scoring_func == "softmax" else logits.sigmoid()
+    if r.topk_method == "noaux_tc":
         choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
         if n_group > 1:
             choice = choice.masked_fill(~_group_mask(choice, n_group, topk_group, "top2"), float("-inf"))
         topk_ids = choice.topk(top_k, dim=-1, sorted=False).indices
         topk_weights = scores.gather(1, topk_ids)
     else:
-        if topk_method == "group_limited_greedy" and n_group > 1:
+        if r.topk_method == "group_limited_greedy" and n_group > 1:
             scores = scores.masked_fill(~_group_mask(scores, n_group, topk_group, "max"), 0.0)
         topk_weights, topk_ids = scores.topk(top_k, dim=-1, sorted=False)
     if batch_invariant.is_enabled():  # deterministic mode: expert-id order, sequential sums
         from dsinfer.batch_invariant.moe import ordered_sum, sort_topk
 
         topk_weights, topk_ids = sort_topk(topk_weights, topk_ids)
-        if norm_topk_prob and top_k > 1:
+        if r.norm_topk_prob and top_k > 1:
             topk_weights = topk_weights / (ordered_sum(topk_weights) + 1e-20)
-        return topk_weights * routed_scaling_factor, topk_ids
-    if norm_topk_prob and top_k > 1:
+        return topk_weights * r.routed_scaling_factor, topk_ids
+    if r.norm_topk_prob and top_k > 1:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return topk_weights * routed_scaling_factor, topk_ids
+    return topk_weights * r.routed_scaling_factor, topk_ids
 
 
 def fused_moe_ref(

@@ -19,7 +19,7 @@ from dsinfer.batch_invariant import batch_invariant
 from dsinfer.batch_invariant.mla import latent_attention, mla_attention_invariant
 from dsinfer.batch_invariant.moe import fused_moe_invariant
 from dsinfer.ops.mla import mla_prefill_ref
-from dsinfer.ops.moe import fused_moe_ref, select_experts
+from dsinfer.ops.moe import Routing, fused_moe_ref, select_experts
 from tests.models.test_deepseek import hub_style_config, randomize, transformers, v2_config, v3_config
 
 HAS_CUDA = torch.cuda.is_available()
@@ -197,9 +197,9 @@ def test_moe_token_same_alone_and_in_batch(use_triton):
     x = torch.randn(37, hidden, generator=gen).to(dev)
     logits = torch.randn(37, num_experts, generator=gen).to(dev)
     with batch_invariant():
-        weights, ids = select_experts(logits, 3, scoring_func="sigmoid", norm_topk_prob=True)
+        weights, ids = select_experts(logits, 3, Routing("sigmoid", norm_topk_prob=True))
         assert bool((ids[:, 1:] > ids[:, :-1]).all())  # expert-id order
-        one_w, one_ids = select_experts(logits[5:6], 3, scoring_func="sigmoid", norm_topk_prob=True)
+        one_w, one_ids = select_experts(logits[5:6], 3, Routing("sigmoid", norm_topk_prob=True))
         assert torch.equal(one_w[0], weights[5]) and torch.equal(one_ids[0], ids[5])
         full = fused_moe_invariant(x, w13, w2, weights, ids, use_triton=use_triton)
         for rows in (slice(5, 6), slice(0, 3), slice(20, 37)):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsinfer.ops.moe import fused_moe_ref
+from dsinfer.ops.moe import Routing, fused_moe_ref
 from dsinfer.ops.moe import select_experts_ref as select_experts  # the Triton router: test_moe_triton.py
 
 transformers = pytest.importorskip("transformers")
@@ -36,15 +36,9 @@ def test_softmax_gates_match_deepseek_v2(method, n_group, topk_group):
     torch.nn.init.normal_(router.weight, std=0.5)
     x = torch.randn(50, 32, generator=torch.Generator().manual_seed(0))
     logits, ref_w, ref_ids = router(x)
-    w, ids = select_experts(
-        logits,
-        3,
-        scoring_func="softmax",
-        topk_method=method,
-        n_group=n_group or 1,
-        topk_group=topk_group or 1,
-        routed_scaling_factor=1.7,
-    )
+    routing = Routing(scoring_func="softmax", topk_method=method, n_group=n_group or 1, topk_group=topk_group or 1,
+                      routed_scaling_factor=1.7)
+    w, ids = select_experts(logits, 3, routing)
     (w, ids), (ref_w, ref_ids) = _sorted(w, ids), _sorted(ref_w, ref_ids)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(w, ref_w)
@@ -68,17 +62,9 @@ def test_sigmoid_noaux_tc_gate_matches_deepseek_v3():
     router.e_score_correction_bias.copy_(torch.randn(16, generator=gen) * 0.2)
     x = torch.randn(50, 32, generator=gen)
     logits, ref_w, ref_ids = router(x)
-    w, ids = select_experts(
-        logits,
-        4,
-        scoring_func="sigmoid",
-        topk_method="noaux_tc",
-        n_group=4,
-        topk_group=2,
-        norm_topk_prob=True,
-        routed_scaling_factor=2.5,
-        e_score_correction_bias=router.e_score_correction_bias,
-    )
+    routing = Routing(scoring_func="sigmoid", topk_method="noaux_tc", n_group=4, topk_group=2, norm_topk_prob=True,
+                      routed_scaling_factor=2.5)
+    w, ids = select_experts(logits, 4, routing, router.e_score_correction_bias)
     (w, ids), (ref_w, ref_ids) = _sorted(w, ids), _sorted(ref_w, ref_ids)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(w, ref_w)

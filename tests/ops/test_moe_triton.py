@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsinfer.ops.fp8 import block_dequantize, block_quantize
-from dsinfer.ops.moe import fused_moe, fused_moe_ref, select_experts, select_experts_ref
+from dsinfer.ops.moe import Routing, fused_moe, fused_moe_ref, select_experts, select_experts_ref
 
 
 def _experts(num_experts, hidden, inter, gen, std=0.1):
@@ -17,7 +17,7 @@ def _experts(num_experts, hidden, inter, gen, std=0.1):
 
 def _route(num_tokens, num_experts, top_k, gen, device):
     logits = torch.randn(num_tokens, num_experts, generator=gen).to(device)
-    return select_experts(logits, top_k, norm_topk_prob=True)
+    return select_experts(logits, top_k, Routing(norm_topk_prob=True))
 
 
 def _quantize_stack(w, block):
@@ -125,11 +125,11 @@ def _check_router(name, num_experts, top_k, kwargs, num_tokens, device, seed=0):
 
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(num_tokens, num_experts, generator=gen) * 2
-    kwargs = dict(kwargs)
-    if kwargs["topk_method"] == "noaux_tc":
-        kwargs["e_score_correction_bias"] = (torch.randn(num_experts, generator=gen) * 0.1).to(device)
-    w, ids = select_experts_triton(logits.to(device), top_k, **kwargs)
-    ref_w, ref_ids = select_experts_ref(logits.to(device), top_k, **kwargs)
+    routing, bias = Routing(**kwargs), None
+    if routing.topk_method == "noaux_tc":
+        bias = (torch.randn(num_experts, generator=gen) * 0.1).to(device)
+    w, ids = select_experts_triton(logits.to(device), top_k, routing, bias)
+    ref_w, ref_ids = select_experts_ref(logits.to(device), top_k, routing, bias)
     assert w.dtype == torch.float32 and ids.dtype == ref_ids.dtype and w.shape == (num_tokens, top_k), name
     (w, ids), (ref_w, ref_ids) = _by_id(w, ids), _by_id(ref_w, ref_ids)
     assert torch.equal(ids, ref_ids), name
@@ -149,10 +149,10 @@ def test_select_experts_takes_the_kernel_except_in_deterministic_mode(device, mo
     kernel = router.select_experts_triton
     monkeypatch.setattr(router, "select_experts_triton", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(3)).to(device)
-    w, ids = select_experts(logits, 2, norm_topk_prob=True)
+    w, ids = select_experts(logits, 2, Routing(norm_topk_prob=True))
     assert calls == [1] and ids.dtype == torch.int64
     with batch_invariant.batch_invariant():
-        w2, ids2 = select_experts(logits, 2, norm_topk_prob=True)
+        w2, ids2 = select_experts(logits, 2, Routing(norm_topk_prob=True))
     assert calls == [1] and bool((ids2[:, 1:] > ids2[:, :-1]).all())  # the torch path: expert-id order
     (w, ids), (w2, ids2) = _by_id(w, ids), _by_id(w2, ids2)
     assert torch.equal(ids, ids2)

@@ -14,6 +14,7 @@ from dsinfer.layers.linear import Linear
 from dsinfer.layers.mla import MLAAttention, MLAMetadata
 from dsinfer.layers.moe import FusedExperts, Router, RouterConfig
 from dsinfer.layers.norm import RMSNorm
+from dsinfer.ops.moe import Routing
 from dsinfer.runner.forward_batch import ForwardBatch
 
 REQUIRED = (
@@ -57,9 +58,7 @@ def router_config(cfg: dict[str, Any], defaults: dict[str, Any]) -> RouterConfig
         value = cfg.get(key)
         return fallback if value is None else value
 
-    return RouterConfig(
-        num_experts=cfg["n_routed_experts"],
-        top_k=cfg["num_experts_per_tok"],
+    routing = Routing(
         scoring_func=get("scoring_func", defaults["scoring_func"]),
         topk_method=get("topk_method", defaults["topk_method"]),
         n_group=get("n_group", 1),
@@ -67,6 +66,7 @@ def router_config(cfg: dict[str, Any], defaults: dict[str, Any]) -> RouterConfig
         norm_topk_prob=bool(get("norm_topk_prob", defaults["norm_topk_prob"])),
         routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
     )
+    return RouterConfig(num_experts=cfg["n_routed_experts"], top_k=cfg["num_experts_per_tok"], routing=routing)
 
 
 def is_moe_layer(cfg: dict[str, Any], layer_idx: int) -> bool:

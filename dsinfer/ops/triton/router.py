@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsinfer.ops.moe import Routing
+
 MAX_EXPERTS, MAX_TOP_K, MAX_GROUPS = 256, 8, 32
 
 
@@ -84,16 +86,11 @@ def supports(num_experts: int, top_k: int, n_group: int) -> bool:
 def select_experts_triton(
     router_logits: torch.Tensor,
     top_k: int,
-    *,
-    scoring_func: str = "softmax",
-    topk_method: str = "greedy",
-    n_group: int = 1,
-    topk_group: int = 1,
-    norm_topk_prob: bool = False,
-    routed_scaling_factor: float = 1.0,
+    routing: Routing = Routing(),
     e_score_correction_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``ops.moe.select_experts``: (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
+    n_group, topk_group, topk_method = routing.n_group, routing.topk_group, routing.topk_method
     num_tokens, num_experts = router_logits.shape
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
@@ -106,11 +103,11 @@ def select_experts_triton(
     e_pad = max(16, triton.next_power_of_2(num_experts))
     _router_kernel[(num_tokens,)](
         logits, e_score_correction_bias if has_bias else logits, weights, ids, num_experts,
-        num_experts // n_group if grouped else num_experts, logits.stride(0), float(routed_scaling_factor),
+        num_experts // n_group if grouped else num_experts, logits.stride(0), float(routing.routed_scaling_factor),
         E_PAD=e_pad, G_PAD=max(2, triton.next_power_of_2(n_group)) if grouped else 2,
         N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1, TOP_K=top_k,
-        K_PAD=max(2, triton.next_power_of_2(top_k)), SIGMOID=scoring_func == "sigmoid", HAS_BIAS=has_bias,
-        NOAUX=noaux, NORM=norm_topk_prob and top_k > 1,
+        K_PAD=max(2, triton.next_power_of_2(top_k)), SIGMOID=routing.scoring_func == "sigmoid", HAS_BIAS=has_bias,
+        NOAUX=noaux, NORM=routing.norm_topk_prob and top_k > 1,
         num_warps=4 if e_pad >= 128 else 2,
     )
     return weights, ids
