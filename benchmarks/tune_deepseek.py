@@ -371,9 +371,11 @@ def tune_mla(budget: Budget, table: dict) -> None:
     # is measured first). Tried and dropped (H200): heads-major tiles padded to 64 rows (session 3, 2-5x
     # slower), latent-chunked scores and keys-major tiles with the heads on the wgmma N side (session 4,
     # 0-30% slower).
-    tiles = {16: [(16, 32, 4, 2, dict(reload_q=True)), (16, 32, 4, 3, dict(reload_q=True)), (16, 32, 4, 3),
-                  (16, 32, 4, 4), (16, 16, 4, 3), (16, 64, 4, 3), (16, 32, 8, 3)],
-             128: [(64, 32, 8, 3), (64, 16, 8, 3), (64, 16, 8, 4), (64, 64, 8, 2), (32, 32, 4, 3), (32, 32, 8, 3)]}
+    tma = dict(tma=True)
+    tiles = {16: [(16, 32, 4, 3, tma), (16, 32, 4, 2, tma), (16, 32, 4, 4, tma), (16, 16, 4, 3, tma),
+                  (16, 32, 8, 3, tma), (16, 32, 4, 2, dict(reload_q=True))],
+             128: [(64, 32, 8, 3, tma), (64, 64, 8, 2, tma), (64, 16, 8, 3, tma), (64, 64, 8, 2), (64, 32, 8, 3),
+                   (32, 32, 4, 3, tma)]}
     fills = {16: [2, 3, 4, 6, 8, 16], 128: [2, 4, 8]}
     for heads in (16, 128):
         sub = Budget(budget.left() * (0.6 if heads == 16 else 1.0))

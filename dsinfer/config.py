@@ -103,7 +103,7 @@ class EngineArgs:
     hf_overrides: dict[str, Any] | None = None
     served_model_name: str | None = None
     seed: int = 0
-    block_size: int = 16
+    block_size: int | None = None  # None: 64 for MLA models on CUDA, else 16 (``_resolve_block_size``)
     enable_prefix_caching: bool = True
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
@@ -147,8 +147,8 @@ class EngineArgs:
             async_sched = self.async_scheduling
         return EngineConfig(
             model=model,
-            cache=CacheConfig(self.block_size, self.enable_prefix_caching, self.kv_cache_memory_gb,
-                              self.gpu_memory_utilization, self.num_kv_blocks),
+            cache=CacheConfig(_resolve_block_size(self.block_size, hf_config, device), self.enable_prefix_caching,
+                              self.kv_cache_memory_gb, self.gpu_memory_utilization, self.num_kv_blocks),
             scheduler=SchedulerConfig(self.max_num_seqs, batched, self.enable_chunked_prefill),
             load=LoadConfig(load_format, self.seed),
             # deterministic mode keeps CUDA graphs: the runner captures them inside the batch-invariant mode, and
@@ -157,9 +157,10 @@ class EngineArgs:
         )
 
     def _validate(self) -> None:
-        _check_int("block_size", self.block_size, 1, 1024)
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.block_size is not None:
+            _check_int("block_size", self.block_size, 1, 1024)
+            if self.block_size & (self.block_size - 1):
+                raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         _check_int("max_num_seqs", self.max_num_seqs, 1, 1 << 16)
         if self.max_num_batched_tokens is not None:
             _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 22)
@@ -181,6 +182,14 @@ class EngineArgs:
 def _check_int(name: str, value: Any, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
+def _resolve_block_size(block_size: int | None, hf_config: dict[str, Any], device: torch.device) -> int:
+    """The KV block size: the one asked for, else 64 tokens for MLA models on CUDA (the MLA decode kernel
+    fetches whole 32-row key tiles of one block by TMA, ``ops.triton.mla_tma``; FlashMLA needs 64 too), else 16."""
+    if block_size is not None:
+        return block_size
+    return 64 if device.type == "cuda" and hf_config.get("kv_lora_rank") else 16
 
 
 def _read_json(path: Path) -> dict[str, Any]:

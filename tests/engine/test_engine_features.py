@@ -270,3 +270,18 @@ def test_logprobs_decode_tokens_on_the_bundled_model(smollm2_llm):
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
     assert "".join(out.outputs[0].logprobs[i][t].decoded_token
                    for i, t in enumerate(out.outputs[0].token_ids)) == out.outputs[0].text
+
+
+def test_block_size_defaults_to_64_for_mla_on_cuda_only():
+    """MLA models on CUDA get 64-token KV blocks (the TMA decode kernel's tiles lie inside one block); everything
+    else, and any explicit block size, is left alone."""
+    import torch
+
+    from dsinfer.config import _resolve_block_size
+
+    mla, mha = {"kv_lora_rank": 512}, {"num_key_value_heads": 8}
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert _resolve_block_size(None, mla, cuda) == 64
+    assert _resolve_block_size(None, mla, cpu) == 16
+    assert _resolve_block_size(None, mha, cuda) == 16
+    assert _resolve_block_size(32, mla, cuda) == 32

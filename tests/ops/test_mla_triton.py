@@ -94,6 +94,62 @@ def test_mla_decode_head_tile_wider_than_the_heads(device, poisoned, assert_clos
         assert_close(out, ref, torch.bfloat16)
 
 
+TMA_CASES = [
+    # (q_lens, ctx_lens, heads, rank, rope, block_size, block_n, dtype, num_splits): full tiles by TMA, the
+    # partial last tile of a split by masked loads (rows past the context are NaN in the cache)
+    ([1, 1, 1], [64, 17, 100], 4, 32, 16, 32, 16, torch.float32, 1),
+    ([3, 1, 2], [40, 7, 70], 4, 32, 8, 32, 16, torch.bfloat16, 3),  # drafts; rope 8 read as a 16-wide box
+    ([1, 1], [96, 33], 20, 512, 16, 32, 16, torch.bfloat16, 2),  # rank 512: two latent chunks; two head tiles
+]
+
+
+@pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: f"r{c[3]}-p{c[4]}-{str(c[7])[6:]}-s{c[8]}")
+def test_mla_decode_tma_matches_reference(case, device, poisoned, assert_close):
+    from dsinfer.ops.triton.mla import mla_decode_triton
+    from dsinfer.ops.triton.mla_tma import tma_chunks
+
+    q_lens, ctx_lens, heads, rank, rope, block_size, block_n, dtype, splits = case
+    cache, tables, qsl, seq_lens, gen = _latent_batch(q_lens, ctx_lens, heads, rank, rope, block_size, dtype,
+                                                      device)
+    assert tma_chunks(rank, max(16, rope), cache, block_n) == (2 if rank == 512 else 1)
+    q_nope = torch.randn(sum(q_lens), heads, rank, generator=gen).to(dtype).to(device)
+    q_pe = torch.randn(sum(q_lens), heads, rope, generator=gen).to(dtype).to(device)
+    cfg = dict(block_h=16, block_n=block_n, num_warps=4, num_stages=2, tma=True)
+    out = mla_decode_triton(q_nope, q_pe, cache, tables, qsl, seq_lens, 0.3, num_splits=splits, config=cfg)
+    ref = mla_decode_ref(q_nope.double().cpu(), q_pe.double().cpu(), _clean(cache), tables.cpu(), qsl.cpu(),
+                         seq_lens.cpu(), 0.3)
+    assert_close(out, ref, dtype)
+
+
+def test_mla_decode_tma_declines_shapes_it_cannot_serve():
+    from dsinfer.ops.triton.mla_tma import tma_chunks
+
+    cache = torch.zeros(4, 32, 40)
+    assert tma_chunks(32, 16, cache, 16) == 1
+    assert tma_chunks(24, 16, cache, 16) is None  # rank not a power of two
+    assert tma_chunks(32, 16, cache, 64) is None  # a key tile would span two cache blocks
+    assert tma_chunks(32, 16, torch.zeros(4, 32, 41)[..., :40], 16) is None  # rows not contiguous
+    assert tma_chunks(1024, 64, torch.zeros(1, 16, 1088), 16) is None  # more than two 256-wide boxes
+
+
+@pytest.mark.gpu
+def test_mla_decode_tma_at_v2_lite_shapes_on_gpu(assert_close):
+    """The tuned H=16 config (TMA) at V2-Lite's latent (512 + 64), 64-row blocks, against the pointer kernel."""
+    from dsinfer.ops.triton.mla import decode_config, mla_decode_triton
+
+    cache, tables, qsl, seq_lens, gen = _latent_batch([1] * 8, [1000, 1, 31, 64, 65, 4096, 300, 2047], 16, 512,
+                                                      64, 64, torch.bfloat16, "cuda")
+    q_nope = torch.randn(8, 16, 512, generator=gen).bfloat16().cuda()
+    q_pe = torch.randn(8, 16, 64, generator=gen).bfloat16().cuda()
+    cfg = decode_config(16, True)
+    assert cfg.get("tma"), cfg
+    for splits in (None, 1, 5):
+        out = mla_decode_triton(q_nope, q_pe, cache, tables, qsl, seq_lens, 0.1, num_splits=splits, config=cfg)
+        ref = mla_decode_triton(q_nope, q_pe, cache, tables, qsl, seq_lens, 0.1, num_splits=splits,
+                                config=dict(cfg, tma=False))
+        assert_close(out, ref, torch.bfloat16, tol=2e-3)
+
+
 @pytest.mark.parametrize("rope", [16, 8])  # 8: the tiny parity models' rope dim takes the Triton path too
 def test_mla_decode_skips_padding_rows_and_uses_public_op(rope, device, assert_close):
     cache, tables, qsl, seq_lens, gen = _latent_batch([1, 1], [5, 21], 4, 16, rope, 4, torch.float32, device)

@@ -189,6 +189,22 @@ def decode_num_splits(num_rows: int, head_tiles: int, max_seq_len: int, device: 
     return max(1, min(want, triton.cdiv(max_seq_len, _MIN_SPLIT_KEYS), 64))
 
 
+def _launch_decode(grid, q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, out, part_out,
+                   part_lse, scale: float, num_splits: int, block_h: int, cfg: dict) -> None:
+    """The pointer-load decode kernel (any shape; ``ops.triton.mla_tma`` serves the shapes TMA can)."""
+    num_heads, rank, rope = q_nope_absorbed.shape[1], q_nope_absorbed.shape[2], q_pe.shape[-1]
+    _mla_decode_kernel[grid](
+        q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, out, part_out, part_lse,
+        query_start_loc.shape[0] - 1, num_heads, scale * _LOG2E, num_splits,
+        q_nope_absorbed.stride(0), q_nope_absorbed.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), kv_cache.shape[1],
+        out.stride(0), out.stride(1),
+        RANK=rank, ROPE=rope, BLOCK_R=_tile(rank), BLOCK_P=_tile(rope), BLOCK_H=block_h, BLOCK_N=cfg["block_n"],
+        SINGLE=num_splits == 1, RELOAD_Q=cfg.get("reload_q", False), UPCAST=not q_nope_absorbed.is_cuda,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
 def mla_decode_triton(
     q_nope_absorbed: torch.Tensor,
     q_pe: torch.Tensor,
@@ -204,7 +220,8 @@ def mla_decode_triton(
 ) -> torch.Tensor:
     """See ``ops.mla.mla_decode_ref``. ``max_seq_len`` (host int) sizes the splits; without it the bound
     comes from block_tables' width. ``num_splits`` / ``config`` override the heuristics (tuning; a config's
-    ``reload_q`` re-reads the query every key tile instead of holding it in registers)."""
+    ``reload_q`` re-reads the query every key tile instead of holding it in registers; ``tma`` fetches whole key
+    tiles with TMA copies where the shapes allow, ``ops.triton.mla_tma``)."""
     num_rows, num_heads, rank = q_nope_absorbed.shape
     rope = q_pe.shape[-1]
     if kv_cache.shape[-1] != rank + rope:
@@ -227,16 +244,18 @@ def mla_decode_triton(
     if not single:
         part_out = torch.empty(num_rows, num_heads, num_splits, rank, dtype=torch.float32, device=out.device)
         part_lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=out.device)
-    _mla_decode_kernel[(head_tiles, num_splits, num_rows)](
-        q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, out, part_out, part_lse,
-        num_seqs, num_heads, scale * _LOG2E, num_splits,
-        q_nope_absorbed.stride(0), q_nope_absorbed.stride(1), q_pe.stride(0), q_pe.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), kv_cache.shape[1],
-        out.stride(0), out.stride(1),
-        RANK=rank, ROPE=rope, BLOCK_R=_tile(rank), BLOCK_P=_tile(rope), BLOCK_H=block_h, BLOCK_N=cfg["block_n"],
-        SINGLE=single, RELOAD_Q=cfg.get("reload_q", False), UPCAST=not q_nope_absorbed.is_cuda,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    grid = (head_tiles, num_splits, num_rows)
+    chunks = None
+    if cfg.get("tma"):
+        from dsinfer.ops.triton.mla_tma import launch_tma_decode, tma_chunks
+
+        chunks = tma_chunks(rank, _tile(rope), kv_cache, cfg["block_n"])
+    if chunks:
+        launch_tma_decode(grid, q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, out,
+                          part_out, part_lse, scale * _LOG2E, num_splits, chunks, _tile(rope), block_h, cfg)
+    else:
+        _launch_decode(grid, q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, out,
+                       part_out, part_lse, scale, num_splits, block_h, cfg)
     if not single:
         _mla_reduce_kernel[(num_rows, num_heads)](
             part_out, part_lse, query_start_loc, out, num_seqs, num_heads, num_splits,
