@@ -17,7 +17,9 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Logits in float32 for the selected rows only (the runner passes just the rows it samples from)."""
+    """Logits for the selected rows only (the runner passes just the rows it samples from): float32, or in the
+    model dtype with ``upcast=False`` (the decode graphs: a greedy batch takes the argmax of those directly,
+    the same token without a float32 copy of [batch, vocab] per step; the sampler upcasts for anything else)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None):
         super().__init__()
@@ -26,5 +28,6 @@ class LMHead(nn.Module):
         self.weight = tied_to.weight if self.tied else nn.Parameter(
             torch.empty(vocab_size, hidden_size), requires_grad=False)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+    def forward(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        return logits.float() if upcast else logits

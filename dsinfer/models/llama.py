@@ -136,8 +136,8 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        return self.lm_head(hidden, upcast)
 
     def checkpoint_name(self, name: str) -> str | None:
         """Map a checkpoint tensor name to ours; None to skip it."""

@@ -3,8 +3,9 @@
 A decode-only step of ``n`` sequences replays the graph of the smallest captured size ``>= n``; larger steps run
 eagerly. A graph covers the model forward and the logits of every row; sampling stays outside (the Triton
 sampler needs no host sync either). Its inputs are persistent device buffers sized for the largest graph, filled
-each step by non-blocking copies from pinned host memory. Padding rows get slot -1 (nothing stored), seq_len 0
-and an empty query (``query_start_loc`` repeats ``n``), so attention skips them; their logits are never read.
+each step from one non-blocking copy of the packed host arrays (``to_device_packed``). Padding rows get slot -1
+(nothing stored), seq_len 0 and an empty query (``query_start_loc`` repeats ``n``), so attention skips them;
+their logits are never read.
 
 Attention in a graph reads nothing on the host: ``max_query_len`` is 1 and ``max_seq_len`` is a fixed bound
 (``max_model_len``), which fixes the decode kernel's split count per graph.
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from dsinfer.runner.forward_batch import ForwardBatch
-from dsinfer.runner.input_batch import HostInputs, to_device
+from dsinfer.runner.input_batch import HostInputs, to_device_packed
 
 logger = logging.getLogger("dsinfer")
 
@@ -42,7 +43,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.zeros(n + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # graph outputs, [size, vocab] float32
+        self.logits: dict[int, torch.Tensor] = {}  # graph outputs, [size, vocab] in the model dtype
 
     @property
     def max_size(self) -> int:
@@ -64,7 +65,7 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         batch = self._batch(size)
         hidden = self.model(batch.input_ids, batch.positions, batch)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, upcast=False)  # the sampler upcasts when it must
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -94,16 +95,16 @@ class DecodeGraphs:
         """Copy one decode step's host arrays into the graph's buffers (padding rows reset)."""
         n = len(host.seq_lens)
         pad = size - n
-        device = self.input_ids.device
-        self.input_ids[:size].copy_(to_device(np.pad(host.input_ids, (0, pad)), device), non_blocking=True)
-        self.positions[:size].copy_(to_device(np.pad(host.positions, (0, pad)), device), non_blocking=True)
-        self.slot_mapping[:size].copy_(
-            to_device(np.pad(host.slot_mapping, (0, pad), constant_values=-1), device), non_blocking=True)
-        self.seq_lens[:size].copy_(to_device(np.pad(host.seq_lens, (0, pad)), device), non_blocking=True)
-        self.query_start_loc[:size + 1].copy_(
-            to_device(np.pad(host.query_start_loc, (0, pad), mode="edge"), device), non_blocking=True)
-        width = host.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(to_device(host.block_tables, device), non_blocking=True)
+        ids, positions, slots, seq_lens, qsl, tables = to_device_packed(
+            [np.pad(host.input_ids, (0, pad)), np.pad(host.positions, (0, pad)),
+             np.pad(host.slot_mapping, (0, pad), constant_values=-1), np.pad(host.seq_lens, (0, pad)),
+             np.pad(host.query_start_loc, (0, pad), mode="edge"), host.block_tables], self.input_ids.device)
+        self.input_ids[:size].copy_(ids)
+        self.positions[:size].copy_(positions)
+        self.slot_mapping[:size].copy_(slots)
+        self.seq_lens[:size].copy_(seq_lens)
+        self.query_start_loc[:size + 1].copy_(qsl)
+        self.block_tables[:n, :tables.shape[1]].copy_(tables)
 
     def replay(self, size: int) -> torch.Tensor:
         """Run the graph of `size` on the loaded inputs; returns its logits buffer [size, vocab]."""

@@ -21,7 +21,7 @@ from dsinfer.kvcache.spec import KVCacheSpec
 from dsinfer.models.loader.model_loader import _default_dtype_and_device, load_model
 from dsinfer.models.registry import model_class
 from dsinfer.runner.cuda_graphs import DecodeGraphs
-from dsinfer.runner.input_batch import StepInputs, build_sampling_batch, build_step_inputs, to_device
+from dsinfer.runner.input_batch import StepInputs, build_sampling_batch, build_step_inputs, to_device_packed
 from dsinfer.runner.warmup import warm_up_prefill
 from dsinfer.sampling.sampler import Sampler
 from dsinfer.scheduler.scheduler import ScheduledRequest, SchedulerOutput
@@ -214,8 +214,9 @@ class ModelRunner:
         if not inputs.placeholder_rows:
             return
         src = [self._last_rows[rid] for rid in inputs.placeholder_requests]
-        rows = to_device(np.asarray(inputs.placeholder_rows, dtype=np.int64), self.device)
-        input_ids.index_copy_(0, rows, self._last_sampled[to_device(np.asarray(src, dtype=np.int64), self.device)])
+        rows, src = to_device_packed([np.asarray(inputs.placeholder_rows, np.int64), np.asarray(src, np.int64)],
+                                     self.device)
+        input_ids.index_copy_(0, rows, self._last_sampled[src])
 
     def _sample(self, logits: torch.Tensor, items, copies: dict[str, torch.Tensor],
                 token_bitmask: torch.Tensor | None = None) -> torch.Tensor:

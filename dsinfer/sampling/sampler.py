@@ -97,8 +97,18 @@ def _logprobs(raw_logits: torch.Tensor, sampled: torch.Tensor, k: int):
     return sampled.unsqueeze(1), sampled_lp, ranks
 
 
+def _plain_greedy(batch: SamplingBatch) -> bool:
+    """Argmax of the logits as they are: nothing added, masked or scored."""
+    return (batch.all_greedy and batch.logit_bias is None and batch.penalties is None and batch.banned is None
+            and batch.allowed is None and batch.token_bitmask is None and batch.num_logprobs is None)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """``logits`` [S, V]: float32, or 16-bit (the decode graphs' output), which a plain greedy batch takes the
+        argmax of directly (an exact upcast keeps the order and the first maximum) and anything else upcasts."""
+        if logits.dtype != torch.float32 and not _plain_greedy(batch):
+            logits = logits.float()
         raw = logits
         if batch.logit_bias is not None:
             logits = logits + batch.logit_bias

@@ -77,6 +77,22 @@ def test_greedy_equals_argmax():
     assert torch.equal(out.token_ids, logits.argmax(-1))
 
 
+def test_16bit_logits_sample_like_their_float32_upcast():
+    """The decode graphs hand the sampler bf16 logits: plain greedy takes their argmax as they are (ties
+    included: the first maximum), anything else upcasts first, so every token and logprob equals the float32
+    path's."""
+    logits = random_logits(32, seed=7).bfloat16()
+    logits[3, 10] = logits[3, 40] = logits[3].max() + 1  # a tie: both paths must pick index 10
+    upcast = logits.float()
+    greedy = Sampler()(logits, make_batch(32, temperature=0.0))
+    assert torch.equal(greedy.token_ids, upcast.argmax(-1)) and greedy.token_ids[3] == 10
+    for batch in (make_batch(32, temperature=0.0, num_logprobs=3), make_batch(32, temperature=0.7, top_p=0.9)):
+        out, ref = Sampler()(logits, batch), Sampler()(upcast, batch)
+        assert torch.equal(out.token_ids, ref.token_ids)
+        if batch.num_logprobs is not None:
+            assert out.logprobs.dtype == torch.float32 and torch.equal(out.logprobs, ref.logprobs)
+
+
 def test_greedy_rows_in_a_sampled_batch_take_the_argmax():
     logits = random_logits(8, seed=1)
     batch = make_batch(8, temperature=1.0)

@@ -73,8 +73,8 @@ class DeepseekV2ForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        return self.lm_head(hidden, upcast)
 
     # ---- weights -------------------------------------------------------------------------------------------
 
