@@ -3,8 +3,10 @@ the FP8 block-scaled dense GEMM, each against its floor measured in the same run
 
 Ceilings (same run): copy bandwidth and bf16 matmul (``benchmarks/roofline.py``), and an FP8 e4m3 matmul
 (``torch._scaled_mm``, 8192^3, random). Floor = max(fewest bytes / bandwidth, FLOPs / matmul rate of the
-kernel's precision). MoE rows report the distinct experts touched (random routing over all experts, like a
-trained router's spread) and count only their weights as bytes.
+kernel's precision). MoE rows run the models' stacks with the shared experts fused in (V3: 256 routed + 1 shared,
+V2-Lite: 64 + 2; every token takes the shared ones with weight 1), report the distinct experts touched (random
+routing over the routed experts, like a trained router's spread, plus the shared ones) and count only their
+weights as bytes.
 
     python benchmarks/deepseek_kernels.py [--sweep] [--out DIR]
 
@@ -151,9 +153,12 @@ def _fp8_experts(num_experts: int, rows: int, cols: int):
     return w, s
 
 
-def _routing(tokens: int, num_experts: int, top_k: int):
+def _routing(tokens: int, num_experts: int, top_k: int, num_shared: int):
+    """Random top-k of the routed experts, then the shared experts' columns (``ops.moe.with_shared``)."""
+    from dsinfer.ops.moe import with_shared
+
     logits = torch.randn(tokens, num_experts, device="cuda")
-    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    weights, ids = with_shared(*logits.softmax(-1).topk(top_k, dim=-1), num_experts, num_shared)
     return weights, ids, int(ids.unique().numel())
 
 
@@ -164,14 +169,15 @@ def moe_rows(sweep: bool, best: dict) -> list[Row]:
     from dsinfer.ops.triton.moe_align import moe_align
 
     rows = []
-    # DeepSeek-V3 experts, FP8: E=256, H=7168, I=2048, top-8.
-    e, h, i, k = 256, 7168, 2048, 8
+    # DeepSeek-V3 experts, FP8: E=256 routed + 1 shared, H=7168, I=2048, top-8 (+ the shared one).
+    routed, shared, h, i, top_k = 256, 1, 7168, 2048, 8
+    e, k = routed + shared, top_k + shared  # stacked experts, pairs per token
     w13, s13 = _fp8_experts(e, 2 * i, h)
     w2, s2 = _fp8_experts(e, h, i)
     per_expert = 3 * h * i + 3 * (h // 128) * (i // 128) * 4
     for tokens in (64, 8192):
         x = torch.randn(tokens, h, device="cuda", dtype=BF16)
-        weights, ids, touched = _routing(tokens, e, k)
+        weights, ids, touched = _routing(tokens, routed, top_k, shared)
         pairs = tokens * k
         kw = dict(w13_scale_inv=s13, w2_scale_inv=s2, block_size=BLOCK)
         fn = functools.partial(fused_moe, x, w13, w2, weights, ids, **kw)
@@ -219,13 +225,14 @@ def moe_rows(sweep: bool, best: dict) -> list[Row]:
                         2 * pairs * h * i, fp8=True))
         del inter, down, a2
     del w13, w2
-    # DeepSeek-V2-Lite experts, bf16: E=64, H=2048, I=1408, top-6.
-    e, h, i, k = 64, 2048, 1408, 6
+    # DeepSeek-V2-Lite experts, bf16: E=64 routed + 2 shared, H=2048, I=1408, top-6 (+ the two shared).
+    routed, shared, h, i, top_k = 64, 2, 2048, 1408, 6
+    e, k = routed + shared, top_k + shared
     w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=BF16) * 0.02
     w2 = torch.randn(e, h, i, device="cuda", dtype=BF16) * 0.02
     for tokens in (64, 8192):
         x = torch.randn(tokens, h, device="cuda", dtype=BF16)
-        weights, ids, touched = _routing(tokens, e, k)
+        weights, ids, touched = _routing(tokens, routed, top_k, shared)
         fn = functools.partial(fused_moe, x, w13, w2, weights, ids)
         ms = graph_ms(fn) if tokens <= 256 else bench_ms(fn)
         rows.append(Row("moe bf16 (all)", f"V2-Lite T={tokens}", ms, touched * 3 * h * i * 2 + 4 * tokens * h,

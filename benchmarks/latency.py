@@ -144,8 +144,9 @@ def weight_shape(model: torch.nn.Module) -> WeightShape:
     expert_params = {id(p) for m in experts.values() for p in m.parameters()}
     always = [p for name, p in model.named_parameters()
               if not name.startswith("mtp.") and id(p) not in expert_params and (p is not embed or tied)]
-    shape = WeightShape(always_bytes=nbytes(always),
-                        expert_bytes=[nbytes(m.parameters()) // m.num_experts for m in experts.values()],
+    per_slot = [nbytes(m.parameters()) // m.num_experts for m in experts.values()]  # routed or shared: one size
+    shared = sum(m.num_shared * b for m, b in zip(experts.values(), per_slot))  # fused shared experts: every step
+    shape = WeightShape(always_bytes=nbytes(always) + shared, expert_bytes=per_slot,
                         num_experts=routers[0].cfg.num_experts if routers else 0,
                         top_k=routers[0].cfg.top_k if routers else 0,
                         lm_head_params=model.lm_head.weight.numel())
@@ -158,7 +159,8 @@ def weight_shape(model: torch.nn.Module) -> WeightShape:
         elif isinstance(module, (Linear, Router)):
             shape.matmul_params += module.weight.numel()
         elif isinstance(module, FusedExperts):
-            per_token = shape.top_k * (module.w13.numel() + module.w2.numel()) // module.num_experts
+            per_slot = (module.w13.numel() + module.w2.numel()) // module.num_experts
+            per_token = (shape.top_k + module.num_shared) * per_slot  # routed top-k + fused shared experts
             if module.quant and module.dense is None:
                 shape.fp8_matmul_params += per_token
             else:
@@ -249,12 +251,13 @@ class Sequences:
 
 
 def count_touched_experts(runner, sched) -> list[int]:
-    """Distinct experts each MoE layer's router picks in one eager step of ``sched`` (the MTP module excluded)."""
+    """Distinct routed experts each MoE layer's router picks in one eager step of ``sched`` (the MTP module
+    excluded; the fused shared experts' columns, after the routed top-k, are not counted)."""
     from dsinfer.layers.moe import Router
 
     counts: dict[str, int] = {}
     hooks = [module.register_forward_hook(
-        lambda m, _inputs, out, name=name: counts.__setitem__(name, int(out[1].unique().numel())))
+        lambda m, _inputs, out, name=name: counts.__setitem__(name, int(out[1][:, :m.cfg.top_k].unique().numel())))
         for name, module in runner.model.named_modules() if isinstance(module, Router) and not name.startswith("mtp.")]
     graphs, runner.graphs = runner.graphs, None  # hooks do not fire inside a graph replay
     try:

@@ -184,8 +184,9 @@ def _copy_llama_into_hf(ours, state: dict) -> None:
 
 def _copy_by_checkpoint_names(ours, state: dict) -> None:
     """Fill every HF tensor from ours through the model's own checkpoint-name routing (``checkpoint_name``:
-    checkpoint name -> (our parameter, shard)), read in reverse: the shard of a merged parameter, one expert of a
-    stacked one, or the whole parameter."""
+    checkpoint name -> (our parameter, shard)), read in reverse: the shard of a merged parameter, what a checkpoint
+    tensor fills of the stacked experts (``FusedExperts.checkpoint_tensor``), or the whole parameter."""
+    from dsinfer.layers.moe import FusedExperts
     from dsinfer.ops.fp8 import FP8_DTYPE
 
     params = dict(ours.named_parameters())
@@ -201,14 +202,12 @@ def _copy_by_checkpoint_names(ours, state: dict) -> None:
             continue
         if source.dtype == FP8_DTYPE:
             raise ValueError("the HF comparison needs a bf16/fp32 model; this one has FP8 weights")
-        if isinstance(shard, tuple):  # (expert, "gate" | "up" | "down") of a stacked w13 [E, 2I, H] / w2 [E, H, I]
-            expert, kind = shard
-            source = source[expert]
-            if kind != "down":
-                size = source.shape[0] // 2
-                source = source[(kind == "up") * size:][:size]
+        module_name, leaf = name.rsplit(".", 1)
+        module = ours.get_submodule(module_name)
+        if isinstance(module, FusedExperts):  # one expert, the routed stack, or the fused shared experts' MLP
+            source = module.checkpoint_tensor(leaf, shard)
         elif shard is not None:
-            offset, size = ours.get_submodule(name.rsplit(".", 1)[0]).shard_offsets[shard]
+            offset, size = module.shard_offsets[shard]
             source = source[offset:offset + size]
         if source.shape != target.shape:
             raise ValueError(f"HF tensor {key} {tuple(target.shape)} != ours {name} {tuple(source.shape)}")

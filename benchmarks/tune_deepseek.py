@@ -1,9 +1,10 @@
 """Tile-config tuner for the DeepSeek kernels on one CUDA GPU (issue 7 targets), bounded to ~5 minutes.
 
 Sweeps a pruned grid of configs for
-- the FP8 MoE grouped GEMMs of DeepSeek-V3 experts (E 256, hidden 7168, inter 2048, top-8; 128x128 scale
-  blocks), gate/up and down tuned separately, at T = 64, 512, 8192 tokens;
-- the bf16 MoE GEMMs of DeepSeek-V2-Lite experts (E 64, hidden 2048, inter 1408, top-6) at the same T;
+- the FP8 MoE grouped GEMMs of DeepSeek-V3 experts (256 routed + 1 shared fused in, hidden 7168, inter 2048,
+  top-8 + the shared one; 128x128 scale blocks), gate/up and down tuned separately, at T = 64, 512, 8192 tokens;
+- the bf16 MoE GEMMs of DeepSeek-V2-Lite experts (64 routed + 2 shared, hidden 2048, inter 1408, top-6 + 2) at
+  the same T;
 - the dense FP8 block-scaled GEMM 4096x7168x16384 (V3 o_proj);
 - MLA decode (absorbed, latent rows 512 + 64 bf16, block 64) at 16 and 128 heads, B in {1, 64, 128, 256},
   context 1k and 4k: tile configs first at B=128 ctx 4k, then the best few with several grid fills
@@ -234,13 +235,17 @@ def _rows_err(out, rows, ref):
     return rel_err(out[rows], ref)
 
 
-def tune_moe(name: str, e: int, h: int, inter: int, top_k: int, fp8: bool, token_counts, budget: Budget,
-             table: dict) -> None:
+def tune_moe(name: str, routed: int, h: int, inter: int, top_k: int, num_shared: int, fp8: bool, token_counts,
+             budget: Budget, table: dict) -> None:
+    """The model's stack as it runs: ``routed`` experts then ``num_shared`` shared ones (``layers.moe.FusedExperts``),
+    each token a random top-k of the routed ones plus every shared one (weight 1), keyed by the stacked count."""
+    from dsinfer.ops.moe import with_shared
     from dsinfer.ops.triton.fp8 import per_token_group_quant
     from dsinfer.ops.triton.moe import down_config, grouped_gemm, moe_config
     from dsinfer.ops.triton.moe_align import moe_align
 
     dtype = "fp8" if fp8 else "bfloat16"
+    e, k = routed + num_shared, top_k + num_shared  # stacked experts, pairs per token
     key = f"{e},{inter},{h},{dtype}"
     if fp8:
         w13, s13 = _fp8_weights(e, 2 * inter, h)
@@ -252,10 +257,11 @@ def tune_moe(name: str, e: int, h: int, inter: int, top_k: int, fp8: bool, token
     wbytes = 1 if fp8 else 2
     for ti, tokens in enumerate(token_counts):
         sub = Budget(budget.left() * (0.6, 0.55, 1.0)[min(ti, 2)])  # the largest T first, most of the time
-        pairs = tokens * top_k
+        pairs = tokens * k
         rpe = pairs / e
         x = torch.randn(tokens, h, device=DEV, dtype=torch.bfloat16)
-        weights, ids = torch.randn(tokens, e, device=DEV).softmax(-1).topk(top_k, dim=-1)
+        weights, ids = with_shared(*torch.randn(tokens, routed, device=DEV).softmax(-1).topk(top_k, dim=-1), routed,
+                                   num_shared)
         touched = int(ids.unique().numel())
         h_in = torch.randn(pairs, inter, device=DEV, dtype=torch.bfloat16)
         if fp8:
@@ -275,7 +281,7 @@ def tune_moe(name: str, e: int, h: int, inter: int, top_k: int, fp8: bool, token
         for ex, p in zip(chk, sel):
             w13e = _dequant_w(w13, s13, ex) if fp8 else w13[ex].float()
             w2e = _dequant_w(w2, s2, ex) if fp8 else w2[ex].float()
-            gu = a_deq[p // top_k] @ w13e.T
+            gu = a_deq[p // k] @ w13e.T
             ref1.append(torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:])
             ref2.append((a2_deq[p] @ w2e.T) * wflat[p, None])
         del a_deq, a2_deq
@@ -283,7 +289,7 @@ def tune_moe(name: str, e: int, h: int, inter: int, top_k: int, fp8: bool, token
         ref1, ref2 = torch.cat(ref1), torch.cat(ref2)
         align = functools.cache(functools.partial(moe_align, ids, e))
         run1 = functools.partial(_run_gemm, grouped_gemm, align, a, w13, inter_out, a_s, s13,
-                                 dict(a_div=top_k, gated=True))
+                                 dict(a_div=k, gated=True))
         run2 = functools.partial(_run_gemm, grouped_gemm, align, a2, w2, down, a2_s, s2, dict(topk_weights=wflat))
 
         current = moe_config(key, rpe, fp8, True)
@@ -526,12 +532,14 @@ def main() -> None:
 
     share = {"moe": 0.45, "mla": 0.27, "lite": 0.15, "dense": 0.13}
     total = sum(share[s] for s in only if s in share)
-    v3, lite, tokens = (((8, 256, 128, 2), (4, 64, 48, 2), (16,)) if SMOKE else
-                        ((256, 7168, 2048, 8), (64, 2048, 1408, 6), tuple(args.tokens)))
+    # (routed experts, hidden, inter, top_k, shared experts): the shared ones run as extra experts of the stack
+    v3, lite, tokens = (((8, 256, 128, 2, 1), (4, 64, 48, 2, 2), (16,)) if SMOKE else
+                        ((256, 7168, 2048, 8, 1), (64, 2048, 1408, 6, 2), tuple(args.tokens)))
     sections = [
-        ("moe", lambda b: tune_moe("V3 fp8", *v3, True, tokens, b, moe_table)),
+        ("moe", lambda b: tune_moe("V3 fp8", *v3, fp8=True, token_counts=tokens, budget=b, table=moe_table)),
         ("mla", lambda b: tune_mla(b, mla_table)),
-        ("lite", lambda b: tune_moe("V2-Lite bf16", *lite, False, tokens, b, moe_table)),
+        ("lite", lambda b: tune_moe("V2-Lite bf16", *lite, fp8=False, token_counts=tokens, budget=b,
+                                    table=moe_table)),
         ("dense", lambda b: tune_dense(b, moe_table)),
     ]
     for name, fn in sections:

@@ -125,6 +125,11 @@ STRUCTURED_COMPILE_THREADS = _declare(
     "Threads that compile structured-output grammars off the scheduler thread (0 is taken as 1).",
     _parse_non_negative_int,
 )
+FUSE_SHARED_EXPERTS = _declare(
+    "DSINFER_FUSE_SHARED_EXPERTS", "bool", True,
+    "DeepSeek MoE: run the shared experts as extra experts of the routed grouped GEMM (off: a separate MLP).",
+    _parse_bool,
+)
 USE_TRITON = _declare(
     "DSINFER_USE_TRITON", "str", "auto",
     "Use Triton kernels: auto (on CUDA), always (also TRITON_INTERPRET on CPU) or never.",

@@ -8,7 +8,8 @@
   computed by a matmul whose row results do not depend on the other rows (CPU: ``matmul.mm_invariant`` per
   active expert; CUDA: ``ops.triton.moe``'s grouped GEMM with one fixed tile configuration, no split-K); the
   top-k pairs of a token are then summed in float32, one after the other in expert-id order (no
-  ``index_add_`` / reduce kernel whose order follows the batch). The shared experts are added after that, in
+  ``index_add_`` / reduce kernel whose order follows the batch). Shared experts fused into the stack are pairs
+  like the others (ids after every routed one, so summed last); a separate shared MLP is added after that, in
   ``DeepseekMoE``, always in the same place.
 """
 

@@ -2,9 +2,16 @@
 
 Checkpoints store one tensor per expert (``experts.{e}.{gate,up,down}_proj.weight``); the weight loader copies
 each into its slice of ``w13 [E, 2I, H]`` ([gate; up]) or ``w2 [E, H, I]``. transformers' fused layout
-(``experts.gate_up_proj`` / ``experts.down_proj``) loads whole. FP8 checkpoints keep FP8 experts with their
-block scales: on CUDA the block-scaled fused MoE kernel multiplies them as FP8; on CPU (or with an intermediate
-size off the scale grid) they are dequantized once after loading.
+(``experts.gate_up_proj`` / ``experts.down_proj``) loads whole into the routed slots. FP8 checkpoints keep FP8
+experts with their block scales: on CUDA the block-scaled fused MoE kernel multiplies them as FP8; on CPU (or
+with an intermediate size off the scale grid) they are dequantized once after loading.
+
+Shared experts can ride in the same stack: with ``num_shared`` = S the slots are E routed experts, then S
+shared ones (``w13 [E + S, 2I, H]``), which the router gives every token with weight 1.0
+(``RouterConfig.num_shared``). A shared MLP of intermediate size S * I is exactly S experts of size I summed
+(SiLU(gate) * up is elementwise over the intermediate dimension, down sums over it), so its checkpoint tensors
+(shard ``("shared", kind)``) load in S chunks: gate / up rows [jI, (j + 1)I) and down_proj columns
+[jI, (j + 1)I) go to slot E + j, block scales likewise (which needs I on the scale grid).
 """
 
 from __future__ import annotations
@@ -16,22 +23,27 @@ from torch import nn
 
 from dsinfer import batch_invariant
 from dsinfer.layers.fp8_linear import BlockScaledShards, Fp8Config
-from dsinfer.ops.fp8 import FP8_DTYPE
+from dsinfer.ops.activation import silu_and_mul
+from dsinfer.ops.fp8 import FP8_DTYPE, fp8_block_linear
 from dsinfer.ops.moe import Routing, fused_moe, select_experts
 
 SHARDS = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", 0)}
+SHARED = "shared"  # the expert index of a shard of the shared experts' MLP: ("shared", "gate" | "up" | "down")
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     """A MoE layer's gate: how many experts, how many per token, and how they are picked (``ops.moe.Routing``)."""
 
-    num_experts: int
-    top_k: int
+    num_experts: int  # routed experts (the gate's outputs)
+    top_k: int  # routed experts per token
     routing: Routing = Routing()
+    num_shared: int = 0  # shared experts stacked after the routed ones, given to every token with weight 1.0
 
     def __post_init__(self):
         n_group, topk_group = self.routing.n_group, self.routing.topk_group
+        if isinstance(self.num_shared, bool) or not isinstance(self.num_shared, int) or self.num_shared < 0:
+            raise ValueError(f"num_shared={self.num_shared!r} must be an integer >= 0")
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok={self.top_k} must be in [1, n_routed_experts={self.num_experts}]"
@@ -89,27 +101,32 @@ class Router(nn.Module):
         if torch.equal(low.float(), weight):
             self.weight_16bit = low
 
-    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden: torch.Tensor, with_shared: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_weights, topk_ids): the routed choice, plus the shared-expert columns when ``with_shared``."""
         if (self.weight_16bit is not None and hidden.dtype == self.dtype and hidden.dim() == 2
                 and not batch_invariant.is_enabled()):  # that mode's invariant matmuls take float32 here
             logits = torch.mm(hidden, self.weight_16bit.t(), out_dtype=torch.float32)
         else:
             logits = torch.nn.functional.linear(hidden.float(), self.weight)
-        return select_experts(logits, self.cfg.top_k, self.cfg.routing, self.e_score_correction_bias)
+        return select_experts(logits, self.cfg.top_k, self.cfg.routing, self.e_score_correction_bias,
+                              self.cfg.num_shared if with_shared else 0)
 
 
 class FusedExperts(nn.Module):
-    """E SiLU-gated experts stacked for one grouped op: ``w13 [E, 2I, H]``, ``w2 [E, H, I]``."""
+    """SiLU-gated experts stacked for one grouped op: ``w13 [E + S, 2I, H]``, ``w2 [E + S, H, I]``; slots
+    0..E-1 the routed experts, E..E+S-1 the shared ones (``num_shared``, see the module doc)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, quant: Fp8Config | None):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, quant: Fp8Config | None,
+                 num_shared: int = 0):
         super().__init__()
-        self.num_experts, self.quant = num_experts, quant
+        self.num_routed, self.num_shared, self.quant = num_experts, num_shared, quant
+        self.num_experts = slots = num_experts + num_shared  # what the stacked weights hold
         dtype = FP8_DTYPE if quant else None
         self.w13 = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False
+            torch.empty(slots, 2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False
         )
         self.w2 = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), requires_grad=False
+            torch.empty(slots, hidden_size, intermediate_size, dtype=dtype), requires_grad=False
         )
         self.w13.weight_loader, self.w2.weight_loader = self._loader("w13", False), self._loader("w2", False)
         self.shards: dict[str, BlockScaledShards] = {}
@@ -121,7 +138,7 @@ class FusedExperts(nn.Module):
             }
             for name, shards in self.shards.items():
                 scale = nn.Parameter(
-                    torch.empty(num_experts, shards.scale_rows, shards.cols, dtype=torch.float32),
+                    torch.empty(slots, shards.scale_rows, shards.cols, dtype=torch.float32),
                     requires_grad=False,
                 )
                 scale.weight_loader = self._loader(name, True)
@@ -130,33 +147,78 @@ class FusedExperts(nn.Module):
                 getattr(self, name).dummy_init = self._dummy_init_fn(name)
         self.dtype = torch.get_default_dtype()
         self.dense: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.filled: set[tuple[str, int | str, str]] = set()  # (parameter, expert | "shared", kind) loaded so far
+
+    def missing_shards(self) -> list[str]:
+        """Checkpoint tensors this stack has not received (``load_weights`` checks every expert is there: the
+        stacked parameters are one tensor each, so a missing expert would not show as a missing parameter)."""
+        leaves = [(n, n) for n in ("w13", "w2")] + [(f"{n}_scale_inv", n) for n in self.shards]
+        experts = [*range(self.num_routed), *([SHARED] if self.num_shared else [])]
+        return [f"{'shared_experts' if e == SHARED else f'experts.{e}'}.{kind}_proj"
+                f"{'.weight_scale_inv' if leaf != name else '.weight'}"
+                for leaf, name in leaves for e in experts for kind, (owner, _) in SHARDS.items()
+                if owner == name and (leaf, e, kind) not in self.filled]
 
     def _loader(self, name: str, is_scale: bool):
-        def load(param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, str] | None = None) -> None:
-            """``shard``: (expert, 'gate' | 'up' | 'down') for a per-expert tensor; None: stacked."""
-            target = param.data
-            if shard is not None:
-                expert, kind = shard
-                if not 0 <= expert < self.num_experts:
-                    raise ValueError(f"expert index {expert} out of range [0, {self.num_experts})")
-                index, target = SHARDS[kind][1], target[expert]
-                if is_scale:
-                    _, _, srow, srows = self.shards[name].offsets[index]
-                    target = target.narrow(0, srow, srows)
-                elif name == "w13":
-                    size = target.shape[0] // 2
-                    target = target.narrow(0, index * size, size)
-            if target.shape != loaded.shape:
-                raise ValueError(
-                    f"expert tensor of shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}"
-                )
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int | str, str] | None = None) -> None:
+            """``shard``: (expert, 'gate' | 'up' | 'down') for a per-expert tensor, ("shared", kind) for the
+            shared experts' MLP; None: the routed experts stacked."""
+            targets, dim = self._targets(name, is_scale, param.data, shard)
+            size, want = targets[0].shape[dim], list(targets[0].shape)
+            want[dim] *= len(targets)
+            if tuple(loaded.shape) != tuple(want):
+                chunks = f" ({len(targets)} shared experts of {tuple(targets[0].shape)})" if len(targets) > 1 else ""
+                raise ValueError(f"expert tensor of shape {tuple(loaded.shape)} does not fit {tuple(want)}{chunks}")
             if self.quant and not is_scale and loaded.dtype != FP8_DTYPE:
                 raise ValueError(
                     f"expected FP8 (float8_e4m3fn) experts for an fp8 checkpoint, got {loaded.dtype}"
                 )
-            target.copy_(loaded)
+            for target, part in zip(targets, loaded.split(size, dim)):
+                target.copy_(part)
+            leaf = f"{name}_scale_inv" if is_scale else name
+            if shard is None:  # the stacked layout: every routed expert's shards of this parameter
+                self.filled.update((leaf, e, kind) for e in range(self.num_routed)
+                                   for kind, (owner, _) in SHARDS.items() if owner == name)
+            else:
+                self.filled.add((leaf, *shard))
 
         return load
+
+    def _targets(
+        self, name: str, is_scale: bool, data: torch.Tensor, shard: tuple[int | str, str] | None
+    ) -> tuple[list[torch.Tensor], int]:
+        """The views of ``data`` (``w13`` / ``w2`` or its scale) one checkpoint tensor fills, and the dimension
+        of that tensor they lie along: one view, or the shared experts' S chunks (rows of gate / up, columns of
+        down_proj: its input is the intermediate dimension)."""
+        if shard is None:
+            return [data[: self.num_routed]], 0
+        expert, kind = shard
+        if kind not in SHARDS or SHARDS[kind][0] != name:
+            raise ValueError(f"shard {kind!r} does not belong in {name}; {name} takes "
+                             f"{[k for k, (n, _) in SHARDS.items() if n == name]}")
+        if expert == SHARED:
+            if not self.num_shared:
+                raise ValueError("a shared-expert tensor for experts stacked without shared slots (num_shared=0)")
+            slots, dim = range(self.num_routed, self.num_experts), 1 if kind == "down" else 0
+        elif isinstance(expert, int) and 0 <= expert < self.num_routed:
+            slots, dim = [expert], 0
+        else:
+            raise ValueError(f"expert index {expert!r} out of range [0, {self.num_routed}) (routed experts)")
+        index = SHARDS[kind][1]
+        if is_scale:
+            _, _, srow, srows = self.shards[name].offsets[index]
+            return [data[e].narrow(0, srow, srows) for e in slots], dim
+        if name == "w13":
+            size = data.shape[1] // 2
+            return [data[e].narrow(0, index * size, size) for e in slots], dim
+        return [data[e] for e in slots], dim
+
+    def checkpoint_tensor(self, leaf: str, shard: tuple[int | str, str] | None = None) -> torch.Tensor:
+        """The weight loader read backwards: the tensor a checkpoint stores for ``shard`` of the parameter
+        ``leaf`` ("w13", "w2", "w13_scale_inv", ...), rebuilt from our slots (to copy our weights elsewhere)."""
+        name = leaf.removesuffix("_scale_inv")
+        targets, dim = self._targets(name, leaf != name, getattr(self, leaf).data, shard)
+        return targets[0] if len(targets) == 1 else torch.cat(targets, dim)
 
     def _dummy_init_fn(self, name: str):
         def init(std: float, generator: torch.Generator) -> None:
@@ -190,3 +252,18 @@ class FusedExperts(nn.Module):
                 w2_scale_inv=self.w2_scale_inv, block_size=self.quant.block_size,
             )
         return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids)
+
+    def add_shared(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` + the shared experts (slots E..E+S-1) as dense MLPs beside the grouped GEMM, for the batches
+        where their rows in it would cost more than separate GEMMs (``DeepseekMoE``): one batched gate/up GEMM
+        over the S slots, SiLU-mul, and the down GEMMs accumulated into ``out`` in place."""
+        first = self.num_routed
+        if self.quant and self.dense is None:  # FP8 slots: the block-scaled GEMM, slot by slot
+            block = self.quant.block_size
+            for e in range(first, self.num_experts):
+                h = silu_and_mul(fp8_block_linear(hidden, self.w13[e], self.w13_scale_inv[e], block))
+                out = out + fp8_block_linear(h, self.w2[e], self.w2_scale_inv[e], block)
+            return out
+        w13, w2 = (w[first:] for w in (self.dense or (self.w13, self.w2)))
+        h = silu_and_mul(torch.matmul(hidden, w13.transpose(1, 2)))  # [S, T, I]
+        return out.addbmm_(h, w2.transpose(1, 2))

@@ -5,7 +5,9 @@ T * top_k (token, expert) pairs by expert, runs one gate/up and one down matmul 
 contiguous slice of rows, and scatters the weighted results back with ``index_add_``: no loop over tokens.
 
 Weight layout (stacked at load from the checkpoint's per-expert tensors):
-``w13 [E, 2I, H]`` = [gate_proj; up_proj] of each expert, ``w2 [E, H, I]`` = down_proj.
+``w13 [E, 2I, H]`` = [gate_proj; up_proj] of each expert, ``w2 [E, H, I]`` = down_proj. Shared experts may be
+stacked after the routed ones (``layers.moe.FusedExperts``): ``select_experts(..., num_shared=S)`` then appends
+their ids with weight 1.0 to every token's routed choice, so one grouped GEMM pair runs both.
 """
 
 from __future__ import annotations
@@ -62,15 +64,17 @@ def select_experts(
     top_k: int,
     routing: Routing = Routing(),
     e_score_correction_bias: torch.Tensor | None = None,
+    num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] (float32) -> (topk_weights [T, k] float32, topk_ids [T, k] int64).
+    """router_logits [T, E] (float32) -> (topk_weights [T, k + S] float32, topk_ids [T, k + S] int64).
 
     - ``greedy``: top-k of the scores (DeepSeek-V2-Lite).
     - ``group_limited_greedy``: top-k within the ``topk_group`` groups of highest max score (DeepSeek-V2).
     - ``noaux_tc``: the choice uses scores + ``e_score_correction_bias`` within the ``topk_group`` groups of
       highest top-2 sum; the weights are the unbiased scores of the chosen experts (DeepSeek-V3).
     Weights are renormalized to sum 1 when ``norm_topk_prob`` (and top_k > 1), then multiplied by
-    ``routed_scaling_factor``.
+    ``routed_scaling_factor``. ``num_shared`` (S) shared experts stacked after the E routed ones: columns k..k+S-1
+    hold ids E..E+S-1 with weight exactly 1.0 (neither renormalized nor scaled), after the routed choice.
 
     On the Triton path (CUDA) one kernel does all of it (``ops.triton.router``), except in deterministic mode,
     which keeps this torch path (expert-id order, sequential sums).
@@ -78,9 +82,9 @@ def select_experts(
     if use_triton(router_logits) and not batch_invariant.is_enabled():
         from dsinfer.ops.triton import router
 
-        if router.supports(router_logits.shape[-1], top_k, routing.n_group):
-            return router.select_experts_triton(router_logits, top_k, routing, e_score_correction_bias)
-    return select_experts_ref(router_logits, top_k, routing, e_score_correction_bias)
+        if router.supports(router_logits.shape[-1], top_k, routing.n_group, num_shared):
+            return router.select_experts_triton(router_logits, top_k, routing, e_score_correction_bias, num_shared)
+    return select_experts_ref(router_logits, top_k, routing, e_score_correction_bias, num_shared)
 
 
 def select_experts_ref(
@@ -88,6 +92,7 @@ def select_experts_ref(
     top_k: int,
     routing: Routing = Routing(),
     e_score_correction_bias: torch.Tensor | None = None,
+    num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``select_experts`` in torch ops (the reference, the CPU path and the deterministic mode's path)."""
     r, n_group, topk_group = routing, routing.n_group, routing.topk_group
@@ -109,10 +114,23 @@ def select_experts_ref(
         topk_weights, topk_ids = sort_topk(topk_weights, topk_ids)
         if r.norm_topk_prob and top_k > 1:
             topk_weights = topk_weights / (ordered_sum(topk_weights) + 1e-20)
-        return topk_weights * r.routed_scaling_factor, topk_ids
+        # the shared ids E.. come after every routed id: the columns stay in expert-id order
+        return with_shared(topk_weights * r.routed_scaling_factor, topk_ids, logits.shape[1], num_shared)
     if r.norm_topk_prob and top_k > 1:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return topk_weights * r.routed_scaling_factor, topk_ids
+    return with_shared(topk_weights * r.routed_scaling_factor, topk_ids, logits.shape[1], num_shared)
+
+
+def with_shared(
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_routed: int, num_shared: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, k] routed choice -> [T, k + S]: the S shared experts (ids num_routed.., weight 1.0) appended."""
+    if not num_shared:
+        return topk_weights, topk_ids
+    num_tokens = topk_ids.shape[0]
+    ids = torch.arange(num_routed, num_routed + num_shared, dtype=topk_ids.dtype, device=topk_ids.device)
+    return (torch.cat((topk_weights, topk_weights.new_ones(num_tokens, num_shared)), dim=1),
+            torch.cat((topk_ids, ids.expand(num_tokens, num_shared)), dim=1))
 
 
 def fused_moe_ref(

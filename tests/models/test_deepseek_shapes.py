@@ -34,12 +34,12 @@ def test_kv_bytes_per_token_of_real_shapes(name, bytes_per_token):
 
 
 def _routing_recorder(model):
-    """Record the expert ids each MoE gate picks."""
+    """Record the routed expert ids each MoE gate picks (not the fused shared experts' columns after them)."""
     picked: list[torch.Tensor] = []
     for layer in model.layers:
         gate = getattr(layer.mlp, "gate", None)
         if gate is not None:
-            gate.register_forward_hook(lambda mod, args, out: picked.append(out[1].flatten()))
+            gate.register_forward_hook(lambda mod, args, out: picked.append(out[1][:, : mod.cfg.top_k].flatten()))
     return picked
 
 
@@ -132,4 +132,4 @@ def test_bad_configs_raise_clear_errors(override, message):
 
 def test_tiny_configs_build():
     assert len(DeepseekV2ForCausalLM(dict(TINY, architectures=["DeepseekV2ForCausalLM"])).layers) == 2
-    assert DeepseekV3ForCausalLM(dict(TINY)).layers[1].mlp.experts.w13.shape == (8, 32, 32)
+    assert DeepseekV3ForCausalLM(dict(TINY)).layers[1].mlp.experts.w13.shape == (9, 32, 32)  # 8 routed + 1 shared

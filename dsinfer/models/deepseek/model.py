@@ -18,14 +18,17 @@ from torch import nn
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.fp8_linear import Fp8Config
 from dsinfer.layers.mla import MLAAttention, MLAMetadata, fuses_q_kv_a
+from dsinfer.layers.moe import SHARED, FusedExperts
 from dsinfer.layers.norm import RMSNorm
-from dsinfer.models.deepseek.blocks import DeepseekDecoderLayer, check_config
+from dsinfer.models.deepseek.blocks import DeepseekDecoderLayer, check_config, fused_shared_experts
 from dsinfer.ops.fp8 import FP8_DTYPE
 from dsinfer.runner.forward_batch import ForwardBatch
 
 logger = logging.getLogger("dsinfer")
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)$")
+# the shared experts' MLP, when its chunks ride in the routed experts' stack (``blocks.fused_shared_experts``)
+_SHARED = re.compile(r"\.shared_experts\.(gate|up|down)_proj\.(weight|weight_scale_inv)$")
 _STACKED = {".experts.gate_up_proj": ".experts.w13", ".experts.down_proj": ".experts.w2"}
 _PACKED = {".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1)}
 # q_a_proj (q LoRA) or q_proj (none) and kv_a_proj_with_mqa: one GEMM (``layers.mla.fuses_q_kv_a``)
@@ -35,6 +38,11 @@ _PACKED_QKV_A = {
     ".kv_a_proj_with_mqa.": (".fused_qkv_a_proj.", 1),
 }
 _MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "embed_tokens.", "shared_head.")
+
+
+def _stacked(mlp: str, proj: str, tensor: str) -> str:
+    """The stacked parameter of an expert projection's ``tensor`` (weight / weight_scale_inv) under ``mlp``."""
+    return f"{mlp}.experts.{'w2' if proj == 'down' else 'w13'}{'_scale_inv' if tensor == 'weight_scale_inv' else ''}"
 
 
 class DeepseekV2ForCausalLM(nn.Module):
@@ -48,6 +56,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         check_config(cfg)
         cfg.setdefault("rms_norm_eps", 1e-6)
         self.cfg, self.quant = cfg, Fp8Config.from_hf(cfg)
+        self.fuses_shared_experts = fused_shared_experts(cfg, self.quant) > 0
         self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"])
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(cfg, i, self.quant, self.variant) for i in range(cfg["num_hidden_layers"])
@@ -92,9 +101,10 @@ class DeepseekV2ForCausalLM(nn.Module):
             name = f"mtp.layers.{index}.{rest}"
         expert = _EXPERT.search(name)
         if expert:
-            stacked = "w2" if expert[2] == "down" else "w13"
-            suffix = "_scale_inv" if expert[3] == "weight_scale_inv" else ""
-            return f"{name[: expert.start()]}.experts.{stacked}{suffix}", (int(expert[1]), expert[2])
+            return _stacked(name[: expert.start()], expert[2], expert[3]), (int(expert[1]), expert[2])
+        shared = _SHARED.search(name) if self.fuses_shared_experts else None
+        if shared:
+            return _stacked(name[: shared.start()], shared[1], shared[2]), (SHARED, shared[1])
         for fragment, ours in _STACKED.items():
             if name.endswith(fragment):
                 return name[: -len(fragment)] + ours, None
@@ -141,6 +151,8 @@ class DeepseekV2ForCausalLM(nn.Module):
             self.mtp = None
             params = dict(self.named_parameters())
         missing = sorted(set(params) - loaded)
+        missing += [f"{prefix.removesuffix('.experts')}.{part}" for prefix, module in self.named_modules()
+                    if isinstance(module, FusedExperts) for part in module.missing_shards()]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} parameter(s), e.g. {missing[:5]}")
 

@@ -3,7 +3,8 @@
 One program per token row: scores (softmax or sigmoid of the float32 logits), the choice scores (+
 ``e_score_correction_bias`` for noaux_tc), the group limit (groups scored by their max or by the sum of their
 top two, the ``topk_group`` best kept), the top-k by repeated argmax, the weights from the unbiased scores,
-renormalization and ``routed_scaling_factor``. Groups need not be a power of two wide (DeepSeek-V2: 160 experts
+renormalization and ``routed_scaling_factor``, then the ``NUM_SHARED`` shared-expert columns (ids E.., weight 1.0)
+of a row [T, TOP_K + NUM_SHARED]. Groups need not be a power of two wide (DeepSeek-V2: 160 experts
 in 8 groups of 20): an expert's group is ``e // group_size``, and the group reductions run over a
 [groups, experts] tile.
 
@@ -19,18 +20,20 @@ import triton.language as tl
 
 from dsinfer.ops.moe import Routing
 
-MAX_EXPERTS, MAX_TOP_K, MAX_GROUPS = 256, 8, 32
+# MAX_TOP_K bounds a row's columns, routed + shared (V3: 8 + 1; V2 / V2-Lite: 6 + 2)
+MAX_EXPERTS, MAX_TOP_K, MAX_GROUPS = 256, 16, 32
 
 
 @triton.jit
 def _router_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, group_size, stride_l, scaling,
     E_PAD: tl.constexpr, G_PAD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-    NOAUX: tl.constexpr, NORM: tl.constexpr,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, NUM_SHARED: tl.constexpr, S_PAD: tl.constexpr,
+    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NOAUX: tl.constexpr, NORM: tl.constexpr,
 ):
     """NOAUX: groups scored by their top-2 sum and dropped groups' experts at -inf, else by their max and at 0.0
-    (group_limited_greedy, as the reference's masked scores)."""
+    (group_limited_greedy, as the reference's masked scores). Output rows are TOP_K + NUM_SHARED wide; the shared
+    columns have their own store, so the routed weights' sums keep their width (bit-identical to NUM_SHARED=0)."""
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     valid = e < num_experts
@@ -74,13 +77,18 @@ def _router_kernel(
     if NORM:
         out_w = out_w / (tl.sum(out_w, axis=0) + 1e-20)
     out_w = out_w * scaling
-    tl.store(weights_ptr + row * TOP_K + kk, out_w, mask=kk < TOP_K)
-    tl.store(ids_ptr + row * TOP_K + kk, out_i.to(tl.int64), mask=kk < TOP_K)
+    width = TOP_K + NUM_SHARED
+    tl.store(weights_ptr + row * width + kk, out_w, mask=kk < TOP_K)
+    tl.store(ids_ptr + row * width + kk, out_i.to(tl.int64), mask=kk < TOP_K)
+    if NUM_SHARED > 0:
+        s = tl.arange(0, S_PAD)
+        tl.store(weights_ptr + row * width + TOP_K + s, tl.full([S_PAD], 1.0, tl.float32), mask=s < NUM_SHARED)
+        tl.store(ids_ptr + row * width + TOP_K + s, (num_experts + s).to(tl.int64), mask=s < NUM_SHARED)
 
 
-def supports(num_experts: int, top_k: int, n_group: int) -> bool:
+def supports(num_experts: int, top_k: int, n_group: int, num_shared: int = 0) -> bool:
     """Whether the kernel covers these router sizes (else the torch reference runs)."""
-    return num_experts <= MAX_EXPERTS and top_k <= MAX_TOP_K and n_group <= MAX_GROUPS
+    return num_experts <= MAX_EXPERTS and top_k + num_shared <= MAX_TOP_K and n_group <= MAX_GROUPS
 
 
 def select_experts_triton(
@@ -88,13 +96,15 @@ def select_experts_triton(
     top_k: int,
     routing: Routing = Routing(),
     e_score_correction_bias: torch.Tensor | None = None,
+    num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``ops.moe.select_experts``: (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
+    """Same contract as ``ops.moe.select_experts``: (topk_weights [T, k + S] float32, topk_ids [T, k + S] int64),
+    the S = ``num_shared`` shared-expert columns written by the same kernel."""
     n_group, topk_group, topk_method = routing.n_group, routing.topk_group, routing.topk_method
     num_tokens, num_experts = router_logits.shape
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(num_tokens, top_k + num_shared, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, top_k + num_shared, dtype=torch.int64, device=logits.device)
     if num_tokens == 0:
         return weights, ids
     grouped = topk_method in ("group_limited_greedy", "noaux_tc") and n_group > 1
@@ -106,8 +116,9 @@ def select_experts_triton(
         num_experts // n_group if grouped else num_experts, logits.stride(0), float(routing.routed_scaling_factor),
         E_PAD=e_pad, G_PAD=max(2, triton.next_power_of_2(n_group)) if grouped else 2,
         N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1, TOP_K=top_k,
-        K_PAD=max(2, triton.next_power_of_2(top_k)), SIGMOID=routing.scoring_func == "sigmoid", HAS_BIAS=has_bias,
-        NOAUX=noaux, NORM=routing.norm_topk_prob and top_k > 1,
+        K_PAD=max(2, triton.next_power_of_2(top_k)), NUM_SHARED=num_shared,
+        S_PAD=max(2, triton.next_power_of_2(num_shared)), SIGMOID=routing.scoring_func == "sigmoid",
+        HAS_BIAS=has_bias, NOAUX=noaux, NORM=routing.norm_topk_prob and top_k > 1,
         num_warps=4 if e_pad >= 128 else 2,
     )
     return weights, ids
