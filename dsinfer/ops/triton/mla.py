@@ -77,6 +77,18 @@ def _find_row_seq(query_start_loc_ptr, num_seqs, row):
 
 
 @triton.jit
+def _row_split(query_start_loc_ptr, seq_lens_ptr, num_seqs, row, split, num_splits, BLOCK_N: tl.constexpr):
+    """(sequence of query row ``row``, first and end cache row of its split ``split``): the context is cut in
+    ``num_splits`` runs of whole key tiles, up to the row's own position (causal, for draft rows)."""
+    seq = _find_row_seq(query_start_loc_ptr, num_seqs, row)
+    q_end = tl.load(query_start_loc_ptr + seq + 1)
+    ctx_len = tl.load(seq_lens_ptr + seq) - (q_end - 1 - row)  # causal: keys up to this row's position
+    split_len = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    return seq, start, tl.minimum(start + split_len, ctx_len)
+
+
+@triton.jit
 def _dot(a, b, UPCAST: tl.constexpr):
     """tl.dot; UPCAST (the CPU interpreter, whose dot mishandles bf16) multiplies in float32."""
     if UPCAST:
@@ -103,12 +115,7 @@ def _mla_decode_kernel(
     row = tl.program_id(2)
     if row >= tl.load(query_start_loc_ptr + num_seqs):
         return  # padding row
-    seq = _find_row_seq(query_start_loc_ptr, num_seqs, row)
-    q_end = tl.load(query_start_loc_ptr + seq + 1)
-    ctx_len = tl.load(seq_lens_ptr + seq) - (q_end - 1 - row)  # causal: keys up to this row's position
-    split_len = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, ctx_len)
+    seq, start, end = _row_split(query_start_loc_ptr, seq_lens_ptr, num_seqs, row, split, num_splits, BLOCK_N)
 
     offs_h = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_r = tl.arange(0, BLOCK_R)

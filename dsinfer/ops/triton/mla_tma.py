@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.triton.mla import _dot, _find_row_seq
+from dsinfer.ops.triton.mla import _dot, _row_split
 
 _MAX_BOX = 256  # widest TMA box dimension (elements)
 
@@ -87,12 +87,7 @@ def _mla_decode_tma_kernel(
     row = tl.program_id(2)
     if row >= tl.load(query_start_loc_ptr + num_seqs):
         return  # padding row
-    seq = _find_row_seq(query_start_loc_ptr, num_seqs, row)
-    q_end = tl.load(query_start_loc_ptr + seq + 1)
-    ctx_len = tl.load(seq_lens_ptr + seq) - (q_end - 1 - row)  # causal: keys up to this row's position
-    split_len = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, ctx_len)
+    seq, start, end = _row_split(query_start_loc_ptr, seq_lens_ptr, num_seqs, row, split, num_splits, BLOCK_N)
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
 
     offs_h = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
