@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
     while engine.has_unfinished_requests():
         engine.step()
-    return report((prof, wall_ms, args.steps, "eager decode steps"), args)
+    return report((prof, wall_ms, args.steps, "graph decode steps" if args.graph else "eager decode steps"), args)
 
 
 def profile_prefill(llm, random_prompts, args, sync):
