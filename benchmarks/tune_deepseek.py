@@ -8,7 +8,8 @@ Sweeps a pruned grid of configs for
 - the dense FP8 block-scaled GEMM 4096x7168x16384 (V3 o_proj);
 - MLA decode (absorbed, latent rows 512 + 64 bf16, block 64) at 16 and 128 heads, B in {1, 64, 128, 256},
   context 1k and 4k: tile configs first at B=128 ctx 4k, then the best few with several grid fills
-  (``programs_per_sm`` of the split heuristic) over all shapes, CUDA-graph timed.
+  (``programs_per_sm`` of the split heuristic) over all shapes, CUDA-graph timed (``tune_mla.py``).
+What the sections share (device, timing, ceilings, budgets, the sweep loop) is in ``tuning.py``.
 
 Ceilings measured in the same run: copy bandwidth, bf16 matmul, FP8 ``torch._scaled_mm``. Every candidate's
 output is checked once against a torch reference (MoE: the rows of two experts, dequantized, float32; MLA:
@@ -38,116 +39,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import tuning  # noqa: E402
+from benchmarks.tune_mla import SHAPES as MLA_SHAPES  # noqa: E402
+from benchmarks.tune_mla import tune_mla  # noqa: E402
+from benchmarks.tuning import LOG, TABLE, Budget, ceilings, rate_note, rel_err, sweep  # noqa: E402
+
 CONFIG_DIR = ROOT / "dsinfer" / "ops" / "triton" / "configs"
 BLOCK = (128, 128)
-R, P = 512, 64
-DEV = "cuda"
-SMOKE = False  # --smoke: tiny shapes on whatever device (CPU interpreter), to test this script
-MLA_SHAPES = [(b, ctx) for ctx in (4096, 1024) for b in (128, 1, 64, 256)]  # the first is the tile-sweep shape
-LOG: list[dict] = []  # every measurement, written to tune_results.json
-TABLE: list[str] = []
-
-
-# ---- timing and ceilings ----
-
-def _sync() -> None:
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-
-
-def _empty_cache() -> None:
-    if DEV == "cuda":
-        torch.cuda.empty_cache()
-
-
-def bench(fn, rep_ms: int = 20) -> float:
-    """Median ms of fn() (triton do_bench: events, L2 flushed before each run)."""
-    from triton.testing import do_bench
-
-    if SMOKE:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
-    return float(do_bench(fn, warmup=5, rep=rep_ms, return_mode="median"))
-
-
-def graph_bench(fn, rep_ms: int = 20) -> float:
-    """Median ms of a CUDA-graph replay of one fn() call (no launch overhead)."""
-    if SMOKE:
-        return bench(fn)
-    from benchmarks.roofline import capture_one_call
-
-    return bench(capture_one_call(fn).replay, rep_ms)
-
-
-@functools.cache
-def ceilings() -> dict:
-    if SMOKE:
-        return dict(copy=1e11, bf16=1e12, fp8=2e12)
-    n = 8192
-    src = torch.randn(1 << 28, device=DEV)  # 1 GiB
-    dst = torch.empty_like(src)
-    copy_bw = 2 * src.numel() * 4 / (bench(lambda: dst.copy_(src), 100) * 1e-3)
-    src = dst = None
-    a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
-    bf16 = 2 * n**3 / (bench(lambda: a @ b, 100) * 1e-3)
-    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
-    one = torch.ones((), device=DEV)
-    fp8 = 2 * n**3 / (bench(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one,
-                                                        out_dtype=torch.bfloat16), 100) * 1e-3)
-    return dict(copy=copy_bw, bf16=bf16, fp8=fp8)
-
-
-def rate_note(ms: float, num_bytes: float, flops: float, fp8: bool) -> str:
-    c = ceilings()
-    peak = c["fp8"] if fp8 else c["bf16"]
-    t_floor = max(num_bytes / c["copy"], flops / peak) * 1e3
-    gbs, tfs = num_bytes / ms / 1e6, flops / ms / 1e9
-    return (f"{gbs:,.0f} GB/s ({gbs * 1e9 / c['copy']:.0%} BW), {tfs:,.0f} TFLOP/s ({tfs * 1e12 / peak:.0%} "
-            f"{'fp8' if fp8 else 'bf16'}), floor {t_floor:.4f} ms ({t_floor / ms:.0%})")
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.float(), ref.float()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-class Budget:
-    def __init__(self, seconds: float):
-        self.deadline = time.monotonic() + seconds
-
-    def left(self) -> float:
-        return self.deadline - time.monotonic()
-
-
-def sweep(label: str, candidates: list[dict], run, check, budget: Budget, timer=bench) -> list[tuple[float, dict]]:
-    """[(ms, cfg)] for each candidate that compiles and passes ``check`` (the first is always tried)."""
-    results = []
-    for i, cfg in enumerate(candidates):
-        if i and budget.left() <= 0:
-            print(f"  {label}: budget spent, skipped {len(candidates) - i} candidates", flush=True)
-            break
-        t0 = time.monotonic()
-        try:
-            run(cfg)
-            _sync()
-            err = check()
-            if not err < 2e-2:
-                print(f"  {label} {cfg}: WRONG (rel err {err:.3g})", flush=True)
-                LOG.append(dict(label=label, cfg=cfg, error=f"rel err {err}"))
-                continue
-            ms = timer(functools.partial(run, cfg))
-        except Exception as exc:  # noqa: BLE001 (a config that does not compile or does not fit)
-            msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-            print(f"  {label} {cfg}: failed {msg}", flush=True)
-            LOG.append(dict(label=label, cfg=cfg, error=msg))
-            continue
-        results.append((ms, cfg))
-        LOG.append(dict(label=label, cfg=cfg, ms=ms, err=err))
-        print(f"  {label} {cfg}: {ms:.4f} ms (err {err:.1e}, {time.monotonic() - t0:.1f} s)", flush=True)
-    return results
 
 
 # ---- MoE ----
@@ -215,10 +113,11 @@ def moe_grids(fp8: bool, rows_per_expert: float) -> tuple[list[dict], list[dict]
 
 
 def _fp8_weights(e: int, rows: int, cols: int):
-    w = torch.empty(e, rows, cols, device=DEV, dtype=torch.float8_e4m3fn)
+    w = torch.empty(e, rows, cols, device=tuning.DEV, dtype=torch.float8_e4m3fn)
     for i in range(0, e, 16):
-        w[i:i + 16] = (torch.randn(min(16, e - i), rows, cols, device=DEV, dtype=torch.bfloat16) * 64).to(w.dtype)
-    s = torch.rand(e, rows // BLOCK[0], cols // BLOCK[1], device=DEV) * 2e-4 + 1e-4
+        chunk = torch.randn(min(16, e - i), rows, cols, device=tuning.DEV, dtype=torch.bfloat16)
+        w[i:i + 16] = (chunk * 64).to(w.dtype)
+    s = torch.rand(e, rows // BLOCK[0], cols // BLOCK[1], device=tuning.DEV) * 2e-4 + 1e-4
     return w, s
 
 
@@ -255,27 +154,27 @@ def tune_moe(name: str, routed: int, h: int, inter: int, top_k: int, num_shared:
         w13, s13 = _fp8_weights(e, 2 * inter, h)
         w2, s2 = _fp8_weights(e, h, inter)
     else:
-        w13 = torch.randn(e, 2 * inter, h, device=DEV, dtype=torch.bfloat16) * 0.02
-        w2 = torch.randn(e, h, inter, device=DEV, dtype=torch.bfloat16) * 0.02
+        w13 = torch.randn(e, 2 * inter, h, device=tuning.DEV, dtype=torch.bfloat16) * 0.02
+        w2 = torch.randn(e, h, inter, device=tuning.DEV, dtype=torch.bfloat16) * 0.02
         s13 = s2 = None
     wbytes = 1 if fp8 else 2
     for ti, tokens in enumerate(token_counts):
         sub = Budget(budget.left() * (0.6, 0.55, 1.0)[min(ti, 2)])  # the largest T first, most of the time
         pairs = tokens * k
         rpe = pairs / e
-        x = torch.randn(tokens, h, device=DEV, dtype=torch.bfloat16)
-        weights, ids = with_shared(*torch.randn(tokens, routed, device=DEV).softmax(-1).topk(top_k, dim=-1), routed,
-                                   num_shared)
+        x = torch.randn(tokens, h, device=tuning.DEV, dtype=torch.bfloat16)
+        scores = torch.randn(tokens, routed, device=tuning.DEV).softmax(-1)
+        weights, ids = with_shared(*scores.topk(top_k, dim=-1), routed, num_shared)
         touched = int(ids.unique().numel())
-        h_in = torch.randn(pairs, inter, device=DEV, dtype=torch.bfloat16)
+        h_in = torch.randn(pairs, inter, device=tuning.DEV, dtype=torch.bfloat16)
         if fp8:
             a, a_s = per_token_group_quant(x, BLOCK[1])
             a2, a2_s = per_token_group_quant(h_in, BLOCK[1])
         else:
             a, a_s, a2, a2_s = x, None, h_in, None
         wflat = weights.reshape(-1).float()
-        inter_out = torch.empty(pairs, inter, device=DEV, dtype=torch.bfloat16)
-        down = torch.empty(pairs, h, device=DEV, dtype=torch.bfloat16)
+        inter_out = torch.empty(pairs, inter, device=tuning.DEV, dtype=torch.bfloat16)
+        down = torch.empty(pairs, h, device=tuning.DEV, dtype=torch.bfloat16)
         # Reference on the pairs of two experts.
         flat = ids.reshape(-1)
         chk = flat[:2].tolist()
@@ -326,20 +225,20 @@ def tune_moe(name: str, routed: int, h: int, inter: int, top_k: int, num_shared:
         TABLE.append(f"| {name} gate/up | T={tokens} ({touched} experts) | {base1:.4f} | {t1:.4f} | "
                      f"{rate_note(t1, b1, f1, fp8)} | {c1} |")
         TABLE.append(f"| {name} down | T={tokens} | {base2:.4f} | {t2:.4f} | {rate_note(t2, b2, f2, fp8)} | {c2} |")
-        _empty_cache()
+        tuning.empty_cache()
 
 
 def tune_dense(budget: Budget, table: dict) -> None:
     from dsinfer.ops.triton.fp8 import dense_config, per_token_group_quant
     from dsinfer.ops.triton.moe import grouped_gemm
 
-    m, n, k = (64, 256, 512) if SMOKE else (4096, 7168, 16384)
+    m, n, k = (64, 256, 512) if tuning.SMOKE else (4096, 7168, 16384)
     w, s = _fp8_weights(1, n, k)
     w, s = w[0], s[0]
-    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=tuning.DEV, dtype=torch.bfloat16)
     a, a_s = per_token_group_quant(x, BLOCK[1])
-    out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
-    rows = torch.arange(0, m, 37, device=DEV)
+    out = torch.empty(m, n, device=tuning.DEV, dtype=torch.bfloat16)
+    rows = torch.arange(0, m, 37, device=tuning.DEV)
     ref = _dequant_a(a[rows], a_s[rows]) @ (w.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)).T
     current = dense_config(m, True, n, k)
     grid = [_cfg(*c) for c in ((128, 128, 128, 8, 8, 3), (64, 128, 128, 8, 4, 3, "tma"),
@@ -359,146 +258,6 @@ def tune_dense(budget: Budget, table: dict) -> None:
                  f"{rate_note(t, n * k + m * k * 3 + m * n * 2, 2 * m * n * k, True)} | {cfg} |")
 
 
-# ---- MLA decode ----
-
-def _mla_ref(q, qp, cache, tables, scale, chunk: int = 16) -> torch.Tensor:
-    """Absorbed decode, one query row per sequence over its whole table (float32, chunks of sequences: no
-    per-head copy of the latent, unlike SDPA's GQA fallback)."""
-    out = []
-    for i in range(0, q.shape[0], chunk):
-        ctx = cache[tables[i:i + chunk].long()].flatten(1, 2).float()  # [b, L, R + P]
-        qq = torch.cat((q[i:i + chunk], qp[i:i + chunk]), -1).float()  # [b, H, R + P]
-        att = (torch.einsum("bhd,bld->bhl", qq, ctx) * scale).softmax(-1)
-        out.append(torch.einsum("bhl,blr->bhr", att, ctx[..., :R]))
-    return torch.cat(out)
-
-
-def tune_mla(budget: Budget, table: dict) -> None:
-    from dsinfer.ops.triton.mla import decode_config, mla_decode_triton
-
-    shapes = MLA_SHAPES
-    # (block_h, block_n, num_warps, num_stages[, extra config keys]), most promising first (the current config
-    # is measured first). Tried and dropped (H200): heads-major tiles padded to 64 rows (session 3, 2-5x
-    # slower), latent-chunked scores and keys-major tiles with the heads on the wgmma N side (session 4,
-    # 0-30% slower).
-    tma = dict(tma=True)
-    tiles = {16: [(16, 32, 4, 3, tma), (16, 32, 4, 2, tma), (16, 32, 4, 4, tma), (16, 16, 4, 3, tma),
-                  (16, 32, 8, 3, tma), (16, 32, 4, 2, dict(reload_q=True))],
-             128: [(64, 32, 8, 3, tma), (64, 64, 8, 2, tma), (64, 16, 8, 3, tma), (64, 64, 8, 2), (64, 32, 8, 3),
-                   (32, 32, 4, 3, tma)]}
-    fills = {16: [2, 3, 4, 6, 8, 16], 128: [2, 4, 8]}
-    for heads in (16, 128):
-        sub = Budget(budget.left() * (0.6 if heads == 16 else 1.0))
-        cases = {}
-        for b, ctx in shapes:
-            block = 64
-            nblk = b * ctx // block
-            cache = torch.randn(nblk, block, R + P, device=DEV, dtype=torch.bfloat16)
-            tables = torch.randperm(nblk, device=DEV, dtype=torch.int32).view(b, -1)
-            seq_lens = torch.full((b,), ctx, device=DEV, dtype=torch.int32)
-            qsl = torch.arange(b + 1, device=DEV, dtype=torch.int32)
-            q = torch.randn(b, heads, R, device=DEV, dtype=torch.bfloat16)
-            qp = torch.randn(b, heads, P, device=DEV, dtype=torch.bfloat16)
-            args = (q, qp, cache, tables, qsl, seq_lens, 192**-0.5)
-            cases[(b, ctx)] = (args, _mla_ref(q, qp, cache, tables, args[-1]))
-        current = dict(decode_config(heads, True))
-        current.setdefault("programs_per_sm", 4)
-        out_box = {}
-
-        def runner(case, cfg, cases=cases, out_box=out_box):
-            args = cases[case][0]
-            return lambda: out_box.__setitem__("o", mla_decode_triton(*args, max_seq_len=case[1], config=cfg))
-
-        # Stage 1: tiles at B=128 ctx 4k (CUDA-graph timed), at a fine grid fill (16 programs per SM: several
-        # waves, so a tile's occupancy does not decide by wave quantization); the fill is tuned in stage 2.
-        key_case = shapes[0]
-        tile_keys = ("block_h", "block_n", "num_warps", "num_stages")
-        cur_tile = tuple(current[k] for k in tile_keys)
-        first = dict(current, programs_per_sm=16)
-        cands = [first] + [c for c in (dict(zip(tile_keys, t[:4]), programs_per_sm=16, **(t[4] if len(t) > 4 else {}))
-                                       for t in tiles[heads]) if c != first]
-        stage1 = []
-        tile_budget = Budget(sub.left() * 0.45)
-        for i, cfg in enumerate(cands):
-            if i and tile_budget.left() <= 0:
-                print(f"  mla H={heads}: budget spent in tile sweep, {len(cands) - i} skipped", flush=True)
-                break
-            res = _mla_one(f"mla H={heads} B={key_case[0]} ctx={key_case[1]}", cfg, runner(key_case, cfg), out_box,
-                           cases[key_case][1])
-            if res is not None:
-                stage1.append((res, cfg))
-        if not stage1:
-            continue
-        stage1.sort(key=lambda r: r[0])
-        top = [cfg for _, cfg in stage1[:3]]
-        if not any(tuple(c[k] for k in tile_keys) == cur_tile for c in top):
-            top.append(dict(current))
-        # Stage 2: grid fills over every shape for the best tiles.
-        cands2 = []
-        for cfg in top:
-            for pps in fills[heads]:
-                c = dict(cfg, programs_per_sm=pps)
-                if c not in cands2:
-                    cands2.append(c)
-        if current in cands2:
-            cands2.remove(current)
-        cands2.insert(0, current)
-        times: dict[int, dict] = {}
-        for ci, cfg in enumerate(cands2):
-            if ci and sub.left() <= 0:
-                print(f"  mla H={heads}: budget spent, {len(cands2) - ci} fill candidates skipped", flush=True)
-                break
-            row = {}
-            for case in shapes:
-                ms = _mla_one(f"mla H={heads} B={case[0]} ctx={case[1]}", cfg, runner(case, cfg), out_box,
-                              cases[case][1], quiet=True)
-                if ms is None:
-                    row = None
-                    break
-                row[case] = ms
-            if row:
-                times[ci] = row
-                print(f"  mla H={heads} {cfg}: " + ", ".join(f"B{b}/{c // 1024}k {t:.4f}" for (b, c), t in row.items()),
-                      flush=True)
-        if not times:
-            continue
-        best_per = {case: min(r[case] for r in times.values()) for case in shapes}
-        score = {ci: sum(r[case] / best_per[case] for case in shapes) / len(shapes) for ci, r in times.items()}
-        win = min(score, key=score.get)
-        best = cands2[win]
-        table[str(heads)] = best
-        for case in shapes:
-            b, ctx = case
-            base = times[0][case] if 0 in times else float("nan")
-            nbytes = b * ctx * (R + P) * 2 + b * heads * (2 * R + P) * 2
-            flops = 2 * b * heads * ctx * (R + P + R)
-            TABLE.append(f"| mla decode (graph) | H={heads} B={b} ctx={ctx} | {base:.4f} | {times[win][case]:.4f} | "
-                         f"{rate_note(times[win][case], nbytes, flops, False)} | {best} (mean {score[win]:.3f}x of "
-                         f"per-shape best) |")
-        _empty_cache()
-
-
-def _mla_one(label, cfg, fn, out_box, ref, quiet=False):
-    try:
-        fn()
-        _sync()
-        err = rel_err(out_box["o"], ref)
-        if not err < 2e-2:
-            print(f"  {label} {cfg}: WRONG (rel err {err:.3g})", flush=True)
-            LOG.append(dict(label=label, cfg=cfg, error=f"rel err {err}"))
-            return None
-        ms = graph_bench(fn)
-    except Exception as exc:  # noqa: BLE001
-        msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-        print(f"  {label} {cfg}: failed {msg}", flush=True)
-        LOG.append(dict(label=label, cfg=cfg, error=msg))
-        return None
-    LOG.append(dict(label=label, cfg=cfg, ms=ms, err=err))
-    if not quiet:
-        print(f"  {label} {cfg}: {ms:.4f} ms (err {err:.1e})", flush=True)
-    return ms
-
-
 # ---- main ----
 
 def main() -> None:
@@ -510,10 +269,10 @@ def main() -> None:
                         help="MoE token counts to tune (the first gets most of the budget)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device (tests this script)")
     args = parser.parse_args()
-    global DEV, SMOKE, MLA_SHAPES
-    if args.smoke:
-        SMOKE, MLA_SHAPES = True, [(2, 128), (1, 64)]
-        DEV = "cuda" if torch.cuda.is_available() else "cpu"
+    mla_shapes = MLA_SHAPES
+    if args.smoke:  # --smoke: tiny shapes on whatever device (CPU interpreter), to test this script
+        tuning.SMOKE, mla_shapes = True, [(2, 128), (1, 64)]
+        tuning.DEV = "cuda" if torch.cuda.is_available() else "cpu"
     elif not torch.cuda.is_available():
         sys.exit("tune_deepseek.py needs a CUDA device")
     start = time.monotonic()
@@ -522,7 +281,7 @@ def main() -> None:
     moe_table = json.loads((CONFIG_DIR / "moe.json").read_text())
     mla_table = json.loads((CONFIG_DIR / "mla_decode.json").read_text())
     c = ceilings()
-    device = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
+    device = torch.cuda.get_device_name() if tuning.DEV == "cuda" else "cpu"
     head = (f"{device}: copy {c['copy'] / 1e12:.2f} TB/s, bf16 {c['bf16'] / 1e12:.0f} "
             f"TFLOP/s, fp8 _scaled_mm {c['fp8'] / 1e12:.0f} TFLOP/s ({time.monotonic() - start:.0f} s)")
     print(head, flush=True)
@@ -531,17 +290,17 @@ def main() -> None:
     def save() -> None:
         (out_dir / "moe.json").write_text(json.dumps(moe_table, indent=1) + "\n")
         (out_dir / "mla_decode.json").write_text(json.dumps(mla_table, indent=1) + "\n")
-        (out_dir / "tune_results.json").write_text(json.dumps(dict(ceilings=c, runs=LOG, table=TABLE), indent=1,
-                                                              default=str))
+        (out_dir / "tune_results.json").write_text(
+            json.dumps(dict(ceilings=c, runs=LOG, table=TABLE), indent=1, default=str))
 
     share = {"moe": 0.45, "mla": 0.27, "lite": 0.15, "dense": 0.13}
     total = sum(share[s] for s in only if s in share)
     # (routed experts, hidden, inter, top_k, shared experts): the shared ones run as extra experts of the stack
-    v3, lite, tokens = (((8, 256, 128, 2, 1), (4, 64, 48, 2, 2), (16,)) if SMOKE else
+    v3, lite, tokens = (((8, 256, 128, 2, 1), (4, 64, 48, 2, 2), (16,)) if tuning.SMOKE else
                         ((256, 7168, 2048, 8, 1), (64, 2048, 1408, 6, 2), tuple(args.tokens)))
     sections = [
         ("moe", lambda b: tune_moe("V3 fp8", *v3, fp8=True, token_counts=tokens, budget=b, table=moe_table)),
-        ("mla", lambda b: tune_mla(b, mla_table)),
+        ("mla", lambda b: tune_mla(b, mla_table, mla_shapes)),
         ("lite", lambda b: tune_moe("V2-Lite bf16", *lite, fp8=False, token_counts=tokens, budget=b,
                                     table=moe_table)),
         ("dense", lambda b: tune_dense(b, moe_table)),
@@ -556,7 +315,7 @@ def main() -> None:
             fn(Budget(seconds))
         except Exception:  # noqa: BLE001 (report, keep the other sections)
             traceback.print_exc()
-        _empty_cache()
+        tuning.empty_cache()
         save()  # after every section: a run cut short keeps what it found
         print(f"== {name} done in {time.monotonic() - t0:.0f} s (total {time.monotonic() - start:.0f} s)", flush=True)
     save()
