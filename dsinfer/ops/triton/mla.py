@@ -89,6 +89,26 @@ def _row_split(query_start_loc_ptr, seq_lens_ptr, num_seqs, row, split, num_spli
 
 
 @triton.jit
+def _softmax_step(s, n_valid, scale_log2, m_i, l_i):
+    """One key tile of the online softmax (log2 domain): (p [H, N], alpha [H] that rescales what was summed so
+    far, the new running max, the new running sum); keys outside ``n_valid`` get weight 0."""
+    s = tl.where(n_valid[None, :], s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _softmax_totals(m_i, l_i):
+    """(divisor, log2-sum-exp) per head after the last tile; a head that saw no key (a split past its context):
+    divisor 1 (its output stays 0) and log-sum-exp -inf (the reduce gives it no weight)."""
+    empty = l_i == 0.0
+    denom = tl.where(empty, 1.0, l_i)
+    return denom, tl.where(empty, float("-inf"), m_i + tl.log2(denom))
+
+
+@triton.jit
 def _dot(a, b, UPCAST: tl.constexpr):
     """tl.dot; UPCAST (the CPU interpreter, whose dot mishandles bf16) multiplies in float32."""
     if UPCAST:
@@ -144,21 +164,15 @@ def _mla_decode_kernel(
             qn = tl.load(qn_ptrs, mask=h_valid[:, None] & r_valid[None, :], other=0.0).to(c.dtype)
             qp = tl.load(qp_ptrs, mask=h_valid[:, None] & p_valid[None, :], other=0.0).to(c.dtype)
         s = _dot(qn, tl.trans(c), UPCAST) + _dot(qp, tl.trans(k_pe), UPCAST)  # [BLOCK_H, BLOCK_N]
-        s = tl.where(n_valid[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = _softmax_step(s, n_valid, scale_log2, m_i, l_i)
         acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, UPCAST)
-        m_i = m_new
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    denom, lse = _softmax_totals(m_i, l_i)
+    out = acc / denom[:, None]
     io_mask = h_valid[:, None] & r_valid[None, :]
     if SINGLE:
         tl.store(out_ptr + row64 * stride_ot + offs_h[:, None] * stride_oh + offs_r[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         part = (row64 * num_heads + offs_h) * num_splits + split  # part_* [T, H, S(, R)]
         tl.store(part_out_ptr + part[:, None] * RANK + offs_r[None, :], out, mask=io_mask)
         tl.store(part_lse_ptr + part, lse, mask=h_valid)

@@ -10,8 +10,9 @@ of a split takes the masked pointer loads (rows past the context may hold anythi
 0-weight times NaN row would poison the output).
 
 The latent rank is split in ``NUM_C`` chunks of ``BLOCK_C`` columns (a TMA box is at most 256 wide): two score
-dots and two value accumulators at rank 512. Measured on the H200 at H=16 (V2-Lite), B=128, 4k context: 0.178 ms
-against 0.225 ms for the pointer-load kernel (docs/benchmarks.md, session 5).
+dots and two value accumulators at rank 512. On the H200 at H=16 (V2-Lite), B=128, 4k context, tuned and
+CUDA-graph timed: 0.185 ms (78% of the copy rate); the pointer-load kernel took 0.230 ms in the same tuner a
+session earlier (docs/benchmarks.md, session 5).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.triton.mla import _dot, _row_split
+from dsinfer.ops.triton.mla import _dot, _row_split, _softmax_step, _softmax_totals
 
 _MAX_BOX = 256  # widest TMA box dimension (elements)
 
@@ -47,23 +48,19 @@ def _attend(qn_ptrs, qp_ptrs, q_mask, qp_mask, c0, c1, k_pe, n_valid, m_i, l_i, 
         s += _dot(qn1, tl.trans(c1), UPCAST)
     qp = tl.load(qp_ptrs, mask=qp_mask, other=0.0).to(c0.dtype)
     s += _dot(qp, tl.trans(k_pe), UPCAST)
-    s = tl.where(n_valid[None, :], s * scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p, alpha, m_i, l_i = _softmax_step(s, n_valid, scale_log2, m_i, l_i)
     pc = p.to(c0.dtype)
     acc0 = acc0 * alpha[:, None] + _dot(pc, c0, UPCAST)
     if NUM_C == 2:
         acc1 = acc1 * alpha[:, None] + _dot(pc, c1, UPCAST)
-    return m_new, l_i, acc0, acc1
+    return m_i, l_i, acc0, acc1
 
 
 @triton.jit
-def _store(acc, col0, inv, row64, offs_h, h_valid, split, num_heads, num_splits, out_ptr, part_out_ptr,
+def _store(acc, col0, denom, row64, offs_h, h_valid, split, num_heads, num_splits, out_ptr, part_out_ptr,
            stride_ot, stride_oh, RANK: tl.constexpr, BLOCK_C: tl.constexpr, SINGLE: tl.constexpr):
     offs_c = col0 + tl.arange(0, BLOCK_C)
-    out = acc * inv[:, None]
+    out = acc / denom[:, None]
     if SINGLE:
         tl.store(out_ptr + row64 * stride_ot + offs_h[:, None] * stride_oh + offs_c[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=h_valid[:, None])
@@ -130,15 +127,13 @@ def _mla_decode_tma_kernel(
                        other=0.0)
         m_i, l_i, acc0, acc1 = _attend(qn_ptrs, qp_ptrs, q_mask, qp_mask, c0, c1, k_pe, n_valid, m_i, l_i,
                                        acc0, acc1, scale_log2, BLOCK_C, NUM_C, UPCAST)
-    empty = l_i == 0.0
-    inv = 1.0 / tl.where(empty, 1.0, l_i)
-    _store(acc0, 0, inv, row64, offs_h, h_valid, split, num_heads, num_splits, out_ptr, part_out_ptr,
+    denom, lse = _softmax_totals(m_i, l_i)
+    _store(acc0, 0, denom, row64, offs_h, h_valid, split, num_heads, num_splits, out_ptr, part_out_ptr,
            stride_ot, stride_oh, RANK, BLOCK_C, SINGLE)
     if NUM_C == 2:
-        _store(acc1, BLOCK_C, inv, row64, offs_h, h_valid, split, num_heads, num_splits, out_ptr, part_out_ptr,
+        _store(acc1, BLOCK_C, denom, row64, offs_h, h_valid, split, num_heads, num_splits, out_ptr, part_out_ptr,
                stride_ot, stride_oh, RANK, BLOCK_C, SINGLE)
     if not SINGLE:
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(part_lse_ptr + (row64 * num_heads + offs_h) * num_splits + split, lse, mask=h_valid)
 
 
