@@ -131,15 +131,15 @@ class DeepseekMoE(nn.Module):
         self.shared_experts = DeepseekMLP(hidden, inter * shared, quant) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = self.experts.num_shared
+        has_slots = self.experts.num_shared > 0  # shared experts stacked with the routed ones
         # Past a few dozen tokens the shared experts' rows in the grouped GEMM (every token, tiles of a decode
         # config) cost more than two dense GEMMs (V2-Lite on the H200: fused 0.09 ms faster per step at 64
         # tokens, 0.66 ms slower at 256). The deterministic mode always fuses: its sums must not depend on the
         # batch size.
-        fuse = fused and (x.shape[0] <= FUSED_SHARED_MAX_TOKENS or batch_invariant.is_enabled())
-        topk_weights, topk_ids = self.gate(x, with_shared=bool(fuse))
+        fuse = has_slots and (x.shape[0] <= FUSED_SHARED_MAX_TOKENS or batch_invariant.is_enabled())
+        topk_weights, topk_ids = self.gate(x, with_shared=fuse)
         out = self.experts(x, topk_weights, topk_ids)
-        if fused and not fuse:
+        if has_slots and not fuse:
             out = self.experts.add_shared(x, out)
         if self.shared_experts is not None:
             out = self.shared_experts(x, add_to=out)
