@@ -2,6 +2,7 @@
 
     python benchmarks/profile_decode.py [--model benchmarks/configs/llama-3.1-8b] [--batch 1] [--context 1024]
     python benchmarks/profile_decode.py --prefill --batch 8 --context 1024   # one step prefilling 8 x 1024 tokens
+    python benchmarks/profile_decode.py --replay --batch 256   # the decode graph replay alone (no scheduler)
 
 Runs ``--batch`` prompts of ``--context`` random tokens through the offline engine with ``enforce_eager`` (or
 through the decode CUDA graphs with ``--graph``: the same kernels, unless a library picks others under capture),
@@ -42,6 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill", action="store_true", help="profile steps that prefill --batch x --context tokens")
     p.add_argument("--graph", action="store_true",
                    help="decode through the CUDA graphs (CUPTI still reports the kernels a replay runs)")
+    p.add_argument("--replay", action="store_true",
+                   help="profile the runner's decode step alone (graph replay at the padded batch, or one eager "
+                        "step), over --batch sequences of --context cached tokens: no scheduler, no prefill")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     return p.parse_args(argv)
@@ -57,7 +61,10 @@ def main(argv=None) -> int:
     if args.prefill:  # every prompt in one step, none of it from the prefix cache
         extra = dict(enable_prefix_caching=False, max_num_batched_tokens=args.batch * args.context,
                      max_num_seqs=max(args.batch, 1))
-    llm = make_llm(args.model, args, enforce_eager=not args.graph, **extra)
+    llm = make_llm(args.model, args, enforce_eager=not (args.graph or args.replay), **extra)
+    sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
+    if args.replay:
+        return report(profile_replay(llm, args, sync), args)
     gen = torch.Generator().manual_seed(0)
     vocab = llm.engine.model_config.vocab_size
 
@@ -69,7 +76,6 @@ def main(argv=None) -> int:
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate(prompts, warm, use_tqdm=False)
     engine = llm.engine
-    sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
     if args.prefill:
         return report(profile_prefill(llm, random_prompts, args, sync), args)
     params = SamplingParams(temperature=0, max_tokens=args.steps + 4, ignore_eos=True)
@@ -89,6 +95,33 @@ def main(argv=None) -> int:
     while engine.has_unfinished_requests():
         engine.step()
     return report((prof, wall_ms, args.steps, "graph decode steps" if args.graph else "eager decode steps"), args)
+
+
+def profile_replay(llm, args, sync):
+    """The kernels of one decode step of the runner over ``--batch`` sequences of ``--context`` cached tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.latency import Sequences
+    from dsinfer.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+
+    runner = llm.engine.runner
+    seqs = Sequences(llm, [args.context] * args.batch, "r")
+    seqs.randomize_kv(runner)
+    sched = SchedulerOutput([ScheduledRequest(r, 1, args.context - 1) for r in seqs.requests])
+    size = runner.graphs.padded_size(args.batch) if runner.graphs is not None else None
+    step = (lambda: runner.graphs.replay(size)) if size is not None else (lambda: runner.execute(sched))
+    for _ in range(3):
+        runner.execute(sched)
+        step()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        sync()
+        wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
+    seqs.free()
+    return prof, wall_ms, args.steps, "graph replays" if size is not None else "eager runner steps"
 
 
 def profile_prefill(llm, random_prompts, args, sync):

@@ -260,6 +260,11 @@ def tune_dense(budget: Budget, table: dict) -> None:
 
 # ---- main ----
 
+def _batch_by_context(spec: str) -> tuple[int, int]:
+    batch, _, context = spec.partition("x")
+    return int(batch), int(context)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"), help="folder for the JSON files")
@@ -267,9 +272,11 @@ def main() -> None:
     parser.add_argument("--only", default="moe,mla,lite,dense", help="comma list of moe, mla, lite, dense")
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 512, 64],
                         help="MoE token counts to tune (the first gets most of the budget)")
+    parser.add_argument("--mla-shapes", type=_batch_by_context, nargs="+", default=MLA_SHAPES,
+                        help="MLA decode shapes BxCTX (the first picks the tiles), e.g. 256x1024 256x4096")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device (tests this script)")
     args = parser.parse_args()
-    mla_shapes = MLA_SHAPES
+    mla_shapes = args.mla_shapes
     if args.smoke:  # --smoke: tiny shapes on whatever device (CPU interpreter), to test this script
         tuning.SMOKE, mla_shapes = True, [(2, 128), (1, 64)]
         tuning.DEV = "cuda" if torch.cuda.is_available() else "cpu"
