@@ -52,8 +52,7 @@ BLOCK = (128, 128)
 
 def _cfg(bm, bn, bk, gm, w, st, mode=None) -> dict:
     """mode: None (the default GEMM), "fuse" (gate/up in one dot), "two" (two dots), "tma" (weights through TMA
-    descriptors, two dots), each optionally with "+bkN" (K tile N instead of the grid's) and "+k2" (FP8: two K
-    tiles per loop iteration)."""
+    descriptors, two dots), each optionally with "+bkN" (K tile N instead of the grid's)."""
     cfg = dict(block_m=bm, block_n=bn, block_k=bk, group_m=gm, num_warps=w, num_stages=st)
     flags = set((mode or "").split("+"))
     if flags & {"fuse", "two"}:
@@ -63,8 +62,6 @@ def _cfg(bm, bn, bk, gm, w, st, mode=None) -> dict:
     for flag in flags:
         if flag.startswith("bk"):  # "bk128": a K tile of its own
             cfg["block_k"] = int(flag[2:])
-    if "k2" in flags:
-        cfg["k_groups"] = 2
     return cfg
 
 
@@ -75,12 +72,11 @@ def moe_grids(fp8: bool, rows_per_expert: float) -> tuple[list[dict], list[dict]
     tiles."""
     bk = 128 if fp8 else 64
     if rows_per_expert >= 128 and fp8:
-        gate_up = [(64, 64, 8, 4, 4, "tma+k2"), (64, 64, 8, 4, 4, "fuse"), (64, 64, 8, 4, 4, "tma"),
-                   (128, 64, 8, 8, 3, "tma+k2"), (128, 64, 8, 8, 3, "fuse"), (128, 64, 8, 8, 3, "tma"),
-                   (64, 128, 8, 8, 3, "fuse"), (128, 64, 8, 8, 4, "fuse"), (64, 64, 32, 4, 4, "fuse"),
-                   (64, 64, 8, 4, 3, "fuse"), (128, 64, 32, 8, 3, "tma"), (128, 32, 8, 8, 4, "two")]
-        down = [(64, 128, 8, 4, 3, "k2"), (64, 128, 8, 4, 3, "tma+k2"), (128, 128, 8, 8, 3, "tma+k2"),
-                (64, 128, 8, 4, 3), (64, 128, 8, 4, 3, "tma"), (128, 128, 8, 8, 3), (128, 128, 8, 8, 3, "tma"),
+        gate_up = [(64, 64, 8, 4, 4, "fuse"), (64, 64, 8, 4, 4, "tma"), (128, 64, 8, 8, 3, "fuse"),
+                   (128, 64, 8, 8, 3, "tma"), (64, 128, 8, 8, 3, "fuse"), (128, 64, 8, 8, 4, "fuse"),
+                   (64, 64, 32, 4, 4, "fuse"), (64, 64, 8, 4, 3, "fuse"), (128, 64, 32, 8, 3, "tma"),
+                   (128, 32, 8, 8, 4, "two")]
+        down = [(64, 128, 8, 4, 3), (64, 128, 8, 4, 3, "tma"), (128, 128, 8, 8, 3), (128, 128, 8, 8, 3, "tma"),
                 (64, 256, 8, 8, 3), (64, 128, 8, 4, 4), (128, 128, 8, 8, 4, "tma"), (128, 128, 32, 8, 3),
                 (64, 128, 32, 4, 3)]
     elif rows_per_expert >= 128:

@@ -263,10 +263,9 @@ def test_fused_moe_fp8_v3_expert_shapes(num_tokens, assert_close):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["fuse_gu", "tma", "k_groups"])
+@pytest.mark.parametrize("mode", ["fuse_gu", "tma"])
 def test_fused_moe_fp8_v3_tile_modes(mode, assert_close):
-    """The tuner's tile modes at V3 expert shapes: gate/up in one dot, weights through TMA descriptors, two K
-    tiles per loop iteration."""
+    """The tuner's tile modes at V3 expert shapes: gate/up in one dot, weights through TMA descriptors."""
     from dsinfer.ops.triton.moe import fused_moe_triton
 
     gen = torch.Generator().manual_seed(4)
@@ -276,8 +275,7 @@ def test_fused_moe_fp8_v3_tile_modes(mode, assert_close):
     w2_q, w2_s = _quantize_stack(w2, block)
     x = torch.randn(200, hidden, generator=gen)
     weights, ids = _route(200, num_experts, 8, gen, "cuda")
-    cfg = dict(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3,
-               **({"tma": True, "k_groups": 2} if mode == "k_groups" else {mode: True}),
+    cfg = dict(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3, **{mode: True},
                down=dict(block_m=128, block_n=128, num_warps=8))
     out = fused_moe_triton(x.bfloat16().cuda(), w13_q.cuda(), w2_q.cuda(), weights, ids,
                            w13_scale_inv=w13_s.cuda(), w2_scale_inv=w2_s.cuda(), block_size=block, config=cfg)
@@ -286,12 +284,10 @@ def test_fused_moe_fp8_v3_tile_modes(mode, assert_close):
     assert_close(out, ref, torch.bfloat16, tol=0.15)
 
 
-@pytest.mark.parametrize("fuse_gu, tma, k_groups", [(False, False, 1), (True, False, 1), (False, True, 1),
-                                                    (False, False, 2), (False, True, 2)])
-def test_fused_moe_tile_configs_agree(fuse_gu, tma, k_groups, device, poisoned, assert_close):
+@pytest.mark.parametrize("fuse_gu, tma", [(False, False), (True, False), (False, True)])
+def test_fused_moe_tile_configs_agree(fuse_gu, tma, device, poisoned, assert_close):
     """Gate and up in one interleaved dot or two; weights through TMA descriptors (the last N tile reads the
-    next expert's rows); the down GEMM with its own tile and alignment (block_m); FP8 with two K tiles per loop
-    iteration (gate/up: K 64 = 2 x 2 x 16; down: K 48 is not a multiple of 2 x 16, so it keeps one)."""
+    next expert's rows); the down GEMM with its own tile and alignment (block_m)."""
     from dsinfer.ops.triton.moe import fused_moe_triton
 
     gen = torch.Generator().manual_seed(7)
@@ -301,7 +297,7 @@ def test_fused_moe_tile_configs_agree(fuse_gu, tma, k_groups, device, poisoned, 
     weights, ids = _route(11, num_experts, top_k, gen, device)
     # bf16 down: K 48 in steps of 32 (a masked K tail)
     cfg = dict(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1, fuse_gu=fuse_gu,
-               tma=tma, k_groups=k_groups, down=dict(block_m=32, block_n=16))
+               tma=tma, down=dict(block_m=32, block_n=16))
     out = fused_moe_triton(x.to(device), w13.bfloat16().to(device), w2.bfloat16().to(device), weights, ids,
                            config=cfg)
     ref = fused_moe_ref(x.double(), w13.bfloat16().double(), w2.bfloat16().double(), weights.double().cpu(),

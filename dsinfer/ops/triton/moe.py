@@ -60,8 +60,7 @@ def moe_config(key: str, rows_per_expert: float, fp8: bool, is_cuda: bool) -> di
     within a factor of 4, else ``default_config``. Keys of a config: block_m, block_n (output columns; the
     gated GEMM's dot is twice as wide), block_k, group_m (programs sharing a B tile, L2 swizzle), num_warps,
     num_stages, fuse_gu (gate and up in one dot; default off on CUDA), tma (weights, and the activations of a
-    dense GEMM, through TMA descriptors; default off; excludes fuse_gu), k_groups (FP8: K tiles per loop iteration,
-    default 1) and ``down`` (see ``down_config``)."""
+    dense GEMM, through TMA descriptors; default off; excludes fuse_gu) and ``down`` (see ``down_config``)."""
     return nearest_config(key, rows_per_expert, is_cuda) or default_config(rows_per_expert, fp8, is_cuda)
 
 
@@ -101,7 +100,7 @@ def _gemm_kernel(
     MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr,
     GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SCALAR_BS: tl.constexpr, A_DESC: tl.constexpr,
-    B_DESC: tl.constexpr, UPCAST: tl.constexpr, K_GROUPS: tl.constexpr,
+    B_DESC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """C[rows] = A[rows] @ B[e]^T (rows: pairs sorted by expert when GATHER, else 0..M); see module doc.
 
@@ -112,10 +111,7 @@ def _gemm_kernel(
     columns lie in one scale block of B (BLOCK_N divides GROUP_N, two dots), so a K step's scale is per row only
     (one multiply-add per accumulator element). A_DESC / B_DESC: ``a_ptr`` / ``b_ptr`` are TMA tensor descriptors
     (A [M, K] without gather, B viewed [E * rows, K]) loading [BLOCK_M | BLOCK_N, BLOCK_K] tiles; the tiles
-    past N read the next rows (the next expert's, or zeros past the end), never stored; not with FUSE_GU.
-    K_GROUPS: K tiles per loop iteration (unrolled; K a multiple of K_GROUPS * BLOCK_K): with FP8 their dots are
-    independent (each is scaled before it is added), so the next tile's MMA can issue before the previous one's
-    scaling waits on it."""
+    past N read the next rows (the next expert's, or zeros past the end), never stored; not with FUSE_GU."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -162,50 +158,48 @@ def _gemm_kernel(
         bs_up_ptrs = b_scale_ptr + expert * stride_bse + ((b_rows + up_offset) // GROUP_N) * stride_bsn
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N if GATED and FUSE_GU else BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k_step in range(0, K, BLOCK_K * K_GROUPS):
-        for k_group in tl.static_range(K_GROUPS):
-            k0 = k_step + k_group * BLOCK_K
-            k_valid = offs_k < K - k0
-            if A_DESC:
-                a = a_ptr.load([pid_m * BLOCK_M, k0])
-            elif EVEN_K:
-                a = tl.load(a_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=k_valid[None, :], other=0.0)
+    for k0 in range(0, K, BLOCK_K):
+        k_valid = offs_k < K - k0
+        if A_DESC:
+            a = a_ptr.load([pid_m * BLOCK_M, k0])
+        elif EVEN_K:
+            a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=k_valid[None, :], other=0.0)
+        if B_DESC:
+            b = tl.trans(b_ptr.load([b_row0, k0]))
+        elif EVEN_K:
+            b = tl.load(b_ptrs)
+        else:
+            b = tl.load(b_ptrs, mask=k_valid[:, None], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if FP8:
+            kg = k0 // GROUP_K
+            a_s = tl.load(as_ptrs + kg * stride_ask)
+            b_s = tl.load(bs_ptrs + kg * stride_bsk)
+            acc += tl.dot(a, b) * _scale(a_s, b_s, SCALAR_BS)
+        else:
+            acc = _mma(a, b, acc)
+        if GATED and not FUSE_GU:
             if B_DESC:
-                b = tl.trans(b_ptr.load([b_row0, k0]))
+                b_up = tl.trans(b_ptr.load([b_row0 + up_offset, k0]))
             elif EVEN_K:
-                b = tl.load(b_ptrs)
+                b_up = tl.load(b_ptrs + up_offset * stride_bn)
             else:
-                b = tl.load(b_ptrs, mask=k_valid[:, None], other=0.0)
+                b_up = tl.load(b_ptrs + up_offset * stride_bn, mask=k_valid[:, None], other=0.0)
             if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
+                b_up = b_up.to(tl.float32)
             if FP8:
-                kg = k0 // GROUP_K
-                a_s = tl.load(as_ptrs + kg * stride_ask)
-                b_s = tl.load(bs_ptrs + kg * stride_bsk)
-                acc += tl.dot(a, b) * _scale(a_s, b_s, SCALAR_BS)
+                b_up_s = tl.load(bs_up_ptrs + kg * stride_bsk)
+                acc_up += tl.dot(a, b_up) * _scale(a_s, b_up_s, SCALAR_BS)
             else:
-                acc = _mma(a, b, acc)
-            if GATED and not FUSE_GU:
-                if B_DESC:
-                    b_up = tl.trans(b_ptr.load([b_row0 + up_offset, k0]))
-                elif EVEN_K:
-                    b_up = tl.load(b_ptrs + up_offset * stride_bn)
-                else:
-                    b_up = tl.load(b_ptrs + up_offset * stride_bn, mask=k_valid[:, None], other=0.0)
-                if UPCAST:
-                    b_up = b_up.to(tl.float32)
-                if FP8:
-                    b_up_s = tl.load(bs_up_ptrs + kg * stride_bsk)
-                    acc_up += tl.dot(a, b_up) * _scale(a_s, b_up_s, SCALAR_BS)
-                else:
-                    acc_up = _mma(a, b_up, acc_up)
-            if not A_DESC:
-                a_ptrs += BLOCK_K * stride_ak
-            if not B_DESC:
-                b_ptrs += BLOCK_K * stride_bk
+                acc_up = _mma(a, b_up, acc_up)
+        if not A_DESC:
+            a_ptrs += BLOCK_K * stride_ak
+        if not B_DESC:
+            b_ptrs += BLOCK_K * stride_bk
     if GATED:
         if FUSE_GU:
             acc, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
@@ -257,10 +251,6 @@ def grouped_gemm(
     b_desc = cfg.get("tma", False) and _tma_ok(b)
     a_desc = b_desc and align is None and _tma_ok(a)
     fuse_gu = gated and cfg.get("fuse_gu", not a.is_cuda) and not b_desc
-    # K tiles per loop iteration (FP8 only: independent scaled dots); a K that does not split evenly keeps one
-    k_groups = cfg.get("k_groups", 1) if fp8 else 1
-    if k % (block_k * k_groups):
-        k_groups = 1
     if align is not None:
         sorted_ids, expert_ids, num_padded = align
         rows, num_pairs = sorted_ids.shape[0], out.shape[0]
@@ -291,8 +281,8 @@ def grouped_gemm(
         GROUP_N=block_size[0] if fp8 else 1, GROUP_K=block_size[1] if fp8 else 1,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k, GROUP_M=cfg["group_m"],
         EVEN_K=k % block_k == 0, SCALAR_BS=fp8 and not fuse_gu and block_size[0] % cfg["block_n"] == 0,
-        A_DESC=a_desc, B_DESC=b_desc, UPCAST=not a.is_cuda, K_GROUPS=k_groups,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        A_DESC=a_desc, B_DESC=b_desc,
+        UPCAST=not a.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 
