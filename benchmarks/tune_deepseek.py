@@ -2,7 +2,7 @@
 
 Sweeps a pruned grid of configs for
 - the FP8 MoE grouped GEMMs of DeepSeek-V3 experts (256 routed + 1 shared fused in, hidden 7168, inter 2048,
-  top-8 + the shared one; 128x128 scale blocks), gate/up and down tuned separately, at T = 64, 512, 8192 tokens;
+  top-8 + the shared one; 128x128 scale blocks), gate/up and down tuned separately, at T = 8192, 512, 64 and 1 tokens;
 - the bf16 MoE GEMMs of DeepSeek-V2-Lite experts (64 routed + 2 shared, hidden 2048, inter 1408, top-6 + 2) at
   the same T;
 - the dense FP8 block-scaled GEMM 4096x7168x16384 (V3 o_proj);
@@ -99,11 +99,12 @@ def moe_grids(fp8: bool, rows_per_expert: float) -> tuple[list[dict], list[dict]
         gate_up = [(16, 64, 1, 4, 4, "fuse"), (16, 64, 1, 4, 4, "tma"), (16, 128, 1, 4, 4, "fuse"),
                    (16, 32, 1, 4, 5, "fuse"), (16, 64, 1, 4, 5, "two"), (32, 64, 1, 4, 4, "fuse"),
                    (16, 32, 1, 4, 4, "fuse+bk128"), (16, 64, 1, 4, 4, "fuse+bk128"), (16, 32, 1, 4, 5, "tma+bk128"),
-                   (16, 64, 1, 4, 4, "tma+bk128"), (16, 32, 1, 4, 4, "two+bk256"), (16, 64, 1, 8, 3, "fuse+bk256")]
+                   (16, 64, 1, 4, 4, "tma+bk128"), (16, 32, 1, 4, 4, "two+bk256"), (16, 64, 1, 8, 3, "fuse+bk256"),
+                   (16, 32, 1, 4, 6, "two+bk128"), (16, 16, 1, 4, 6, "two+bk128")]  # batch 1: more programs
         down = [(16, 128, 1, 4, 4), (16, 128, 1, 4, 4, "tma"), (16, 64, 1, 4, 5), (16, 256, 1, 8, 3),
                 (32, 128, 1, 4, 4), (16, 64, 1, 4, 4, "bk128"), (16, 128, 1, 4, 4, "bk128"),
                 (16, 64, 1, 4, 4, "tma+bk128"), (16, 32, 1, 4, 5, "bk128"), (16, 64, 1, 4, 3, "bk256"),
-                (16, 128, 1, 8, 3, "bk256")]
+                (16, 128, 1, 8, 3, "bk256"), (16, 32, 1, 4, 6, "bk128")]
     return ([_cfg(bm, bn, bk, gm, w, st, *mode) for bm, bn, gm, w, st, *mode in gate_up],
             [_cfg(bm, bn, bk, gm, w, st, *mode) for bm, bn, gm, w, st, *mode in down])
 
@@ -155,7 +156,8 @@ def tune_moe(name: str, routed: int, h: int, inter: int, top_k: int, num_shared:
         s13 = s2 = None
     wbytes = 1 if fp8 else 2
     for ti, tokens in enumerate(token_counts):
-        sub = Budget(budget.left() * (0.6, 0.55, 1.0)[min(ti, 2)])  # the largest T first, most of the time
+        # the first T gets most of the time, the last what is left
+        sub = Budget(budget.left() * (1.0 if ti == len(token_counts) - 1 else (0.6, 0.55, 0.5)[min(ti, 2)]))
         pairs = tokens * k
         rpe = pairs / e
         x = torch.randn(tokens, h, device=tuning.DEV, dtype=torch.bfloat16)
@@ -213,7 +215,7 @@ def tune_moe(name: str, routed: int, h: int, inter: int, top_k: int, num_shared:
             diff["tma"] = False
         if diff:
             best["down"] = diff
-        table.setdefault(key, {})[str(max(1, round(rpe)))] = best
+        table.setdefault(key, {})[_bucket(rpe)] = best
         w_touched = touched * 3 * h * inter * wbytes
         f1, f2 = 4 * pairs * h * inter, 2 * pairs * h * inter
         b1 = 2 / 3 * w_touched + tokens * h * (1 + (not fp8)) + pairs * inter * 2
@@ -222,6 +224,12 @@ def tune_moe(name: str, routed: int, h: int, inter: int, top_k: int, num_shared:
                      f"{rate_note(t1, b1, f1, fp8)} | {c1} |")
         TABLE.append(f"| {name} down | T={tokens} | {base2:.4f} | {t2:.4f} | {rate_note(t2, b2, f2, fp8)} | {c2} |")
         tuning.empty_cache()
+
+
+def _bucket(rows_per_expert: float) -> str:
+    """A moe.json bucket name: whole rows, or two digits below one row per expert (batch-1 decode: 6 + 2 of 66
+    stack slots is 0.12) so that ``nearest_config``'s 4x window finds it."""
+    return str(round(rows_per_expert)) if rows_per_expert >= 1 else f"{rows_per_expert:.2g}"
 
 
 def tune_dense(budget: Budget, table: dict) -> None:
@@ -266,7 +274,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"), help="folder for the JSON files")
     parser.add_argument("--budget-s", type=float, default=230.0, help="seconds for all sweeps together")
     parser.add_argument("--only", default="moe,mla,lite,dense", help="comma list of moe, mla, lite, dense")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 512, 64],
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 512, 64, 1],
                         help="MoE token counts to tune (the first gets most of the budget)")
     parser.add_argument("--mla-shapes", type=_batch_by_context, nargs="+", default=MLA_SHAPES,
                         help="MLA decode shapes BxCTX (the first picks the tiles), e.g. 256x1024 256x4096")
