@@ -16,8 +16,9 @@
 #             latency.py (decode B=1/64/256 at 1k context vs the floor of the experts actually routed to, prefill);
 #             throughput.py (V2-Lite 512 x 1000 / 100 with HF on 32 prompts; V3 256 x 1000 / 100; two runs
 #             each, the faster kept: a fresh machine still JIT-compiles a few kernels in the first one)
-#   profile   not in "all": profile_decode.py --graph (the kernels of the decode graph replays, per step) for
-#             Llama-3.1-8B at B=1 and 256 and DeepSeek-V2-Lite at B=1, 64 and 256 (~3 min)
+#   profile   not in "all": profile_decode.py --replay (the kernels of the decode graph replays, per step) for
+#             Llama-3.1-8B at B=1 and 256 and DeepSeek-V2-Lite at B=1, 64 and 256, and --prefill of one
+#             1024-token prompt for both (eager: GPU busy against wall shows the host's share) (~3 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ONLY=all
@@ -92,10 +93,13 @@ if want deepseek; then
         --gpu-memory-utilization 0.8 --repeat 2 --json-out "$OUT/throughput-v3.json"
 fi
 if [[ ,$ONLY, == *,profile,* ]]; then
-    for b in 1 256; do step "profile-llama-b$b" "$PY" benchmarks/profile_decode.py --graph --batch "$b" --top 20; done
+    for b in 1 256; do step "profile-llama-b$b" "$PY" benchmarks/profile_decode.py --replay --batch "$b" --top 20; done
     for b in 1 64 256; do
-        step "profile-v2-lite-b$b" "$PY" benchmarks/profile_decode.py --graph --model "$V2LITE" --batch "$b" --top 30
+        step "profile-v2-lite-b$b" "$PY" benchmarks/profile_decode.py --replay --model "$V2LITE" --batch "$b" --top 30
     done
+    step profile-llama-prefill "$PY" benchmarks/profile_decode.py --prefill --batch 1 --context 1024 --steps 4 --top 20
+    step profile-v2-lite-prefill "$PY" benchmarks/profile_decode.py --prefill --model "$V2LITE" --batch 1 \
+        --context 1024 --steps 4 --top 30
 fi
 echo
 if want tests; then grep -E "passed|failed|error" "$OUT/pytest.log" | tail -1; fi
