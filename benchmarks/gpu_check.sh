@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Every GPU test and benchmark (one H200; a short summary table last). All parts take longer than one device call
-# allows (600 s): run `--only tests,kernels,llama` (~6 min) and `--only deepseek` (~5 min) as two calls.
+# Every GPU test and benchmark (one H200; a short summary table last, after a line on the SM clock, power and
+# clock-lowering reasons while the GPU was busy). All parts take longer than one device call allows (600 s): run
+# `--only tests,kernels,llama` (~6 min) and `--only deepseek` (~3 min) as two calls.
 #
 #   bash benchmarks/gpu_check.sh                  # everything; logs + JSON under $OUT (the device tool's) or /tmp
 #   bash benchmarks/gpu_check.sh --only deepseek  # one part, or several: --only tests,kernels
@@ -61,6 +62,15 @@ step() {  # step NAME CMD...: run, log to $OUT/NAME.log, remember a failure
     echo "=== $name took $((SECONDS - t0)) s"
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader || true
+# Busy clocks, power and why clocks dropped, sampled every 200 ms (summarized by gpu_summary.py; outside $OUT,
+# whose file count the device tool limits)
+SMI_CSV=$(mktemp --suffix=.csv /tmp/dsinfer-smi-XXXXXX)
+REASONS=clocks_event_reasons.active
+nvidia-smi --query-gpu=$REASONS --format=csv,noheader >/dev/null 2>&1 || REASONS=clocks_throttle_reasons.active
+nvidia-smi --query-gpu=utilization.gpu,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,$REASONS \
+    --format=csv,noheader,nounits -lms 200 > "$SMI_CSV" 2>/dev/null &
+SMI_PID=$!
+trap 'kill $SMI_PID 2>/dev/null' EXIT
 if want tests; then
     mapfile -t GPU_TESTS < <(grep -rl "mark.gpu" tests --include='*.py' | sort -u)
     step pytest "$PY" -m pytest "${GPU_TESTS[@]}" -m gpu -q -p no:cacheprovider
@@ -103,5 +113,6 @@ if [[ ,$ONLY, == *,profile,* ]]; then
 fi
 echo
 if want tests; then grep -E "passed|failed|error" "$OUT/pytest.log" | tail -1; fi
-"$PY" benchmarks/gpu_summary.py "$OUT" || status=1
+kill $SMI_PID 2>/dev/null
+"$PY" benchmarks/gpu_summary.py "$OUT" "$SMI_CSV" || status=1
 exit $status

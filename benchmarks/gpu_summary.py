@@ -1,16 +1,20 @@
 """The short table ``gpu_check.sh`` prints last: each headline figure beside its floor, its target and vLLM's.
 
-    python benchmarks/gpu_summary.py OUT_DIR
+    python benchmarks/gpu_summary.py OUT_DIR [SMI_CSV]
 
 Reads, where present, OUT_DIR/latency.json + throughput.json (Llama-3.1-8B), latency-v2-lite.json +
 throughput-v2-lite.json (DeepSeek-V2-Lite) and latency-v3.json + throughput-v3.json (DeepSeek-V3 with fewer layers,
-FP8); a model whose files are missing (``--only``) is left out.
+FP8); a model whose files are missing (``--only``) is left out. SMI_CSV (``gpu_check.sh``'s nvidia-smi samples)
+adds a line on the clocks while the GPU was busy: a run at the power limit runs slower clocks, and its
+figures read against a floor measured by short, cooler runs.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,6 +98,34 @@ def rows(model: Model, lat: dict, thr: dict) -> list[tuple[str, str, str, str, s
     return out
 
 
+# nvidia-smi's clocks_event_reasons (formerly clocks_throttle_reasons) bits that lower the clocks under load
+CLOCK_REASONS = {0x4: "power cap", 0x8: "HW slowdown", 0x20: "SW thermal", 0x40: "HW thermal", 0x80: "power brake"}
+
+
+def clock_line(path: Path) -> str | None:
+    """SM clock percentiles, power and the clock-lowering reasons over the samples with the GPU >= 90% busy.
+    Sample lines: utilization %, SM MHz, memory MHz, power W, power limit W, temperature C, reasons bitmask."""
+    busy = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            util, sm, _mem, power, limit, temp = (float(p) for p in parts[:6])
+            reasons = int(parts[6], 16)
+        except (ValueError, IndexError):  # a header, "[N/A]" or a line cut by the sampler's end
+            continue
+        if util >= 90:
+            busy.append((sm, power, limit, temp, reasons))
+    if not busy:
+        return None
+    clocks = sorted(b[0] for b in busy)
+    seen = Counter(name for *_, r in busy for bit, name in CLOCK_REASONS.items() if r & bit)
+    why = ", ".join(f"{name} {100 * n / len(busy):.0f}%" for name, n in seen.most_common()) or "none"
+    return (f"GPU busy in {len(busy)} samples: SM clock p10/p50/p90 {clocks[len(clocks) // 10]:.0f} / "
+            f"{statistics.median(clocks):.0f} / {clocks[9 * len(clocks) // 10]:.0f} MHz, power up to "
+            f"{max(b[1] for b in busy):.0f} of {busy[0][2]:.0f} W, up to {max(b[3] for b in busy):.0f} C; "
+            f"clocks lowered by: {why}")
+
+
 def title(model: Model, lat: dict, thr: dict) -> str:
     layers = lat.get("num_hidden_layers") or ((thr.get("args") or {}).get("hf_overrides") or {}).get(
         "num_hidden_layers")
@@ -117,6 +149,9 @@ def main() -> int:
         print(f"ceilings measured in this run: copy {ceilings['bandwidth'] / 1e12:.2f} TB/s, "
               f"bf16 matmul {ceilings['matmul_rate'] / 1e12:.0f} TFLOP/s"
               + (f", FP8 matmul {fp8 / 1e12:.0f} TFLOP/s" if fp8 else ""))
+    clocks = clock_line(Path(sys.argv[2])) if len(sys.argv) > 2 else None
+    if clocks:
+        print(clocks)
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for r in table:
         print(" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
