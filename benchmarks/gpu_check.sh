@@ -27,7 +27,7 @@ while [ $# -gt 0 ]; do
     case $1 in
         --only) ONLY=${2:?--only needs tests, kernels, llama or deepseek (comma-separated)}; shift 2 ;;
         --only=*) ONLY=${1#--only=}; shift ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,/^set -uo/{/^set -uo/d;p}' "$0"; exit 0 ;;
         *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
     esac
 done
