@@ -263,9 +263,10 @@ def test_fused_moe_fp8_v3_expert_shapes(num_tokens, assert_close):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["fuse_gu", "tma"])
+@pytest.mark.parametrize("mode", ["fuse_gu", "tma", "warp_specialize"])
 def test_fused_moe_fp8_v3_tile_modes(mode, assert_close):
-    """The tuner's tile modes at V3 expert shapes: gate/up in one dot, weights through TMA descriptors."""
+    """The tuner's tile modes at V3 expert shapes: gate/up in one dot, weights through TMA descriptors, the K loop
+    warp-specialized (with TMA weights and a two-warp-group tile)."""
     from dsinfer.ops.triton.moe import fused_moe_triton
 
     gen = torch.Generator().manual_seed(4)
@@ -277,6 +278,8 @@ def test_fused_moe_fp8_v3_tile_modes(mode, assert_close):
     weights, ids = _route(200, num_experts, 8, gen, "cuda")
     cfg = dict(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3, **{mode: True},
                down=dict(block_m=128, block_n=128, num_warps=8))
+    if mode == "warp_specialize":
+        cfg |= dict(block_m=128, num_warps=8, tma=True)
     out = fused_moe_triton(x.bfloat16().cuda(), w13_q.cuda(), w2_q.cuda(), weights, ids,
                            w13_scale_inv=w13_s.cuda(), w2_scale_inv=w2_s.cuda(), block_size=block, config=cfg)
     ref = fused_moe_ref(x.bfloat16().float().cuda(), block_dequantize(w13_q, w13_s, block).cuda(),
