@@ -30,16 +30,23 @@ async def _disconnected(request: Request) -> None:
 
 
 async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
-    """Await ``awaitable`` unless the client disconnects first (then it is cancelled)."""
+    """Await ``awaitable`` unless the client disconnects first: then it is cancelled, and waited for so that its
+    cleanup (the engine abort) has run, and ``ClientDisconnected`` is raised."""
     task = asyncio.ensure_future(awaitable)
     watcher = asyncio.ensure_future(_disconnected(request))
+    gone = False
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
+            gone = True
             task.cancel()
-    if task.cancelled():
+            # a cancelled task is only "cancelling" until it runs again: wait for it, whatever it ends with
+            await asyncio.wait({task})
+    if gone:
+        if not task.cancelled():
+            task.exception()  # retrieved: an error while it was being cancelled is not the answer
         raise ClientDisconnected()
     return task.result()
 
