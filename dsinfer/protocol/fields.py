@@ -7,9 +7,11 @@ reaches the engine.
 
 from __future__ import annotations
 
-from typing import Annotated
+import types
+import typing
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 INT64_MAX = 2**63 - 1
 
@@ -31,9 +33,44 @@ StopStr = Annotated[str, Field(min_length=1, max_length=1024)]
 
 
 class WireModel(BaseModel):
-    """Base of every request schema: unknown fields are ignored, NaN/Infinity are rejected."""
+    """Base of every request schema: unknown fields are ignored, NaN/Infinity are rejected, and an explicit
+    ``null`` for an optional field whose type has no null (``"n": null``, as clients that serialize unset fields
+    send) means its default, as in OpenAI's and Anthropic's APIs. A field whose type takes null keeps it (the
+    completions' ``"max_tokens": null`` is "up to the context", not the default 16)."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        dropped = [key for key, value in data.items() if value is None and key in _defaults_without_null(cls)]
+        return {k: v for k, v in data.items() if k not in dropped} if dropped else data
+
+
+def _takes_null(annotation: Any) -> bool:
+    if annotation is None or annotation is type(None) or annotation is Any:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _takes_null(typing.get_args(annotation)[0])
+    if origin is typing.Union or origin is types.UnionType:
+        return any(_takes_null(arg) for arg in typing.get_args(annotation))
+    return False
+
+
+def _defaults_without_null(model: type[BaseModel]) -> frozenset[str]:
+    """Wire names (aliases too) of ``model``'s optional fields whose type does not take null (cached per model)."""
+    cached = model.__dict__.get("_null_defaults_cache")
+    if cached is None:
+        names = set()
+        for name, field in model.model_fields.items():
+            if not field.is_required() and not _takes_null(field.annotation):
+                names.update(n for n in (name, field.alias, field.validation_alias) if isinstance(n, str))
+        cached = frozenset(names)
+        type.__setattr__(model, "_null_defaults_cache", cached)
+    return cached
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

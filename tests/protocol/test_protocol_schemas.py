@@ -92,3 +92,25 @@ def test_json_depth_ignores_brackets_in_strings():
     assert json_depth(b'{"a": [[1]], "s": "[[[[{{{{\\"]]]"}') == 3
     assert json_depth(b"[" * 100000 + b"]" * 100000) == 100000
     assert json_depth(b'"no brackets"') == 0
+
+
+@pytest.mark.parametrize("schema, body, fields", [
+    (ChatCompletionRequest, BASE, {"n": 1, "stream": False, "logprobs": False, "parallel_tool_calls": True}),
+    (CompletionRequest, {"model": "m", "prompt": "hi"}, {"n": 1, "echo": False, "stream": False}),
+    ("anthropic", {"model": "m", "max_tokens": 4, "messages": BASE["messages"]}, {"stream": False}),
+])
+def test_explicit_null_means_the_default(schema, body, fields):
+    """Clients and proxies that serialize unset fields send ``null``; OpenAI and Anthropic take it as the default."""
+    if schema == "anthropic":
+        from dsinfer.protocol.anthropic_schemas import MessagesRequest as schema
+    request = schema.model_validate({**body, **dict.fromkeys(fields)})
+    assert {k: getattr(request, k) for k in fields} == fields
+
+
+def test_null_keeps_its_meaning_where_the_type_takes_it():
+    """The completions' ``"max_tokens": null`` asks for the room left, not the default 16; a required field is
+    still required."""
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "hi", "max_tokens": None}).max_tokens is None
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "hi"}).max_tokens == 16
+    with pytest.raises(ValueError, match="messages"):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": None})
