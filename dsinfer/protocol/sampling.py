@@ -22,8 +22,10 @@ def resolve_max_tokens(
     max_model_len: int,
     param: str = "max_tokens",
     prompt_param: str = "messages",
+    clamp: bool = False,
 ) -> int:
-    """The number of tokens to generate; 400 when prompt + completion exceed the context."""
+    """The number of tokens to generate; 400 when prompt + completion exceed the context, unless ``clamp`` (a
+    default the client did not ask for, like the completions' 16): then the room left."""
     room = max_model_len - prompt_len
     if room < 1:
         raise ProtocolError(
@@ -34,6 +36,8 @@ def resolve_max_tokens(
         )
     if max_tokens is None:
         return room
+    if clamp:
+        return min(max_tokens, room)
     if max_tokens > room:
         raise ProtocolError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "

@@ -45,7 +45,8 @@ async def completions(request: Request):
     ids = _prompt_ids(ctx, req)
     fields = sampling_fields(req)
     fields.update(
-        max_tokens=resolve_max_tokens(req.max_tokens, len(ids), ctx.max_model_len, "max_tokens", "prompt"),
+        max_tokens=resolve_max_tokens(req.max_tokens, len(ids), ctx.max_model_len, "max_tokens", "prompt",
+                                      clamp="max_tokens" not in req.model_fields_set),
         logprobs=req.logprobs,
     )
     structured, field = structured_outputs_of(req)

@@ -82,6 +82,17 @@ def test_prompt_plus_max_tokens_over_context_is_400(server):
     )
 
 
+def test_completions_default_max_tokens_fits_the_room_left(server):
+    """The completions' default of 16 tokens is not the client's request: near the context end it shrinks to the
+    room left; an explicit 16 over the context stays a 400."""
+    near_end = {"prompt": [7] * (MAX_MODEL_LEN - 4), "temperature": 0, "ignore_eos": True}
+    r = server.post("/v1/completions", json=near_end)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4 and r.json()["choices"][0]["finish_reason"] == "length"
+    error = check_bad(server, "/v1/completions", 400, {**near_end, "max_tokens": 16}, param="max_tokens")
+    assert error["code"] == "context_length_exceeded"
+
+
 def test_nan_temperature_is_400(server):
     content = b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": NaN}'
     check_bad(server, CHAT, 400, content=content, **{"content-type": "application/json"})
