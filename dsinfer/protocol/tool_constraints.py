@@ -27,16 +27,19 @@ def _tag(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
 
 def tool_call_constraint(tools: list[Any] | None, tool_choice: Any, parser: type[ToolCallParser] | None
                          ) -> dict[str, Any] | None:
-    """The ``structured_outputs`` dict that enforces the request's tool choice, or None when nothing is forced."""
-    if not tools or parser is not HermesToolParser or tool_choice == "none":
+    """The ``structured_outputs`` dict that enforces the request's tool choice, or None when nothing is forced.
+    A named function that is not among the tools is a 400 whatever the model's tool format."""
+    if not tools or tool_choice == "none":
         return None
     by_name = {t.function.name: t.function for t in tools}
-    if tool_choice is not None and not isinstance(tool_choice, str):  # a named function
-        name = tool_choice.function.name
-        if name not in by_name:
-            raise ProtocolError(f"tool_choice names {name!r}, which is not among the tools {sorted(by_name)}",
-                                param="tool_choice")
-        chosen, forced = [by_name[name]], True
+    named = tool_choice is not None and not isinstance(tool_choice, str)
+    if named and tool_choice.function.name not in by_name:
+        raise ProtocolError(f"tool_choice names {tool_choice.function.name!r}, which is not among the tools "
+                            f"{sorted(by_name)}", param="tool_choice")
+    if parser is not HermesToolParser:
+        return None
+    if named:
+        chosen, forced = [by_name[tool_choice.function.name]], True
     elif tool_choice == "required":
         chosen, forced = list(by_name.values()), True
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -13,7 +14,10 @@ from dsinfer.engine.outputs import CompletionOutput, RequestOutput
 from dsinfer.protocol.anthropic_schemas import CountTokensRequest, MessagesRequest
 from dsinfer.protocol.chat_output import ChatOutputParser, OutputDelta, parse_output
 from dsinfer.protocol.conversation import anthropic_messages, anthropic_tools
+from dsinfer.protocol.errors import ProtocolError
 from dsinfer.protocol.sampling import build_sampling_params, resolve_max_tokens
+from dsinfer.protocol.structured_request import validate_structured_outputs
+from dsinfer.protocol.tool_constraints import tool_call_constraint
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.generation import Generation, primed
 from dsinfer.server.sse import SSE_HEADERS, sse_event
@@ -26,6 +30,24 @@ def _encode(ctx: ServingContext, req: CountTokensRequest):
     tools = anthropic_tools(req)
     kwargs = {"enable_thinking": req.thinking.type != "disabled"} if req.thinking else None
     return ctx.encode_chat(anthropic_messages(req), tools, template_kwargs=kwargs), tools is not None
+
+
+def _tool_choice_constraint(ctx: ServingContext, req: MessagesRequest) -> dict[str, Any] | None:
+    """``tool_choice`` "any" / "tool" as OpenAI's "required" / a named function: the grammar that forces one call
+    (``protocol.tool_constraints``); "auto" and "none" force nothing."""
+    choice = req.tool_choice
+    if choice is None or choice.type in ("auto", "none"):
+        return None
+    if not req.tools:
+        raise ProtocolError(f"tool_choice {choice.type!r} forces a tool call, but the request has no tools",
+                            param="tool_choice")
+    tools = [SimpleNamespace(function=SimpleNamespace(name=t.name, parameters=t.input_schema, strict=None))
+             for t in req.tools]
+    if choice.type == "any":
+        return tool_call_constraint(tools, "required", ctx.tool_parser)
+    if not choice.name:
+        raise ProtocolError("tool_choice of type 'tool' needs the tool's name", param="tool_choice.name")
+    return tool_call_constraint(tools, SimpleNamespace(function=SimpleNamespace(name=choice.name)), ctx.tool_parser)
 
 
 @router.post("/v1/messages/count_tokens")
@@ -49,10 +71,12 @@ async def messages(request: Request):
         top_p=req.top_p,
         top_k=req.top_k,
         stop=req.stop_sequences,
+        structured_outputs=_tool_choice_constraint(ctx, req),
     )
     if use_tools and ctx.tool_markers_special:
         fields["skip_special_tokens"] = False
     params = build_sampling_params(fields, ctx.vocab_size, req.stream)
+    await validate_structured_outputs(fields["structured_outputs"], "tool_choice")
     gen = Generation(ctx, encoded.token_ids, params, new_id("msg_"))
     parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools)
     if req.stream:

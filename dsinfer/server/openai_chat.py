@@ -75,6 +75,8 @@ async def chat_completions(request: Request):
     req = await parse_body(request, ChatCompletionRequest)
     ctx.check_model(req.model)
     use_tools = bool(req.tools) and req.tool_choice != "none"
+    if not req.tools and req.tool_choice not in (None, "none", "auto"):
+        raise ProtocolError("tool_choice forces a tool call, but the request has no tools", param="tool_choice")
     encoded = ctx.encode_chat(
         openai_chat_messages(req.messages),
         openai_chat_tools(req.tools) if use_tools else None,

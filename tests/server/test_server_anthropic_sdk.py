@@ -91,3 +91,43 @@ def test_errors_use_the_anthropic_envelope(client, server):
     with pytest.raises(anthropic.AuthenticationError) as err:
         bad.messages.create(model="SmolLM2-135M-Instruct", max_tokens=2, messages=MESSAGES)
     assert err.value.body["error"]["type"] == "authentication_error"
+
+
+TOOLS = [
+    {"name": "get_weather", "description": "Weather of a city",
+     "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                      "required": ["city"]}},
+    {"name": "get_time", "description": "Time in a zone",
+     "input_schema": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}},
+                      "required": ["zone"]}},
+]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def _forced_use(m, name: str | None) -> None:
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and len(uses) == 1, m
+    assert uses[0].name == name if name else uses[0].name in ("get_weather", "get_time")
+    key = "city" if uses[0].name == "get_weather" else "zone"
+    assert set(uses[0].input) == {key} and isinstance(uses[0].input[key], str)
+
+
+@pytest.mark.parametrize("choice, name", [({"type": "any"}, None), ({"type": "tool", "name": "get_time"}, "get_time")])
+def test_tool_choice_any_or_named_forces_one_tool_use(client, choice, name):
+    """"any" (a call to some tool) and "tool" (that one), as OpenAI's "required" and a named function."""
+    kwargs = dict(model="SmolLM2-135M-Instruct", max_tokens=80, tools=TOOLS, tool_choice=choice, messages=ASK,
+                  extra_body=GREEDY)
+    _forced_use(client.messages.create(**kwargs), name)
+    with client.messages.stream(**kwargs) as stream:
+        _forced_use(stream.get_final_message(), name)
+
+
+def test_tool_choice_of_an_unknown_tool_is_400(client):
+    with pytest.raises(anthropic.BadRequestError, match="not among the tools"):
+        client.messages.create(model="SmolLM2-135M-Instruct", max_tokens=8, tools=TOOLS, messages=ASK,
+                               tool_choice={"type": "tool", "name": "get_stock"})
+
+
+def test_tool_choice_any_without_tools_is_400(client):
+    with pytest.raises(anthropic.BadRequestError, match="no tools"):
+        client.messages.create(model="SmolLM2-135M-Instruct", max_tokens=8, messages=ASK, tool_choice={"type": "any"})

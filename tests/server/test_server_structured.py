@@ -96,3 +96,9 @@ def test_named_tool_choice_must_exist(server):
     body = {"messages": ASK, "tools": [WEATHER], "max_tokens": 8,
             "tool_choice": {"type": "function", "function": {"name": "nope"}}}
     check_bad(server, CHAT, 400, body, param="tool_choice")
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_choice_without_tools_is_400(server, tool_choice):
+    body = {"messages": ASK, "max_tokens": 8, "tool_choice": tool_choice}
+    assert "no tools" in check_bad(server, CHAT, 400, body, param="tool_choice")["message"]
