@@ -106,6 +106,15 @@ def _mark_tool(m: _Markers, tool: dict[str, Any]) -> dict[str, Any]:
     return {"type": "function", "function": marked}
 
 
+def _check_prefill(messages: list[dict[str, Any]]) -> None:
+    last = messages[-1] if messages else {}
+    if last.get("role") != "assistant" or not isinstance(last.get("content"), str) or not last["content"]:
+        raise ProtocolError("continuing the final message needs a last assistant message with text content",
+                            param="messages")
+    if last.get("tool_calls"):
+        raise ProtocolError("a final assistant message with tool calls cannot be continued", param="messages")
+
+
 class ChatEncoder:
     """Renders conversations with one template and encodes them special-token-safely."""
 
@@ -121,18 +130,27 @@ class ChatEncoder:
         add_generation_prompt: bool = True,
         template: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> tuple[str, _Markers]:
-        """The rendered prompt with markers in place of untrusted strings."""
+        """The rendered prompt with markers in place of untrusted strings. ``continue_final_message``: the last
+        message is an assistant prefill; the prompt ends right after its text (no end of turn, no new turn), so
+        the model continues it (Anthropic's prefill, vLLM's flag of that name)."""
         template = template or self.template
         m = _Markers()
+        if continue_final_message:
+            _check_prefill(messages)
+            add_generation_prompt = False
         if "tool_calls" not in template:  # the template knows no tools: use Hermes text for calls and results
             messages = _flatten_tool_turns(messages)
         if tools and "tools" not in template:  # describe the tools in the system prompt instead
             messages = _with_tools_prompt(messages, tools)
             tools = None
         ctx = {k: m.mark_tree(v) for k, v in (template_kwargs or {}).items()}
+        marked = [_mark_message(m, msg) for msg in messages[:-1]]
+        prefill = len(m.values)  # the marker of the last message's content (marked first)
+        marked += [_mark_message(m, msg) for msg in messages[-1:]]
         ctx.update(
-            messages=[_mark_message(m, msg) for msg in messages],
+            messages=marked,
             tools=[_mark_tool(m, t) for t in tools] if tools else None,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.tokenizer.bos_token or "",
@@ -141,11 +159,18 @@ class ChatEncoder:
         from jinja2 import TemplateError
 
         try:
-            return _compile(template).render(**ctx), m
+            rendered = _compile(template).render(**ctx)
         except TemplateError as exc:
             raise ProtocolError(f"chat template failed: {exc}") from None
         except (TypeError, KeyError, AttributeError, IndexError, RecursionError) as exc:
             raise ProtocolError(f"chat template cannot render this conversation: {exc}") from None
+        if continue_final_message:
+            ends = [x.end() for x in _MARKER.finditer(rendered) if x[2] == m.nonce and int(x[3]) == prefill]
+            if not ends:
+                raise ProtocolError("the chat template does not render the final assistant message's text, so it "
+                                    "cannot be continued", param="messages")
+            rendered = rendered[: ends[-1]]
+        return rendered, m
 
     def encode(self, messages: list[dict[str, Any]], **kwargs: Any) -> EncodedChat:
         rendered, markers = self.render(messages, **kwargs)

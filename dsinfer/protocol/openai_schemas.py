@@ -136,6 +136,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: Annotated[str, Field(max_length=1 << 20)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # vLLM's: the last (assistant) message is continued, not closed
 
 
 Prompt = (

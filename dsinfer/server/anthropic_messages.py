@@ -29,7 +29,12 @@ router = APIRouter()
 def _encode(ctx: ServingContext, req: CountTokensRequest):
     tools = anthropic_tools(req)
     kwargs = {"enable_thinking": req.thinking.type != "disabled"} if req.thinking else None
-    return ctx.encode_chat(anthropic_messages(req), tools, template_kwargs=kwargs), tools is not None
+    messages = anthropic_messages(req)
+    last = messages[-1] if messages else {}
+    # a final assistant turn with text is a prefill: the answer continues it
+    prefill = last.get("role") == "assistant" and bool(last.get("content")) and not last.get("tool_calls")
+    encoded = ctx.encode_chat(messages, tools, template_kwargs=kwargs, continue_final_message=prefill)
+    return encoded, tools is not None
 
 
 def _tool_choice_constraint(ctx: ServingContext, req: MessagesRequest) -> dict[str, Any] | None:

@@ -62,6 +62,7 @@ class ServingContext:
         template: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> EncodedChat:
         if template is not None and not self.settings.trust_request_chat_template:
             raise ProtocolError(
@@ -75,6 +76,7 @@ class ServingContext:
             add_generation_prompt=add_generation_prompt,
             template=template,
             template_kwargs=template_kwargs,
+            continue_final_message=continue_final_message,
         )
         if not encoded.token_ids:
             raise ProtocolError("the conversation renders to an empty prompt", param="messages")

@@ -75,6 +75,9 @@ async def chat_completions(request: Request):
     req = await parse_body(request, ChatCompletionRequest)
     ctx.check_model(req.model)
     use_tools = bool(req.tools) and req.tool_choice != "none"
+    if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+        raise ProtocolError("continue_final_message and add_generation_prompt cannot both be true",
+                            param="continue_final_message")
     if not req.tools and req.tool_choice not in (None, "none", "auto"):
         raise ProtocolError("tool_choice forces a tool call, but the request has no tools", param="tool_choice")
     encoded = ctx.encode_chat(
@@ -82,7 +85,8 @@ async def chat_completions(request: Request):
         openai_chat_tools(req.tools) if use_tools else None,
         req.chat_template,
         req.chat_template_kwargs,
-        req.add_generation_prompt,
+        req.add_generation_prompt and not req.continue_final_message,
+        req.continue_final_message,
     )
     structured, field = structured_outputs_of(req)
     tool_constraint = tool_call_constraint(req.tools, req.tool_choice, ctx.tool_parser) if use_tools else None

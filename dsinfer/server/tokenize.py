@@ -24,6 +24,7 @@ class TokenizeRequest(WireModel):
     tools: Annotated[list[Tool], Field(max_length=256)] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     return_token_strs: StrictBool = False
 
 
@@ -43,7 +44,8 @@ async def tokenize(request: Request) -> dict[str, Any]:
         encoded = ctx.encode_chat(
             openai_chat_messages(req.messages),
             openai_chat_tools(req.tools),
-            add_generation_prompt=req.add_generation_prompt,
+            add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+            continue_final_message=req.continue_final_message,
         )
         tokens = encoded.token_ids
     else:

@@ -131,3 +131,20 @@ def test_tool_choice_of_an_unknown_tool_is_400(client):
 def test_tool_choice_any_without_tools_is_400(client):
     with pytest.raises(anthropic.BadRequestError, match="no tools"):
         client.messages.create(model="SmolLM2-135M-Instruct", max_tokens=8, messages=ASK, tool_choice={"type": "any"})
+
+
+def test_assistant_prefill_is_continued(client, server):
+    """A final assistant turn is a prefill: the prompt ends with its text (no end of turn, no new turn) and the
+    answer continues it; the OpenAI API does the same with continue_final_message (same prompt, same greedy
+    tokens) and /tokenize counts that prompt."""
+    messages = [{"role": "user", "content": "List three fruits."},
+                {"role": "assistant", "content": "Sure! 1. Banana 2."}]
+    m = client.messages.create(model="SmolLM2-135M-Instruct", max_tokens=6, messages=messages, extra_body=GREEDY)
+    tokenized = server.post("/tokenize", json={"messages": messages, "continue_final_message": True}).json()
+    assert tokenized["count"] == m.usage.input_tokens
+    closed = server.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert closed["tokens"][: tokenized["count"]] == tokenized["tokens"] and closed["count"] > tokenized["count"]
+    r = server.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 6, "temperature": 0,
+                                                  "continue_final_message": True}).json()
+    assert r["usage"]["prompt_tokens"] == m.usage.input_tokens
+    assert r["choices"][0]["message"]["content"] == m.content[0].text

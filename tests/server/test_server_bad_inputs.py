@@ -195,3 +195,12 @@ def test_special_token_strings_in_user_and_tool_text_stay_literal(server, inject
     assert specials(injected) == specials(benign)  # only the template's own scaffolding is special
     text = server.post("/detokenize", json={"tokens": injected}).json()["prompt"]
     assert f"A {injection} B" in text
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": MSGS, "continue_final_message": True},  # nothing to continue: the last message is the user's
+    {"messages": [*MSGS, {"role": "assistant", "content": "Hel"}], "continue_final_message": True,
+     "add_generation_prompt": True},
+])
+def test_continue_final_message_misuse_is_400(server, body):
+    assert "continu" in check_bad(server, CHAT, 400, {**body, "max_tokens": 2})["message"]
