@@ -70,13 +70,18 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str |
     loc = [str(p) for p in first.get("loc", ()) if not _is_union_tag(p)]
     param = ".".join(loc) or None
     message = first.get("msg", "invalid value")
-    if first.get("type") == "json_invalid":
+    kind = first.get("type")
+    if kind == "json_invalid":
         return f"request body is not valid JSON: {first.get('ctx', {}).get('error', message)}", None
+    where = f"{param}: " if param else ""
+    if kind == "missing":  # its "input" is the enclosing object, not the field
+        return f"{where}{message}", param
+    if kind == "value_error":  # our own validators' messages, without pydantic's prefix
+        message = message.removeprefix("Value error, ")
     value = first.get("input")
     shown = (
         repr(value) if isinstance(value, int | float | str | bool) or value is None else type(value).__name__
     )
     if len(shown) > 80:
         shown = shown[:77] + "..."
-    where = f"{param}: " if param else ""
     return f"{where}{message} (got {shown})", param

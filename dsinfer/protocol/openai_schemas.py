@@ -155,3 +155,10 @@ class CompletionRequest(SamplingFields):
     best_of: NumChoices | None = None
     suffix: StrictStr | None = None
     response_format: ResponseFormat | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+            raise ValueError(f"a batch of {len(prompt)} prompts is not supported: send one prompt per request")
+        return prompt

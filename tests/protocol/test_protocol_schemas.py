@@ -114,3 +114,18 @@ def test_null_keeps_its_meaning_where_the_type_takes_it():
     assert CompletionRequest.model_validate({"model": "m", "prompt": "hi"}).max_tokens == 16
     with pytest.raises(ValueError, match="messages"):
         ChatCompletionRequest.model_validate({"model": "m", "messages": None})
+
+
+def test_validation_messages_name_the_field_plainly():
+    from pydantic import ValidationError
+
+    from dsinfer.protocol.errors import describe_validation_errors
+
+    def message(schema, body):
+        with pytest.raises(ValidationError) as err:
+            schema.model_validate(body)
+        return describe_validation_errors(err.value.errors(include_url=False))
+
+    assert message(CompletionRequest, {"model": "m", "prompt": ["a", "b"]}) == (
+        "prompt: a batch of 2 prompts is not supported: send one prompt per request (got list)", "prompt")
+    assert message(ChatCompletionRequest, {"model": "m"}) == ("messages: Field required", "messages")
