@@ -110,10 +110,12 @@ async def messages(request: Request):
     )
 
 
-def _usage(gen: Generation) -> dict[str, int]:
+def _usage(gen: Generation, output_tokens: int | None = None) -> dict[str, int]:
+    """Anthropic's split of the prompt: ``input_tokens`` are the ones not read from the prefix cache (the three
+    input counts add up to the prompt)."""
     return {
-        "input_tokens": len(gen.prompt_ids),
-        "output_tokens": gen.num_generated,
+        "input_tokens": len(gen.prompt_ids) - gen.num_cached,
+        "output_tokens": gen.num_generated if output_tokens is None else output_tokens,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": gen.num_cached,
     }
@@ -211,7 +213,7 @@ async def _stream(
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": {"input_tokens": len(gen.prompt_ids), "output_tokens": 0},
+        "usage": _usage(gen, output_tokens=0),
     }
     yield sse_event("message_start", {"type": "message_start", "message": message})
     yield sse_event("ping", {"type": "ping"})

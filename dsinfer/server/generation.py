@@ -70,6 +70,7 @@ class Generation:
         async with aclosing(gen):
             async for out in gen:
                 new = sum(len(c.token_ids) for c in out.outputs)
+                self.num_cached = out.num_cached_tokens  # known from the first output on
                 if new and self.first_token is None:
                     self.first_token = time.monotonic()
                 self.num_generated += new if self.params.output_kind == 1 else 0

@@ -141,10 +141,28 @@ def test_assistant_prefill_is_continued(client, server):
                 {"role": "assistant", "content": "Sure! 1. Banana 2."}]
     m = client.messages.create(model="SmolLM2-135M-Instruct", max_tokens=6, messages=messages, extra_body=GREEDY)
     tokenized = server.post("/tokenize", json={"messages": messages, "continue_final_message": True}).json()
-    assert tokenized["count"] == m.usage.input_tokens
+    prompt = m.usage.input_tokens + m.usage.cache_read_input_tokens
+    assert tokenized["count"] == prompt
     closed = server.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
     assert closed["tokens"][: tokenized["count"]] == tokenized["tokens"] and closed["count"] > tokenized["count"]
     r = server.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 6, "temperature": 0,
                                                   "continue_final_message": True}).json()
-    assert r["usage"]["prompt_tokens"] == m.usage.input_tokens
+    assert r["usage"]["prompt_tokens"] == prompt
     assert r["choices"][0]["message"]["content"] == m.content[0].text
+
+
+def test_usage_splits_the_prompt_into_fresh_and_cached_tokens(client):
+    """Anthropic's usage: input_tokens + cache_read_input_tokens is the prompt; a repeat of the same prompt reads
+    its whole blocks from the prefix cache, in the streamed message_start as in the final message."""
+    ask = [{"role": "user", "content": "Name three colors of the rainbow, then three animals of the forest."}]
+    first = client.messages.create(model="SmolLM2-135M-Instruct", max_tokens=2, messages=ask, extra_body=GREEDY)
+    prompt = client.messages.count_tokens(model="SmolLM2-135M-Instruct", messages=ask).input_tokens
+    assert first.usage.input_tokens + first.usage.cache_read_input_tokens == prompt
+    again = client.messages.create(model="SmolLM2-135M-Instruct", max_tokens=2, messages=ask, extra_body=GREEDY)
+    cached = again.usage.cache_read_input_tokens
+    assert cached >= 16 and again.usage.input_tokens == prompt - cached
+    with client.messages.stream(model="SmolLM2-135M-Instruct", max_tokens=2, messages=ask, extra_body=GREEDY) as s:
+        events = list(s)
+    start = next(e for e in events if e.type == "message_start").message.usage
+    assert start.cache_read_input_tokens == again.usage.cache_read_input_tokens
+    assert start.input_tokens == again.usage.input_tokens and start.output_tokens == 0
