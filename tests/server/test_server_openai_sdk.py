@@ -37,6 +37,10 @@ def model(client) -> str:
 def test_models_lists_the_served_model(client):
     models = client.models.list().data
     assert len(models) == 1 and models[0].id == "SmolLM2-135M-Instruct"
+    assert client.models.retrieve("SmolLM2-135M-Instruct").id == "SmolLM2-135M-Instruct"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-4o")
+    assert err.value.body["code"] == "model_not_found"
 
 
 def test_chat_completion_with_usage(client, model):
