@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 from dsinfer.protocol.errors import ProtocolError
@@ -53,6 +54,9 @@ def structured_outputs_of(req: Any) -> tuple[dict[str, Any] | None, str | None]:
     return (sources[0][1], sources[0][0]) if sources else (None, None)
 
 
+_XGRAMMAR_PREFIX = re.compile(r"^(\[[^\]]*\]\s*)?(\S+\.(cc|cpp|h|hpp|py):\d+:\s*)?")
+
+
 def check_grammar_syntax(constraint: dict[str, Any]) -> None:
     """Parse the constraint with xgrammar; raise ValueError naming what is wrong."""
     import xgrammar as xgr
@@ -70,7 +74,9 @@ def check_grammar_syntax(constraint: dict[str, Any]) -> None:
             xgr.Grammar.from_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))
     except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports parse errors as RuntimeError
         kind = next(iter(constraint))
-        raise ValueError(f"invalid {kind} constraint: {str(exc).strip().splitlines()[0][:500]}") from None
+        # xgrammar's messages start with "[time] /its/source.cc:line: ": the client needs the reason only
+        reason = _XGRAMMAR_PREFIX.sub("", str(exc).strip().splitlines()[0])
+        raise ValueError(f"invalid {kind} constraint: {reason[:500]}") from None
 
 
 async def validate_structured_outputs(constraint: dict[str, Any] | None, field: str | None) -> None:
