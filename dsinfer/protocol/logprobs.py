@@ -68,3 +68,17 @@ def completion_logprobs(
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_completion_logprobs(
+    tokenizer: Any, prompt_ids: list[int], positions: list[dict[int, Logprob] | None], top_k: int
+) -> dict[str, Any]:
+    """The echoed prompt's part of ``choices[i].logprobs`` (completions with ``echo``): the first token has no
+    logprob (nothing precedes it), so its entries are null, as in OpenAI's legacy API."""
+    out = completion_logprobs(tokenizer, prompt_ids[1:], [p or {} for p in positions[1:]], top_k)
+    first = _token_text(tokenizer, prompt_ids[0], None)
+    out["text_offset"] = [0] + [o + len(first) for o in out["text_offset"]]
+    out["tokens"].insert(0, first)
+    out["token_logprobs"].insert(0, None)
+    out["top_logprobs"].insert(0, None)
+    return out

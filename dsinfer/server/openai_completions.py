@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.protocol.errors import ProtocolError
-from dsinfer.protocol.logprobs import completion_logprobs
+from dsinfer.protocol.logprobs import completion_logprobs, prompt_completion_logprobs
 from dsinfer.protocol.openai_schemas import CompletionRequest
 from dsinfer.protocol.sampling import build_sampling_params, check_prompt_ids, resolve_max_tokens
 from dsinfer.protocol.structured_request import structured_outputs_of, validate_structured_outputs
@@ -48,6 +48,8 @@ async def completions(request: Request):
         max_tokens=resolve_max_tokens(req.max_tokens, len(ids), ctx.max_model_len, "max_tokens", "prompt",
                                       clamp="max_tokens" not in req.model_fields_set),
         logprobs=req.logprobs,
+        # echo with logprobs scores the prompt too (its first token has none)
+        prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None and len(ids) > 1 else None,
     )
     structured, field = structured_outputs_of(req)
     fields["structured_outputs"] = structured
@@ -64,17 +66,23 @@ async def completions(request: Request):
     return JSONResponse(_response(ctx, req, gen, out, echo))
 
 
-def _choice(ctx: ServingContext, req: CompletionRequest, c: Any, echo: str, offset: int) -> dict[str, Any]:
+def _choice(ctx: ServingContext, req: CompletionRequest, c: Any, echo: str, offset: int,
+            prompt: RequestOutput | None = None) -> dict[str, Any]:
+    """One choice; ``prompt`` (with ``echo``): the output whose prompt logprobs lead the logprobs."""
     logprobs = None
     if req.logprobs is not None:
         logprobs = completion_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, req.logprobs, offset)
+        if echo and prompt is not None and prompt.prompt_logprobs:
+            head = prompt_completion_logprobs(ctx.tokenizer, prompt.prompt_token_ids, prompt.prompt_logprobs,
+                                              req.logprobs)
+            logprobs = {key: head[key] + logprobs[key] for key in logprobs}
     return {"index": c.index, "text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
 
 def _response(
     ctx: ServingContext, req: CompletionRequest, gen: Generation, out: RequestOutput, echo: str
 ) -> dict[str, Any]:
-    choices = [_choice(ctx, req, c, echo, len(echo)) for c in sorted(out.outputs, key=lambda c: c.index)]
+    choices = [_choice(ctx, req, c, echo, len(echo), out) for c in sorted(out.outputs, key=lambda c: c.index)]
     return {
         "id": gen.request_id,
         "object": "text_completion",
@@ -108,7 +116,7 @@ async def _stream(
                     continue
                 prefix = "" if echoed[c.index] else echo
                 echoed[c.index] = True
-                choice = _choice(ctx, req, c, prefix, offsets[c.index])
+                choice = _choice(ctx, req, c, prefix, offsets[c.index], out)
                 offsets[c.index] += len(c.text)
                 yield sse_data({**base, "choices": [choice]})
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band

@@ -126,6 +126,30 @@ def test_completions_echo(client, model):
     assert r.choices[0].text.startswith("One two")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_echo_with_logprobs_scores_the_prompt(client, model, stream):
+    """As OpenAI's legacy API: the logprobs cover the echoed prompt (the first token's entries null), then the
+    completion's, which are those of the same request without echo."""
+    prompt = "The capital of France is"
+    kwargs = dict(model=model, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    if stream:
+        chunks = [c for c in client.completions.create(**kwargs, stream=True) if c.choices]
+        lp = {k: sum((getattr(c.choices[0].logprobs, k) for c in chunks), []) for k in
+              ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        text = "".join(c.choices[0].text for c in chunks)
+    else:
+        r = client.completions.create(**kwargs)
+        lp, text = r.choices[0].logprobs.model_dump(), r.choices[0].text
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0, logprobs=2)
+    n = len(lp["tokens"]) - 3  # prompt tokens
+    assert "".join(lp["tokens"][:n]) == prompt and text == prompt + plain.choices[0].text
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(x is not None and x <= 0 for x in lp["token_logprobs"][1:])
+    assert all(len(t) >= 1 for t in lp["top_logprobs"][1:n])
+    assert lp["tokens"][n:] == plain.choices[0].logprobs.tokens
+    assert lp["text_offset"][n] == len(prompt) and lp["text_offset"][:n] == sorted(lp["text_offset"][:n])
+
+
 def test_responses_stream_and_not(client, model):
     r = client.responses.create(model=model, input="Name a fruit.", max_output_tokens=5, temperature=0)
     assert r.object == "response" and r.status in ("completed", "incomplete")
