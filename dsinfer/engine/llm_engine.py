@@ -12,6 +12,7 @@ never disturbs the others.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -177,6 +178,17 @@ class LLMEngine:
                 if not child.request.is_finished:
                     self.scheduler.finish(child.request, RequestStatus.FINISHED_ABORTED)
             self._finish_parent(parent)
+
+    def abort_all(self) -> None:
+        """Abort every request and drop the step in flight and the outputs not yet returned: the state after a
+        step that raised (an interrupt, out of memory) is not trusted, so none of it is resumed. The engine then
+        takes new requests."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:  # let the device finish the step before its KV blocks are reused
+            with contextlib.suppress(Exception):
+                in_flight[1].result()
+        self.abort_request(list(self._parents))
+        self._pending_outputs = []
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents) or bool(self._pending_outputs) or self._in_flight is not None

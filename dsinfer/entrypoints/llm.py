@@ -105,6 +105,9 @@ class LLM:
                         finished[output.request_id] = output
                         if bar is not None:
                             bar.update(1)
+        except BaseException:  # Ctrl-C, out of memory, a failing step: this call's requests end, the LLM stays usable
+            self.engine.abort_all()
+            raise
         finally:
             if bar is not None:
                 bar.close()

@@ -170,3 +170,33 @@ def test_missing_weights(tiny_llama_dir, tmp_path):
     shutil.copy(tiny_llama_dir / "config.json", model / "config.json")
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors weights"):
         LLM(str(model))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_an_interrupted_generate_leaves_the_llm_usable(tiny_llama_dir, monkeypatch, async_scheduling, error):
+    """Ctrl-C (or an error such as out of memory) in the middle of a step: the call's requests are aborted, their
+    KV blocks freed, and the next generate gives what a fresh engine gives (it used to spin forever: the
+    scheduler had counted the failed step's tokens as computed)."""
+    llm = LLM(str(tiny_llama_dir), async_scheduling=async_scheduling)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    (expected,) = llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy, use_tqdm=False)
+    runner, calls = llm.engine.runner, []
+    name = "launch" if async_scheduling else "execute"
+    step = getattr(runner, name)
+
+    def failing(sched):
+        calls.append(1)
+        if len(calls) == 3:  # a few steps in: some requests prefilled, some decoding
+            raise error("interrupted")
+        return step(sched)
+
+    monkeypatch.setattr(runner, name, failing)
+    long = SamplingParams(max_tokens=40, ignore_eos=True)
+    with pytest.raises(error):
+        llm.generate([{"prompt_token_ids": [1, 2, 3, 4] * 8}] * 4, long, use_tqdm=False)
+    monkeypatch.setattr(runner, name, step)
+    assert not llm.engine.has_unfinished_requests()
+    assert serves_a_good_request(llm)
+    (again,) = llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy, use_tqdm=False)
+    assert again.outputs[0].token_ids == expected.outputs[0].token_ids
