@@ -144,7 +144,10 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"prompt_token_ids contains {bad[0]}, outside the vocabulary [0, {vocab})")
             return prompt.get("prompt"), list(ids)
-        raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
+            return self._prompt_ids(prompt["prompt"])
+        raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [...]}, got "
+                         f"{type(prompt).__name__}")
 
     def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
         limit = self.model_config.max_model_len

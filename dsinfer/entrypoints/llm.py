@@ -75,6 +75,7 @@ class LLM:
             raise ValueError("this model has no tokenizer, so no chat template")
         prompts = []
         for conversation in conversations:
+            conversation = [_text_content(m) for m in conversation]
             text = tokenizer.apply_chat_template(conversation, add_generation_prompt, chat_template,
                                                  **(chat_template_kwargs or {}))
             # the template already wrote BOS where the model wants it
@@ -116,6 +117,24 @@ class LLM:
     def _drain(self) -> None:
         while self.engine.has_unfinished_requests():
             self.engine.step()
+
+
+def _text_content(message: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI-style content parts (``[{"type": "text", "text": ...}]``) joined into one string, as vLLM does; a
+    missing or null content is empty. Other part types (images) are a ValueError: text models only."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return message
+    if content is None:
+        return {**message, "content": ""}
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"message content parts must be {{'type': 'text', 'text': str}}, got {part!r:.80}")
+            texts.append(part["text"])
+        return {**message, "content": "".join(texts)}
+    raise ValueError(f"message content must be a string or a list of text parts, got {type(content).__name__}")
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:

@@ -285,3 +285,17 @@ def test_block_size_defaults_to_64_for_mla_on_cuda_only():
     assert _resolve_block_size(None, mla, cpu) == 16
     assert _resolve_block_size(None, mha, cuda) == 16
     assert _resolve_block_size(32, mla, cuda) == 32
+
+
+def test_chat_takes_text_content_parts_and_generate_takes_text_prompts(smollm2_llm):
+    """vLLM's forms: OpenAI content parts in LLM.chat, {"prompt": text} in LLM.generate; same tokens as the plain
+    string. A non-text part is a ValueError."""
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    plain = smollm2_llm.chat([{"role": "user", "content": "Name a color."}], greedy, use_tqdm=False)[0]
+    parts = [{"type": "text", "text": "Name a "}, {"type": "text", "text": "color."}]
+    (split,) = smollm2_llm.chat([{"role": "user", "content": parts}], greedy, use_tqdm=False)
+    assert split.prompt_token_ids == plain.prompt_token_ids and split.outputs[0].text == plain.outputs[0].text
+    with pytest.raises(ValueError, match="content parts"):
+        smollm2_llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy)
+    (a,), (b,) = (smollm2_llm.generate(p, greedy, use_tqdm=False) for p in ("Paris is", {"prompt": "Paris is"}))
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and b.prompt == "Paris is"
