@@ -101,7 +101,8 @@ DEVICE = _declare(
 )
 LOG_LEVEL = _declare(
     "DSINFER_LOG_LEVEL", "str", "INFO",
-    "Log level of the dsinfer logger.", _parse_choice("DEBUG", "INFO", "WARNING", "ERROR"),
+    "Log level of the dsinfer logger (any case).",
+    lambda raw: _parse_choice("DEBUG", "INFO", "WARNING", "ERROR")(raw.upper()),
 )
 CPU_THREADS = _declare(
     "DSINFER_CPU_THREADS", "int", 0,

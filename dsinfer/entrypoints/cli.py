@@ -102,9 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=envs.LOG_LEVEL.get(), format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
+        logging.basicConfig(level=envs.LOG_LEVEL.get(), format="%(levelname)s %(name)s: %(message)s")
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -19,7 +19,7 @@ def dsinfer(*args: str, timeout: float = 240, **env: str) -> subprocess.Complete
     # a clean DSINFER_* environment, except the cache of converted models
     environ = {k: v for k, v in os.environ.items()
                if not k.startswith("DSINFER_") or k == "DSINFER_CACHE_DIR"}
-    environ.update(DSINFER_LOG_LEVEL="WARNING", **env)
+    environ.update({"DSINFER_LOG_LEVEL": "WARNING", **env})
     return subprocess.run([sys.executable, "-m", "dsinfer.entrypoints.cli", *args], capture_output=True,
                           text=True, timeout=timeout, env=environ)
 
@@ -75,3 +75,10 @@ def test_bad_environment_variable_is_named():
     result = dsinfer("generate", "hi", timeout=60, DSINFER_DEVICE="tpu")
     assert result.returncode == 2
     assert "DSINFER_DEVICE='tpu' is invalid" in result.stderr
+
+
+def test_a_bad_log_level_is_a_clean_error_and_any_case_is_accepted():
+    bad = dsinfer("env", DSINFER_LOG_LEVEL="LOUD")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.startswith("error: environment variable DSINFER_LOG_LEVEL='LOUD' is invalid")
+    assert dsinfer("env", DSINFER_LOG_LEVEL="debug").returncode == 0
