@@ -127,8 +127,15 @@ class EngineArgs:
         self._validate()
         device = _resolve_device(self.device)
         model_dir, load_format = resolve_model_dir(self.model, self.load_format)
-        hf_config = json.loads((model_dir / "config.json").read_text())
+        config_path = model_dir / "config.json"
+        try:
+            hf_config = json.loads(config_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{config_path} is not valid JSON: {exc}") from None
+        if not isinstance(hf_config, dict):
+            raise ValueError(f"{config_path} must hold a JSON object, got {type(hf_config).__name__}")
         hf_config.update(self.hf_overrides or {})
+        hf_config["architectures"] = _architectures(hf_config, config_path)
         model = ModelConfig(
             path=model_dir, hf_config=hf_config, dtype=_resolve_dtype(self.dtype, hf_config, device),
             max_model_len=_resolve_max_model_len(self.max_model_len, hf_config),
@@ -190,6 +197,25 @@ def _resolve_block_size(block_size: int | None, hf_config: dict[str, Any], devic
     if block_size is not None:
         return block_size
     return 64 if device.type == "cuda" and hf_config.get("kv_lora_rank") else 16
+
+
+# config.json's model_type -> architecture, for configs written without "architectures" (as transformers infers)
+_ARCHITECTURE_OF_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                         "mistral": "MistralForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                         "deepseek_v3": "DeepseekV3ForCausalLM"}
+
+
+def _architectures(hf_config: dict[str, Any], path: Path) -> list[str]:
+    architectures = hf_config.get("architectures")
+    if architectures:
+        if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+            raise ValueError(f"{path}: architectures must be a list of class names, got {architectures!r}")
+        return architectures
+    model_type = hf_config.get("model_type")
+    if model_type in _ARCHITECTURE_OF_TYPE:
+        return [_ARCHITECTURE_OF_TYPE[model_type]]
+    raise ValueError(f"{path} names no architectures and its model_type {model_type!r} is not one of "
+                     f"{sorted(_ARCHITECTURE_OF_TYPE)}")
 
 
 def _read_json(path: Path) -> dict[str, Any]:

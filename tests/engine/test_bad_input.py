@@ -200,3 +200,20 @@ def test_an_interrupted_generate_leaves_the_llm_usable(tiny_llama_dir, monkeypat
     assert serves_a_good_request(llm)
     (again,) = llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy, use_tqdm=False)
     assert again.outputs[0].token_ids == expected.outputs[0].token_ids
+
+
+def test_config_without_architectures_falls_back_to_model_type(tiny_llama_dir, tmp_path):
+    """As transformers: a config.json with model_type only is read as that type's architecture; neither, or a
+    config.json that is not JSON, is a ValueError naming the file."""
+    model = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    del config["architectures"]
+    (model / "config.json").write_text(json.dumps(config))
+    assert LLM(str(model)).engine.model_config.architecture == "LlamaForCausalLM"
+    (model / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "model_type"}))
+    with pytest.raises(ValueError, match="config.json names no architectures"):
+        LLM(str(model))
+    (model / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        LLM(str(model))
