@@ -169,6 +169,24 @@ def test_second_cached_call_returns_same_dir_fast(smollm):
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left behind
 
 
+def test_the_same_file_elsewhere_reuses_the_conversion(smollm, tmp_path):
+    """The key is the content: a copy in another environment (new path, new mtime) reuses the conversion; a
+    file that differs converts again (checked on the key: a change in the last tensor's bytes)."""
+    from dsinfer.models.loader.gguf import _content_key
+
+    cache_root, first = smollm
+    copy = tmp_path / "venv2" / SMOLLM.name
+    copy.parent.mkdir()
+    shutil.copyfile(SMOLLM, copy)
+    assert cached_gguf_dir(copy, cache_root=cache_root) == first
+    with open(copy, "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    assert _content_key(copy) != _content_key(SMOLLM)
+
+
 def test_truncated_gguf_raises_value_error_and_caches_nothing(tmp_path):
     cut = tmp_path / "cut.gguf"
     with open(SMOLLM, "rb") as f:

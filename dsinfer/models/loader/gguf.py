@@ -4,7 +4,7 @@
 ``tokenizer_config.json`` and ``generation_config.json``. It follows transformers' GGUF loader: the weights
 equal what ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`` loads, and the tokenizer encodes as
 ``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` does. ``cached_gguf_dir`` keys the result by the file's
-path, size and mtime; ``default_model_path`` finds the bundled SmolLM2 GGUF.
+content; ``default_model_path`` finds the bundled SmolLM2 GGUF.
 """
 
 from __future__ import annotations
@@ -108,12 +108,13 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
 def cached_gguf_dir(gguf_path: str | Path, cache_root: Path | None = None) -> Path:
     """The converted directory of ``gguf_path`` under ``<cache_root>/gguf/``, converting on first use.
 
-    The key covers the file's absolute path, size and mtime, so a replaced file converts again. The conversion
+    The key is the file's content (its size and its first and last 4 MiB, where the metadata and the last
+    tensors lie), so a replaced file converts again while the same file reinstalled, or installed in another
+    environment, reuses its conversion (a path and mtime key kept a 540 MB copy per install). The conversion
     goes to a temporary sibling that is renamed into place, so a crash never leaves a half-written entry.
     """
     gguf_path = Path(gguf_path).resolve()
-    stat = gguf_path.stat()  # FileNotFoundError names a missing file
-    key = hashlib.sha256(f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = _content_key(gguf_path)
     parent = Path(cache_root if cache_root is not None else envs.CACHE_DIR.get()) / "gguf"
     final = parent / f"{gguf_path.stem}-{key}"
     if final.is_dir():
@@ -131,6 +132,16 @@ def cached_gguf_dir(gguf_path: str | Path, cache_root: Path | None = None) -> Pa
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _content_key(path: Path, edge: int = 4 << 20) -> str:
+    size = path.stat().st_size  # FileNotFoundError names a missing file
+    digest = hashlib.sha256(f"{size}\0".encode())
+    with path.open("rb") as f:
+        digest.update(f.read(edge))
+        f.seek(max(size - edge, 0))
+        digest.update(f.read(edge))
+    return digest.hexdigest()[:16]
 
 
 def default_model_path() -> Path:
