@@ -69,6 +69,7 @@ class ParentRequest:
         kind = self.params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        self.mark_finished_time()  # the final output carries it (it is made before the parent is retired)
         first = self.children[0].request
         completions = [self._completion(c, kind) for c in self.children]
         metrics = RequestMetrics(self.arrival_time, first.first_scheduled_time, first.first_token_time,

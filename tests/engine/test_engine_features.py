@@ -299,3 +299,18 @@ def test_chat_takes_text_content_parts_and_generate_takes_text_prompts(smollm2_l
         smollm2_llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy)
     (a,), (b,) = (smollm2_llm.generate(p, greedy, use_tqdm=False) for p in ("Paris is", {"prompt": "Paris is"}))
     assert a.outputs[0].token_ids == b.outputs[0].token_ids and b.prompt == "Paris is"
+
+
+def test_final_output_metrics_are_complete(tiny_llama_dir):
+    """The finished output carries its finish time, after its first token's; earlier outputs have none."""
+    llm = LLM(str(tiny_llama_dir))
+    (out,) = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3, ignore_eos=True),
+                          use_tqdm=False)
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    llm.engine.add_request("streamed", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3, ignore_eos=True))
+    outputs = []
+    while llm.engine.has_unfinished_requests():
+        outputs += llm.engine.step()
+    assert outputs[-1].finished and outputs[-1].metrics.finished_time is not None
+    assert all(o.metrics.finished_time is None for o in outputs[:-1])
