@@ -106,13 +106,12 @@ def _mark_tool(m: _Markers, tool: dict[str, Any]) -> dict[str, Any]:
     return {"type": "function", "function": marked}
 
 
-def _check_prefill(messages: list[dict[str, Any]]) -> None:
+def ends_with_prefill(messages: list[dict[str, Any]]) -> bool:
+    """Whether the last message is an assistant turn with text and no tool calls: one that can be continued."""
     last = messages[-1] if messages else {}
-    if last.get("role") != "assistant" or not isinstance(last.get("content"), str) or not last["content"]:
-        raise ProtocolError("continuing the final message needs a last assistant message with text content",
-                            param="messages")
-    if last.get("tool_calls"):
-        raise ProtocolError("a final assistant message with tool calls cannot be continued", param="messages")
+    content = last.get("content")
+    return last.get("role") == "assistant" and isinstance(content, str) and bool(content) and not last.get(
+        "tool_calls")
 
 
 class ChatEncoder:
@@ -138,7 +137,9 @@ class ChatEncoder:
         template = template or self.template
         m = _Markers()
         if continue_final_message:
-            _check_prefill(messages)
+            if not ends_with_prefill(messages):
+                raise ProtocolError("continuing the final message needs a last assistant message with text "
+                                    "content and no tool calls", param="messages")
             add_generation_prompt = False
         if "tool_calls" not in template:  # the template knows no tools: use Hermes text for calls and results
             messages = _flatten_tool_turns(messages)

@@ -7,6 +7,7 @@ reaches the engine.
 
 from __future__ import annotations
 
+import functools
 import types
 import typing
 from typing import Annotated, Any
@@ -45,8 +46,8 @@ class WireModel(BaseModel):
     def _null_means_default(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        dropped = [key for key, value in data.items() if value is None and key in _defaults_without_null(cls)]
-        return {k: v for k, v in data.items() if k not in dropped} if dropped else data
+        defaulted = _defaults_without_null(cls)
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
 
 
 def _takes_null(annotation: Any) -> bool:
@@ -60,17 +61,12 @@ def _takes_null(annotation: Any) -> bool:
     return False
 
 
+@functools.cache
 def _defaults_without_null(model: type[BaseModel]) -> frozenset[str]:
-    """Wire names (aliases too) of ``model``'s optional fields whose type does not take null (cached per model)."""
-    cached = model.__dict__.get("_null_defaults_cache")
-    if cached is None:
-        names = set()
-        for name, field in model.model_fields.items():
-            if not field.is_required() and not _takes_null(field.annotation):
-                names.update(n for n in (name, field.alias, field.validation_alias) if isinstance(n, str))
-        cached = frozenset(names)
-        type.__setattr__(model, "_null_defaults_cache", cached)
-    return cached
+    """Wire names (aliases too) of ``model``'s optional fields whose type does not take null."""
+    return frozenset(n for name, field in model.model_fields.items()
+                     if not field.is_required() and not _takes_null(field.annotation)
+                     for n in (name, field.alias, field.validation_alias) if isinstance(n, str))
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

@@ -10,6 +10,7 @@ constrained yet.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from dsinfer.protocol.errors import ProtocolError
@@ -25,25 +26,38 @@ def _tag(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
-def tool_call_constraint(tools: list[Any] | None, tool_choice: Any, parser: type[ToolCallParser] | None
-                         ) -> dict[str, Any] | None:
+@dataclass(frozen=True)
+class ToolSpec:
+    """A request's tool as both APIs give it: OpenAI's function, Anthropic's tool (no ``strict`` there)."""
+
+    name: str
+    parameters: dict[str, Any] | None
+    strict: bool = False
+
+
+def tool_call_constraint(tools: list[ToolSpec], choice: str, parser: type[ToolCallParser] | None,
+                         name: str | None = None) -> dict[str, Any] | None:
     """The ``structured_outputs`` dict that enforces the request's tool choice, or None when nothing is forced.
-    A named function that is not among the tools is a 400 whatever the model's tool format."""
-    if not tools or tool_choice == "none":
+
+    ``choice``: "auto", "none", "required" (a call to some tool; Anthropic's "any") or "named" (a call to the
+    tool ``name``; OpenAI's named function, Anthropic's "tool"). A forced choice without tools, or a name that is
+    not among the tools, is a 400 whatever the model's tool format."""
+    if choice in ("required", "named") and not tools:
+        raise ProtocolError("tool_choice forces a tool call, but the request has no tools", param="tool_choice")
+    if not tools or choice == "none":
         return None
-    by_name = {t.function.name: t.function for t in tools}
-    named = tool_choice is not None and not isinstance(tool_choice, str)
-    if named and tool_choice.function.name not in by_name:
-        raise ProtocolError(f"tool_choice names {tool_choice.function.name!r}, which is not among the tools "
-                            f"{sorted(by_name)}", param="tool_choice")
+    by_name = {t.name: t for t in tools}
+    if choice == "named" and name not in by_name:
+        raise ProtocolError(f"tool_choice names {name!r}, which is not among the tools {sorted(by_name)}",
+                            param="tool_choice")
     if parser is not HermesToolParser:
         return None
-    if named:
-        chosen, forced = [by_name[tool_choice.function.name]], True
-    elif tool_choice == "required":
-        chosen, forced = list(by_name.values()), True
+    if choice == "named":
+        chosen, forced = [by_name[name]], True
+    elif choice == "required":
+        chosen, forced = tools, True
     else:
-        chosen, forced = [f for f in by_name.values() if getattr(f, "strict", None)], False
+        chosen, forced = [t for t in tools if t.strict], False
     if not chosen:
         return None
     fmt = {"type": "triggered_tags", "triggers": ["<tool_call>"],

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -12,12 +11,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from dsinfer.engine.outputs import CompletionOutput, RequestOutput
 from dsinfer.protocol.anthropic_schemas import CountTokensRequest, MessagesRequest
+from dsinfer.protocol.chat_encoding import ends_with_prefill
 from dsinfer.protocol.chat_output import ChatOutputParser, OutputDelta, parse_output
 from dsinfer.protocol.conversation import anthropic_messages, anthropic_tools
 from dsinfer.protocol.errors import ProtocolError
 from dsinfer.protocol.sampling import build_sampling_params, resolve_max_tokens
 from dsinfer.protocol.structured_request import validate_structured_outputs
-from dsinfer.protocol.tool_constraints import tool_call_constraint
+from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.generation import Generation, primed
 from dsinfer.server.sse import SSE_HEADERS, sse_event
@@ -30,29 +30,23 @@ def _encode(ctx: ServingContext, req: CountTokensRequest):
     tools = anthropic_tools(req)
     kwargs = {"enable_thinking": req.thinking.type != "disabled"} if req.thinking else None
     messages = anthropic_messages(req)
-    last = messages[-1] if messages else {}
     # a final assistant turn with text is a prefill: the answer continues it
-    prefill = last.get("role") == "assistant" and bool(last.get("content")) and not last.get("tool_calls")
-    encoded = ctx.encode_chat(messages, tools, template_kwargs=kwargs, continue_final_message=prefill)
+    encoded = ctx.encode_chat(messages, tools, template_kwargs=kwargs,
+                              continue_final_message=ends_with_prefill(messages))
     return encoded, tools is not None
 
 
 def _tool_choice_constraint(ctx: ServingContext, req: MessagesRequest) -> dict[str, Any] | None:
-    """``tool_choice`` "any" / "tool" as OpenAI's "required" / a named function: the grammar that forces one call
-    (``protocol.tool_constraints``); "auto" and "none" force nothing."""
+    """``tool_choice`` "any" / "tool" force one call, as OpenAI's "required" / a named function
+    (``protocol.tool_constraints``)."""
     choice = req.tool_choice
-    if choice is None or choice.type in ("auto", "none"):
+    if choice is None:
         return None
-    if not req.tools:
-        raise ProtocolError(f"tool_choice {choice.type!r} forces a tool call, but the request has no tools",
-                            param="tool_choice")
-    tools = [SimpleNamespace(function=SimpleNamespace(name=t.name, parameters=t.input_schema, strict=None))
-             for t in req.tools]
-    if choice.type == "any":
-        return tool_call_constraint(tools, "required", ctx.tool_parser)
-    if not choice.name:
+    if choice.type == "tool" and not choice.name:
         raise ProtocolError("tool_choice of type 'tool' needs the tool's name", param="tool_choice.name")
-    return tool_call_constraint(tools, SimpleNamespace(function=SimpleNamespace(name=choice.name)), ctx.tool_parser)
+    tools = [ToolSpec(t.name, t.input_schema) for t in req.tools or []]
+    mode = {"any": "required", "tool": "named"}.get(choice.type, choice.type)
+    return tool_call_constraint(tools, mode, ctx.tool_parser, choice.name)
 
 
 @router.post("/v1/messages/count_tokens")

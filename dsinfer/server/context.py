@@ -48,8 +48,15 @@ class ServingContext:
     def model_name(self) -> str:
         return self.settings.served_model_names[0] if self.settings.served_model_names else "default"
 
-    def check_model(self, name: str | None) -> None:
-        names = self.settings.served_model_names
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """The names ``/v1/models`` lists: ``--served-model-name``, else the model's."""
+        return tuple(self.settings.served_model_names or (self.model_name,))
+
+    def check_model(self, name: str | None, strict: bool = False) -> None:
+        """404 for a model this server does not serve. Requests may name any model when no
+        ``--served-model-name`` is set; ``strict`` (a lookup by name) checks against ``served_names``."""
+        names = self.served_names if strict else self.settings.served_model_names
         if name is not None and names and name not in names:
             raise ProtocolError(
                 f"The model `{name}` does not exist.", status=404, param="model", code="model_not_found"

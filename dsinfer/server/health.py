@@ -8,7 +8,6 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from dsinfer.protocol.errors import ProtocolError
 from dsinfer.server.context import ServingContext
 
 router = APIRouter()
@@ -44,15 +43,12 @@ def _model_card(ctx: ServingContext, name: str) -> dict:
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
     ctx: ServingContext = request.app.state.ctx
-    names = ctx.settings.served_model_names or (ctx.model_name,)
-    return {"object": "list", "data": [_model_card(ctx, name) for name in names]}
+    return {"object": "list", "data": [_model_card(ctx, name) for name in ctx.served_names]}
 
 
 @router.get("/v1/models/{name:path}")
 async def model(request: Request, name: str) -> dict:
     """One model (``client.models.retrieve``); a name this server does not serve is a 404."""
     ctx: ServingContext = request.app.state.ctx
-    names = ctx.settings.served_model_names or (ctx.model_name,)
-    if name not in names:
-        raise ProtocolError(f"The model `{name}` does not exist.", status=404, param="model", code="model_not_found")
+    ctx.check_model(name, strict=True)
     return _model_card(ctx, name)

@@ -19,7 +19,7 @@ from dsinfer.protocol.logprobs import chat_logprobs
 from dsinfer.protocol.openai_schemas import ChatCompletionRequest, SamplingFields
 from dsinfer.protocol.sampling import build_sampling_params, logit_bias_ids, resolve_max_tokens
 from dsinfer.protocol.structured_request import structured_outputs_of, validate_structured_outputs
-from dsinfer.protocol.tool_constraints import tool_call_constraint
+from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.generation import Generation, primed
 from dsinfer.server.sse import SSE_DONE, SSE_HEADERS, sse_data
@@ -69,6 +69,14 @@ def _params(
     return build_sampling_params(fields, ctx.vocab_size, req.stream)
 
 
+def _tool_choice_constraint(ctx: ServingContext, req: ChatCompletionRequest) -> dict[str, Any] | None:
+    tools = [ToolSpec(t.function.name, t.function.parameters, bool(t.function.strict)) for t in req.tools or []]
+    choice = req.tool_choice
+    if choice is not None and not isinstance(choice, str):  # a named function
+        return tool_call_constraint(tools, "named", ctx.tool_parser, choice.function.name)
+    return tool_call_constraint(tools, choice or "auto", ctx.tool_parser)
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     ctx: ServingContext = request.app.state.ctx
@@ -78,8 +86,6 @@ async def chat_completions(request: Request):
     if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
         raise ProtocolError("continue_final_message and add_generation_prompt cannot both be true",
                             param="continue_final_message")
-    if not req.tools and req.tool_choice not in (None, "none", "auto"):
-        raise ProtocolError("tool_choice forces a tool call, but the request has no tools", param="tool_choice")
     encoded = ctx.encode_chat(
         openai_chat_messages(req.messages),
         openai_chat_tools(req.tools) if use_tools else None,
@@ -89,7 +95,7 @@ async def chat_completions(request: Request):
         req.continue_final_message,
     )
     structured, field = structured_outputs_of(req)
-    tool_constraint = tool_call_constraint(req.tools, req.tool_choice, ctx.tool_parser) if use_tools else None
+    tool_constraint = _tool_choice_constraint(ctx, req)
     if tool_constraint is not None:
         if structured is not None:
             raise ProtocolError("a forced or strict tool choice cannot be combined with another structured-output "
