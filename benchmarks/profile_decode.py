@@ -48,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "step), over --batch sequences of --context cached tokens: no scheduler, no prefill")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="also profile the host side (cProfile) of the same steps and print its top N functions")
     return p.parse_args(argv)
 
 
@@ -133,13 +135,48 @@ def profile_prefill(llm, random_prompts, args, sync):
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     batches = [random_prompts() for _ in range(args.steps)]
     sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    before = allocator_counts()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, host_profile(args):
         start = time.perf_counter()
         for prompts in batches:
             llm.generate(prompts, params, use_tqdm=False)
         sync()
         wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
+    after = allocator_counts()
+    print("allocator events per step (a device malloc/free or retry synchronizes the GPU): "
+          + ", ".join(f"{k} {(after[k] - before[k]) / args.steps:g}" for k in before))
     return prof, wall_ms, args.steps, "prefill steps"
+
+
+def allocator_counts() -> dict[str, int]:
+    """The caching allocator's counters that mean a cudaMalloc / cudaFree (or a full synchronize) happened."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+    return {k: stats.get(k, 0) for k in keys}
+
+
+def host_profile(args):
+    """A context manager: cProfile over the profiled steps when ``--cprofile N``, printing the top N functions by
+    own time (where the host spends a step that the GPU waits for)."""
+    import contextlib
+    import cProfile
+    import pstats
+
+    @contextlib.contextmanager
+    def run():
+        if not args.cprofile:
+            yield
+            return
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            yield
+        finally:
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
+    return run()
 
 
 def report(profiled, args) -> int:

@@ -52,8 +52,9 @@ BLOCK = (128, 128)
 
 def _cfg(bm, bn, bk, gm, w, st, mode=None) -> dict:
     """mode: None (the default GEMM), "fuse" (gate/up in one dot), "two" (two dots), "tma" (weights through TMA
-    descriptors, two dots), each optionally with "+bkN" (K tile N instead of the grid's) and "+ws" (the K loop
-    warp-specialized)."""
+    descriptors, two dots), each optionally with "+bkN" (K tile N instead of the grid's), "+ws" (the K loop
+    warp-specialized) and "+sorted" (activations copied into expert order first; with "tma" they are TMA tiles
+    too; gate/up and down must then share block_m)."""
     cfg = dict(block_m=bm, block_n=bn, block_k=bk, group_m=gm, num_warps=w, num_stages=st)
     flags = set((mode or "").split("+"))
     if flags & {"fuse", "two"}:
@@ -65,6 +66,8 @@ def _cfg(bm, bn, bk, gm, w, st, mode=None) -> dict:
             cfg["block_k"] = int(flag[2:])
     if "ws" in flags:
         cfg["warp_specialize"] = True
+    if "sorted" in flags:
+        cfg["sorted"] = True
     return cfg
 
 
@@ -75,22 +78,23 @@ def moe_grids(fp8: bool, rows_per_expert: float) -> tuple[list[dict], list[dict]
     tiles."""
     bk = 128 if fp8 else 64
     if rows_per_expert >= 128 and fp8:
-        # "ws": two consumer warp groups could take turns between the tensor cores and the FP8 scaling (not
-        # measured yet: the FP8 target is 50% of the FP8 rate, the plain tiles reach 47% / 42%)
-        gate_up = [(64, 64, 8, 4, 4, "fuse"), (64, 64, 8, 4, 4, "tma"), (128, 64, 8, 8, 3, "tma+ws"),
-                   (128, 128, 8, 8, 3, "tma+ws"), (128, 64, 8, 8, 3, "fuse"),
-                   (128, 64, 8, 8, 3, "tma"), (64, 128, 8, 8, 3, "fuse"), (128, 64, 8, 8, 4, "fuse"),
-                   (64, 64, 32, 4, 4, "fuse"), (64, 64, 8, 4, 3, "fuse"), (128, 64, 32, 8, 3, "tma"),
-                   (128, 32, 8, 8, 4, "two")]
-        down = [(64, 128, 8, 4, 3), (64, 128, 8, 4, 3, "tma"), (128, 128, 8, 8, 3, "tma+ws"),
-                (128, 128, 8, 8, 3), (128, 128, 8, 8, 3, "tma"), (64, 256, 8, 8, 3), (64, 128, 8, 4, 4),
-                (128, 128, 8, 8, 4, "tma"), (128, 128, 32, 8, 3), (64, 128, 32, 4, 3)]
-    elif rows_per_expert >= 128:
-        gate_up = [(64, 64, 8, 4, 3, "fuse"), (128, 64, 8, 8, 3, "fuse"), (128, 128, 8, 8, 3, "fuse"),
-                   (128, 64, 8, 8, 3, "tma"), (64, 128, 8, 4, 3, "fuse"), (64, 128, 8, 4, 3, "two"),
-                   (128, 64, 8, 8, 4, "fuse")]
-        down = [(64, 128, 8, 4, 3), (128, 128, 8, 8, 3), (128, 128, 8, 8, 3, "tma"), (128, 256, 8, 8, 3),
-                (64, 256, 8, 8, 3), (128, 128, 8, 8, 4)]
+        # "sorted": the dense FP8 GEMM (A through TMA) reaches ~70% of the FP8 rate with 128 x 128 tiles, the
+        # gathered grouped one 42-47%
+        gate_up = [(64, 64, 8, 4, 4, "fuse"), (128, 128, 8, 8, 4, "tma+sorted"), (64, 128, 8, 4, 4, "tma+sorted"),
+                   (128, 64, 8, 8, 4, "tma+sorted"), (64, 64, 8, 4, 4, "tma+sorted"), (64, 64, 8, 4, 4, "tma"),
+                   (128, 128, 8, 8, 3, "tma+sorted"), (128, 64, 8, 8, 3, "tma"), (64, 128, 8, 8, 3, "fuse"),
+                   (64, 64, 8, 4, 3, "fuse"), (128, 64, 32, 8, 3, "tma")]
+        down = [(64, 128, 8, 4, 3), (128, 128, 8, 8, 4, "tma+sorted"), (64, 128, 8, 4, 4, "tma+sorted"),
+                (128, 64, 8, 8, 4, "tma+sorted"), (64, 64, 8, 4, 4, "tma+sorted"), (64, 128, 8, 4, 3, "tma"),
+                (128, 128, 8, 8, 3, "tma+sorted"), (128, 128, 8, 8, 4, "tma"), (64, 256, 8, 8, 3),
+                (64, 128, 8, 4, 4)]
+    elif rows_per_expert >= 100:
+        gate_up = [(64, 64, 8, 4, 3, "fuse"), (128, 128, 8, 8, 3, "tma+sorted"), (64, 128, 8, 4, 3, "tma+sorted"),
+                   (128, 64, 8, 8, 3, "fuse"), (128, 128, 8, 8, 3, "fuse"), (128, 64, 8, 8, 3, "tma+sorted"),
+                   (64, 64, 8, 4, 3, "tma+sorted"), (64, 128, 8, 4, 3, "fuse"), (128, 64, 8, 8, 4, "fuse")]
+        down = [(64, 128, 8, 4, 3), (128, 128, 8, 8, 3, "tma+sorted"), (64, 128, 8, 4, 3, "tma+sorted"),
+                (128, 256, 8, 8, 3, "tma+sorted"), (64, 64, 8, 4, 3, "tma+sorted"), (128, 64, 8, 8, 3, "tma+sorted"),
+                (128, 128, 8, 8, 3), (128, 256, 8, 8, 3), (64, 256, 8, 8, 3)]
     elif rows_per_expert >= 12:  # decode batches (weight-bandwidth bound): narrow tiles, deep K pipelines
         gate_up = [(32, 64, 1, 4, 3, "fuse"), (32, 64, 1, 4, 3, "tma"), (32, 64, 8, 4, 4, "fuse"),
                    (64, 64, 8, 4, 3, "fuse"), (32, 128, 8, 4, 3, "fuse"), (32, 64, 1, 4, 3, "two"),
@@ -132,13 +136,86 @@ def _dequant_a(a, a_s):
     return a.float() * a_s.repeat_interleave(BLOCK[1], 1)[:, : a.shape[1]] if a_s is not None else a.float()
 
 
-def _run_gemm(gemm, align, a, b, out, a_s, b_s, kw, cfg):
-    gemm(a, b, out, cfg, a_scale=a_s, b_scale=b_s, block_size=BLOCK if a_s is not None else None,
-         align=align(cfg["block_m"]), **kw)
+class _MoeCase:
+    """One token count's GEMM inputs, outputs and reference rows, and the two ways to run a candidate:
+
+    - gathered (the default tiles): gate/up reads the quantized hidden rows by ``pair // k``, down the quantized
+      intermediate by pair (quantization outside the timing);
+    - ``sorted``: gate/up times the copy of the hidden rows into expert order (quantized on the way) plus the
+      GEMM, whose output stays in that order; down takes the intermediate already in that order and quantized
+      (outside the timing, as the gathered one) and stores in pair order.
+    """
+
+    def __init__(self, x, h_in, w13, s13, w2, s2, ids, weights, k, fp8, refs):
+        from dsinfer.ops.triton.fp8 import per_token_group_quant
+        from dsinfer.ops.triton.moe import grouped_gemm
+        from dsinfer.ops.triton.moe_align import moe_align
+        from dsinfer.ops.triton.moe_permute import permute_rows
+
+        self.gemm, self.permute = grouped_gemm, permute_rows
+        self.x, self.h_in, self.w13, self.s13, self.w2, self.s2 = x, h_in, w13, s13, w2, s2
+        self.k, self.fp8, self.pairs = k, fp8, h_in.shape[0]
+        self.group, self.block = (BLOCK[1], BLOCK) if fp8 else (None, None)
+        self.a, self.a_s = per_token_group_quant(x, BLOCK[1]) if fp8 else (x, None)
+        self.a2, self.a2_s = per_token_group_quant(h_in, BLOCK[1]) if fp8 else (h_in, None)
+        self.weights = weights.reshape(-1).float()
+        self.align = functools.cache(functools.partial(moe_align, ids, w13.shape[0]))
+        self.inter = torch.empty(self.pairs, w2.shape[2], device=tuning.DEV, dtype=torch.bfloat16)
+        self.down_out = torch.empty(self.pairs, w2.shape[1], device=tuning.DEV, dtype=torch.bfloat16)
+        self.sorted_inter, self.sorted_down_in = {}, {}
+        self.check_rows, self.ref1, self.ref2 = refs
+        self.last_gate_up = self.inter, None
+
+    def gate_up(self, cfg):
+        al = self.align(cfg["block_m"])
+        if not cfg.get("sorted"):
+            self.gemm(self.a, self.w13, self.inter, cfg, a_scale=self.a_s, b_scale=self.s13, block_size=self.block,
+                      align=al, a_div=self.k, gated=True)
+            self.last_gate_up = self.inter, None
+            return
+        a, a_s = self.permute(self.x, al, a_div=self.k, group=self.group)
+        out = self.sorted_inter.setdefault(cfg["block_m"], torch.empty(
+            al[0].shape[0], self.inter.shape[1], device=tuning.DEV, dtype=torch.bfloat16))
+        self.gemm(a, self.w13, out, cfg, a_scale=a_s, b_scale=self.s13, block_size=self.block, align=al,
+                  gated=True, sorted_a=True, sorted_out=True, num_pairs=self.pairs)
+        self.last_gate_up = out, al[0]
+
+    def gate_up_err(self) -> float:
+        out, sorted_ids = self.last_gate_up
+        if sorted_ids is None:
+            return rel_err(out[self.check_rows], self.ref1)
+        ids = sorted_ids.long()
+        position = torch.full((self.pairs,), -1, dtype=torch.long, device=ids.device)  # pair -> sorted row
+        real = ids < self.pairs
+        position[ids[real]] = torch.nonzero(real).squeeze(1)
+        return rel_err(out[position[self.check_rows]], self.ref1)
+
+    def down(self, cfg):
+        al = self.align(cfg["block_m"])
+        if not cfg.get("sorted"):
+            self.gemm(self.a2, self.w2, self.down_out, cfg, a_scale=self.a2_s, b_scale=self.s2,
+                      block_size=self.block, align=al, topk_weights=self.weights)
+            return
+        if cfg["block_m"] not in self.sorted_down_in:  # the pair rows of h_in in expert order (a_div 1)
+            self.sorted_down_in[cfg["block_m"]] = self.permute(self.h_in, al, group=self.group)
+        a2, a2_s = self.sorted_down_in[cfg["block_m"]]
+        self.gemm(a2, self.w2, self.down_out, cfg, a_scale=a2_s, b_scale=self.s2, block_size=self.block, align=al,
+                  topk_weights=self.weights, sorted_a=True)
+
+    def down_err(self) -> float:
+        return rel_err(self.down_out[self.check_rows], self.ref2)
 
 
-def _rows_err(out, rows, ref):
-    return rel_err(out[rows], ref)
+def _best_pair(res1, res2):
+    """The fastest (gate/up, down) pair that can run together: both gathered (any block_m each), or both sorted
+    with one block_m (the intermediate stays in gate/up's order)."""
+    pairs = [(t1 + t2, r1, r2) for r1 in res1 for r2 in res2 for t1, t2 in [(r1[0], r2[0])]
+             if bool(r1[1].get("sorted")) == bool(r2[1].get("sorted"))
+             and (not r1[1].get("sorted") or r1[1]["block_m"] == r2[1]["block_m"])]
+    if not pairs:
+        return None
+    _, r1, r2 = min(pairs, key=lambda p: p[0])
+    return r1, r2
 
 
 def tune_moe(name: str, routed: int, h: int, inter: int, top_k: int, num_shared: int, fp8: bool, token_counts,
@@ -147,8 +224,7 @@ def tune_moe(name: str, routed: int, h: int, inter: int, top_k: int, num_shared:
     each token a random top-k of the routed ones plus every shared one (weight 1), keyed by the stacked count."""
     from dsinfer.ops.moe import with_shared
     from dsinfer.ops.triton.fp8 import per_token_group_quant
-    from dsinfer.ops.triton.moe import down_config, grouped_gemm, moe_config
-    from dsinfer.ops.triton.moe_align import moe_align
+    from dsinfer.ops.triton.moe import down_config, moe_config
 
     dtype = "fp8" if fp8 else "bfloat16"
     e, k = routed + num_shared, top_k + num_shared  # stacked experts, pairs per token
@@ -171,20 +247,14 @@ def tune_moe(name: str, routed: int, h: int, inter: int, top_k: int, num_shared:
         weights, ids = with_shared(*scores.topk(top_k, dim=-1), routed, num_shared)
         touched = int(ids.unique().numel())
         h_in = torch.randn(pairs, inter, device=tuning.DEV, dtype=torch.bfloat16)
-        if fp8:
-            a, a_s = per_token_group_quant(x, BLOCK[1])
-            a2, a2_s = per_token_group_quant(h_in, BLOCK[1])
-        else:
-            a, a_s, a2, a2_s = x, None, h_in, None
-        wflat = weights.reshape(-1).float()
-        inter_out = torch.empty(pairs, inter, device=tuning.DEV, dtype=torch.bfloat16)
-        down = torch.empty(pairs, h, device=tuning.DEV, dtype=torch.bfloat16)
         # Reference on the pairs of two experts.
+        wflat = weights.reshape(-1).float()
         flat = ids.reshape(-1)
         chk = flat[:2].tolist()
         sel = [(flat == ex).nonzero().squeeze(1) for ex in chk]
         ref1, ref2 = [], []
-        a_deq, a2_deq = _dequant_a(a, a_s), _dequant_a(a2, a2_s)
+        a_deq = _dequant_a(*(per_token_group_quant(x, BLOCK[1]) if fp8 else (x, None)))
+        a2_deq = _dequant_a(*(per_token_group_quant(h_in, BLOCK[1]) if fp8 else (h_in, None)))
         for ex, p in zip(chk, sel):
             w13e = _dequant_w(w13, s13, ex) if fp8 else w13[ex].float()
             w2e = _dequant_w(w2, s2, ex) if fp8 else w2[ex].float()
@@ -192,12 +262,8 @@ def tune_moe(name: str, routed: int, h: int, inter: int, top_k: int, num_shared:
             ref1.append(torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:])
             ref2.append((a2_deq[p] @ w2e.T) * wflat[p, None])
         del a_deq, a2_deq
-        sel_all = torch.cat(sel)
-        ref1, ref2 = torch.cat(ref1), torch.cat(ref2)
-        align = functools.cache(functools.partial(moe_align, ids, e))
-        run1 = functools.partial(_run_gemm, grouped_gemm, align, a, w13, inter_out, a_s, s13,
-                                 dict(a_div=k, gated=True))
-        run2 = functools.partial(_run_gemm, grouped_gemm, align, a2, w2, down, a2_s, s2, dict(topk_weights=wflat))
+        case = _MoeCase(x, h_in, w13, s13, w2, s2, ids, weights, k, fp8,
+                        (torch.cat(sel), torch.cat(ref1), torch.cat(ref2)))
 
         current = moe_config(key, rpe, fp8, True)
         grid1, grid2 = moe_grids(fp8, rpe)
@@ -207,12 +273,13 @@ def tune_moe(name: str, routed: int, h: int, inter: int, top_k: int, num_shared:
         cands2 = [cur2] + [c for c in grid2 if c != cur2]
         label = f"{name} T={tokens}"
         half = Budget(sub.left() * 0.6)
-        res1 = sweep(f"{label} gate/up", cands1, run1, functools.partial(_rows_err, inter_out, sel_all, ref1), half)
-        res2 = sweep(f"{label} down", cands2, run2, functools.partial(_rows_err, down, sel_all, ref2), sub)
-        if not res1 or not res2:
+        res1 = sweep(f"{label} gate/up", cands1, case.gate_up, case.gate_up_err, half)
+        res2 = sweep(f"{label} down", cands2, case.down, case.down_err, sub)
+        best_pair = _best_pair(res1, res2)
+        if best_pair is None:
             print(f"  {label}: no working config", flush=True)
             continue
-        (t1, c1), (t2, c2) = min(res1, key=lambda r: r[0]), min(res2, key=lambda r: r[0])
+        (t1, c1), (t2, c2) = best_pair
         base1 = res1[0][0] if res1[0][1] == cur1 else float("nan")
         base2 = res2[0][0] if res2[0][1] == cur2 else float("nan")
         best = dict(c1)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -38,3 +40,40 @@ def test_moe_bucket_of_a_batch_1_decode_is_found_by_the_lookup(monkeypatch):
     assert moe.nearest_config("k", 8 / 66, True) == {"block_n": 32}
     assert moe.nearest_config("k", 16 / 66, True) == {"block_n": 32}
     assert moe.nearest_config("k", 64 * 8 / 66, True) == {"block_n": 64}
+
+
+def test_moe_tuner_pairs_sorted_tiles_only_with_sorted_tiles_of_the_same_block_m():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.tune_deepseek import _best_pair
+
+    gathered = [(1.0, dict(block_m=64)), (0.9, dict(block_m=128))]
+    srt = [(0.5, dict(block_m=64, sorted=True)), (0.2, dict(block_m=128, sorted=True))]
+    # the fastest sorted gate/up (0.2, block_m 128) needs a sorted down of block_m 128 (3.0): 3.2 in all
+    down = [(1.0, dict(block_m=32)), (0.4, dict(block_m=64, sorted=True)), (3.0, dict(block_m=128, sorted=True))]
+    assert _best_pair(gathered + srt, down) == (srt[0], down[1])
+    assert _best_pair(gathered, down) == (gathered[1], down[0])
+    assert _best_pair(srt[1:], down[:2]) is None
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_moe_tuner_times_and_checks_sorted_and_gathered_tiles(fp8, monkeypatch, tmp_path):
+    """``tune_moe`` on tiny experts (CPU interpreter) with one gathered and one sorted candidate per GEMM: both
+    pass the output check against the reference and the table gets the faster consistent pair."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import tune_deepseek, tuning
+
+    monkeypatch.setattr(tuning, "SMOKE", True)
+    monkeypatch.setattr(tuning, "DEV", "cpu")
+    monkeypatch.setattr(tuning, "LOG", [])
+    monkeypatch.setattr(tune_deepseek, "LOG", tuning.LOG)
+    tile = dict(block_m=16, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=1)
+    cands = [dict(tile), dict(tile, sorted=True, tma=True)]
+    monkeypatch.setattr(tune_deepseek, "moe_grids", lambda fp8, rows: (cands, cands))
+    table = {}
+    shape = (4, 256, 128, 2, 1) if fp8 else (4, 64, 48, 2, 2)
+    tune_deepseek.tune_moe("tiny", *shape, fp8=fp8, token_counts=(24,), budget=tuning.Budget(600), table=table)
+    runs = [r for r in tuning.LOG if r["label"].startswith("tiny")]
+    assert all("ms" in r for r in runs), runs  # no candidate failed or was wrong
+    assert sum(bool(r["cfg"].get("sorted")) for r in runs) >= 2  # a sorted gate/up and a sorted down ran
+    (entry,) = table.values()
+    assert len(entry) == 1

@@ -263,10 +263,10 @@ def test_fused_moe_fp8_v3_expert_shapes(num_tokens, assert_close):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["fuse_gu", "tma", "warp_specialize"])
+@pytest.mark.parametrize("mode", ["fuse_gu", "tma", "warp_specialize", "sorted"])
 def test_fused_moe_fp8_v3_tile_modes(mode, assert_close):
     """The tuner's tile modes at V3 expert shapes: gate/up in one dot, weights through TMA descriptors, the K loop
-    warp-specialized (with TMA weights and a two-warp-group tile)."""
+    warp-specialized (with TMA weights and a two-warp-group tile), activations in expert order (TMA tiles)."""
     from dsinfer.ops.triton.moe import fused_moe_triton
 
     gen = torch.Generator().manual_seed(4)
@@ -280,6 +280,8 @@ def test_fused_moe_fp8_v3_tile_modes(mode, assert_close):
                down=dict(block_m=128, block_n=128, num_warps=8))
     if mode == "warp_specialize":
         cfg |= dict(block_m=128, num_warps=8, tma=True)
+    if mode == "sorted":  # activations in expert order through TMA, both GEMMs
+        cfg |= dict(tma=True)
     out = fused_moe_triton(x.bfloat16().cuda(), w13_q.cuda(), w2_q.cuda(), weights, ids,
                            w13_scale_inv=w13_s.cuda(), w2_scale_inv=w2_s.cuda(), block_size=block, config=cfg)
     ref = fused_moe_ref(x.bfloat16().float().cuda(), block_dequantize(w13_q, w13_s, block).cuda(),
@@ -287,10 +289,13 @@ def test_fused_moe_fp8_v3_tile_modes(mode, assert_close):
     assert_close(out, ref, torch.bfloat16, tol=0.15)
 
 
-@pytest.mark.parametrize("fuse_gu, tma", [(False, False), (True, False), (False, True)])
-def test_fused_moe_tile_configs_agree(fuse_gu, tma, device, poisoned, assert_close):
+@pytest.mark.parametrize("fuse_gu, tma, sorted_rows", [(False, False, False), (True, False, False),
+                                                      (False, True, False), (True, False, True),
+                                                      (False, True, True)])
+def test_fused_moe_tile_configs_agree(fuse_gu, tma, sorted_rows, device, poisoned, assert_close):
     """Gate and up in one interleaved dot or two; weights through TMA descriptors (the last N tile reads the
-    next expert's rows); the down GEMM with its own tile and alignment (block_m)."""
+    next expert's rows); the down GEMM with its own tile and alignment (block_m; sorted rows keep gate/up's);
+    activations copied into expert order first (sorted), with TMA also for them."""
     from dsinfer.ops.triton.moe import fused_moe_triton
 
     gen = torch.Generator().manual_seed(7)
@@ -300,7 +305,7 @@ def test_fused_moe_tile_configs_agree(fuse_gu, tma, device, poisoned, assert_clo
     weights, ids = _route(11, num_experts, top_k, gen, device)
     # bf16 down: K 48 in steps of 32 (a masked K tail)
     cfg = dict(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1, fuse_gu=fuse_gu,
-               tma=tma, down=dict(block_m=32, block_n=16))
+               tma=tma, sorted=sorted_rows, down=dict(block_m=32, block_n=16))
     out = fused_moe_triton(x.to(device), w13.bfloat16().to(device), w2.bfloat16().to(device), weights, ids,
                            config=cfg)
     ref = fused_moe_ref(x.double(), w13.bfloat16().double(), w2.bfloat16().double(), weights.double().cpu(),

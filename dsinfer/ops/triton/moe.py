@@ -7,6 +7,9 @@
    dot over the two interleaved, else two dots) and stores ``silu(gate) * up`` per pair ([pairs, I]).
 3. Down: the same kernel over the pair rows of the intermediate with ``w2``, scaled by each pair's top-k
    weight; ``topk_sum`` then adds up each token's top_k rows (float32, in slot order).
+4. With ``sorted`` tiles (prefill sizes) the hidden rows are first copied per pair into the aligned order
+   (``ops.triton.moe_permute``, quantized on the way for FP8), and the intermediate stays in that order, so both
+   GEMMs read consecutive A rows (TMA tiles) instead of gathering them.
 
 FP8 (w8a8, block-scaled): weights e4m3 with a float32 scale per [GROUP_N, GROUP_K] block (128 x 128), the
 activations quantized per token and group of GROUP_K (``ops.triton.fp8.per_token_group_quant``). The kernel
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -51,8 +55,12 @@ def default_config(rows_per_expert: float, fp8: bool, is_cuda: bool) -> dict:
 
 
 def down_config(cfg: dict) -> dict:
-    """The down GEMM's config: ``cfg`` with its ``down`` overrides (its own block_m means its own alignment)."""
-    return {**{k: v for k, v in cfg.items() if k != "down"}, **cfg.get("down", {})}
+    """The down GEMM's config: ``cfg`` with its ``down`` overrides (its own block_m means its own alignment,
+    except with ``sorted``: the intermediate is in the gate/up's sorted order, so the down GEMM keeps its rows)."""
+    down = {**{k: v for k, v in cfg.items() if k != "down"}, **cfg.get("down", {})}
+    if cfg.get("sorted"):
+        down["block_m"] = cfg["block_m"]
+    return down
 
 
 def moe_config(key: str, rows_per_expert: float, fp8: bool, is_cuda: bool) -> dict:
@@ -60,19 +68,23 @@ def moe_config(key: str, rows_per_expert: float, fp8: bool, is_cuda: bool) -> di
     within a factor of 4, else ``default_config``. Keys of a config: block_m, block_n (output columns; the
     gated GEMM's dot is twice as wide), block_k, group_m (programs sharing a B tile, L2 swizzle), num_warps,
     num_stages, fuse_gu (gate and up in one dot; default off on CUDA), tma (weights, and the activations of a
-    dense GEMM, through TMA descriptors; default off; excludes fuse_gu), warp_specialize (Triton's automatic warp
+    dense or sorted GEMM, through TMA descriptors; default off; excludes fuse_gu), sorted (the activations
+    copied into expert order first, ``ops.triton.moe_permute``, and the intermediate kept in it: consecutive A
+    rows instead of a gather; default off), warp_specialize (Triton's automatic warp
     specialization of the K loop: loads in a producer warp group, the dots and FP8 scaling in consumer groups;
     default off) and ``down`` (see ``down_config``)."""
     return nearest_config(key, rows_per_expert, is_cuda) or default_config(rows_per_expert, fp8, is_cuda)
 
 
 def nearest_config(key: str, rows: float, is_cuda: bool) -> dict | None:
-    """``configs/moe.json``'s config under ``key`` of the bucket nearest ``rows`` (within 4x), else None."""
+    """``configs/moe.json``'s config under ``key`` of the bucket nearest ``rows`` by ratio (within 4x), else
+    None."""
     table = _config_table().get(key, {}) if is_cuda else {}
-    near = [b for b in table if 0.25 <= float(b) / max(rows, 1e-9) <= 4]
+    rows = max(rows, 1e-9)
+    near = [b for b in table if 0.25 <= float(b) / rows <= 4]
     if not near:
         return None
-    return dict(table[min(near, key=lambda b: abs(float(b) - rows))])
+    return dict(table[min(near, key=lambda b: abs(math.log(float(b) / rows)))])
 
 
 @triton.jit
@@ -102,7 +114,8 @@ def _gemm_kernel(
     MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr,
     GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SCALAR_BS: tl.constexpr, A_DESC: tl.constexpr,
-    B_DESC: tl.constexpr, UPCAST: tl.constexpr, WARP_SPEC: tl.constexpr,
+    B_DESC: tl.constexpr, UPCAST: tl.constexpr, WARP_SPEC: tl.constexpr, A_SORTED: tl.constexpr,
+    C_SORTED: tl.constexpr,
 ):
     """C[rows] = A[rows] @ B[e]^T (rows: pairs sorted by expert when GATHER, else 0..M); see module doc.
 
@@ -115,7 +128,9 @@ def _gemm_kernel(
     (A [M, K] without gather, B viewed [E * rows, K]) loading [BLOCK_M | BLOCK_N, BLOCK_K] tiles; the tiles
     past N read the next rows (the next expert's, or zeros past the end), never stored; not with FUSE_GU.
     WARP_SPEC: the K loop through Triton's automatic warp specialization (CUDA only; the interpreter runs it as a
-    plain loop)."""
+    plain loop). A_SORTED / C_SORTED (with GATHER): A's / C's rows are already in sorted order (row = position in
+    ``sorted_ids``, ``ops.triton.moe_permute``), so a tile's A rows are consecutive (a TMA tile with A_DESC) and
+    C is stored at the sorted positions (padding rows included; they are zeros)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -132,7 +147,10 @@ def _gemm_kernel(
         expert = expert32.to(tl.int64)
         rows = tl.load(sorted_ids_ptr + offs_m)
         m_valid = rows < num_pairs
-        a_rows = tl.where(m_valid, rows // A_DIV, 0).to(tl.int64)
+        if A_SORTED:
+            a_rows = offs_m.to(tl.int64)
+        else:
+            a_rows = tl.where(m_valid, rows // A_DIV, 0).to(tl.int64)
     else:
         expert32 = 0
         expert = 0
@@ -214,8 +232,12 @@ def _gemm_kernel(
         acc = acc * tl.load(weight_ptr + rows, mask=m_valid, other=0.0)[:, None]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
+    if C_SORTED:  # every row of a block below num_padded is a sorted position
+        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_valid[None, :])
+    else:
+        c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -237,11 +259,16 @@ def grouped_gemm(
     gated: bool = False,
     topk_weights: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    sorted_a: bool = False,
+    sorted_out: bool = False,
+    num_pairs: int | None = None,
 ) -> torch.Tensor:
     """out[rows, :N] = f(a[rows // a_div] @ b[expert]^T); b [E, N(*2 if gated), K] (or [N, K] for dense).
 
     ``align`` = ``moe_align``'s output (rows are sorted pairs), else dense rows 0..a.shape[0].
     FP8 when ``a_scale`` / ``b_scale`` are given (scales per [block_size] of b, per (row, block_size[1]) of a).
+    ``sorted_a`` / ``sorted_out``: a's / out's rows are in sorted order (``moe_permute.permute_rows``), not
+    pair (or token) order; ``num_pairs`` (default out's rows) is then needed when ``sorted_out``.
     """
     if b.dim() == 2:
         b = b.unsqueeze(0)
@@ -251,13 +278,15 @@ def grouped_gemm(
     fp8 = a_scale is not None
     if fp8 and (block_size is None or block_size[1] % cfg["block_k"] and cfg["block_k"] % block_size[1]):
         raise ValueError(f"block_k={cfg['block_k']} must divide the scale block {block_size} along K")
+    # An e4m3 dot needs K >= 32 on CUDA: smaller scale blocks (tiny test checkpoints) multiply as float32, exact
+    # for e4m3 operands (UPCAST below)
     block_k = min(cfg["block_k"], block_size[1]) if fp8 else cfg["block_k"]
     b_desc = cfg.get("tma", False) and _tma_ok(b)
-    a_desc = b_desc and align is None and _tma_ok(a)
+    a_desc = b_desc and (align is None or sorted_a) and _tma_ok(a)
     fuse_gu = gated and cfg.get("fuse_gu", not a.is_cuda) and not b_desc
     if align is not None:
         sorted_ids, expert_ids, num_padded = align
-        rows, num_pairs = sorted_ids.shape[0], out.shape[0]
+        rows, num_pairs = sorted_ids.shape[0], out.shape[0] if num_pairs is None else num_pairs
     else:
         sorted_ids = expert_ids = num_padded = out  # unused
         rows = num_pairs = a.shape[0]
@@ -286,7 +315,8 @@ def grouped_gemm(
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k, GROUP_M=cfg["group_m"],
         EVEN_K=k % block_k == 0, SCALAR_BS=fp8 and not fuse_gu and block_size[0] % cfg["block_n"] == 0,
         A_DESC=a_desc, B_DESC=b_desc,
-        UPCAST=not a.is_cuda, WARP_SPEC=cfg.get("warp_specialize", False) and a.is_cuda,
+        UPCAST=not a.is_cuda or (fp8 and block_k < 32), WARP_SPEC=cfg.get("warp_specialize", False) and a.is_cuda,
+        A_SORTED=sorted_a and align is not None, C_SORTED=sorted_out and align is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -319,8 +349,13 @@ def expert_pair_outputs(
         raise ValueError(f"FP8 fused MoE needs the intermediate size ({inter}) to be a multiple of "
                          f"the scale block height {block_size[0]} (gate and up share the scale grid)")
     align = moe_align(topk_ids, num_experts, cfg["block_m"])
-    align2 = align if cfg2["block_m"] == cfg["block_m"] else moe_align(topk_ids, num_experts, cfg2["block_m"])
     weights = topk_weights.reshape(-1).float()  # the router's float32 [T, k]: a view, no kernel
+    if cfg.get("sorted"):
+        if cfg2["block_m"] != cfg["block_m"]:
+            raise ValueError("sorted MoE tiles need one block_m for gate/up and down (see down_config)")
+        return _sorted_pair_outputs(hidden, w13, w2, weights, align, top_k, cfg, cfg2, w13_scale_inv,
+                                    w2_scale_inv, block_size if fp8 else None)
+    align2 = align if cfg2["block_m"] == cfg["block_m"] else moe_align(topk_ids, num_experts, cfg2["block_m"])
     inter_out = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     down = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     if fp8:
@@ -335,6 +370,25 @@ def expert_pair_outputs(
     else:
         grouped_gemm(hidden, w13, inter_out, cfg, align=align, a_div=top_k, gated=True)
         grouped_gemm(inter_out, w2, down, cfg2, align=align2, topk_weights=weights)
+    return down
+
+
+def _sorted_pair_outputs(hidden, w13, w2, weights, align, top_k, cfg, cfg2, w13_scale_inv, w2_scale_inv,
+                         block_size) -> torch.Tensor:
+    """``expert_pair_outputs`` through activations in expert order: the hidden rows copied (and quantized) per
+    pair into ``align``'s order, the intermediate stored in that order, then the down GEMM's output in pair order."""
+    from dsinfer.ops.triton.moe_permute import permute_rows
+
+    num_pairs, group = hidden.shape[0] * top_k, block_size[1] if block_size else None
+    capacity, inter = align[0].shape[0], w2.shape[2]
+    a, a_s = permute_rows(hidden, align, a_div=top_k, group=group)
+    inter_out = torch.empty(capacity, inter, dtype=hidden.dtype, device=hidden.device)
+    down = torch.empty(num_pairs, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+    grouped_gemm(a, w13, inter_out, cfg, a_scale=a_s, b_scale=w13_scale_inv, block_size=block_size, align=align,
+                 gated=True, sorted_a=True, sorted_out=True, num_pairs=num_pairs)
+    a2, a2_s = permute_rows(inter_out, align, gather=False, group=group) if group else (inter_out, None)
+    grouped_gemm(a2, w2, down, cfg2, a_scale=a2_s, b_scale=w2_scale_inv, block_size=block_size, align=align,
+                 topk_weights=weights, sorted_a=True)
     return down
 
 
