@@ -163,10 +163,9 @@ def _routing(tokens: int, num_experts: int, top_k: int, num_shared: int):
 
 
 def moe_rows(sweep: bool, best: dict) -> list[Row]:
+    from benchmarks.tune_deepseek import MoeGemms
     from dsinfer.ops.moe import fused_moe
-    from dsinfer.ops.triton.fp8 import per_token_group_quant
-    from dsinfer.ops.triton.moe import down_config, grouped_gemm, moe_config
-    from dsinfer.ops.triton.moe_align import moe_align
+    from dsinfer.ops.triton.moe import down_config, moe_config
 
     rows = []
     # DeepSeek-V3 experts, FP8: E=256 routed + 1 shared, H=7168, I=2048, top-8 (+ the shared one).
@@ -187,13 +186,10 @@ def moe_rows(sweep: bool, best: dict) -> list[Row]:
                         fp8=True, note=f"{touched} experts"))
         if tokens < 1024:
             continue
-        # The two grouped GEMMs alone, per config.
+        # The two grouped GEMMs alone, per config (sorted tiles: gate/up timed with the copy into expert order).
         key = f"{e},{i},{h},fp8"
-        a, a_s = per_token_group_quant(x, 128)
         inter = torch.randn(pairs, i, device="cuda", dtype=BF16)
-        a2, a2_s = per_token_group_quant(inter, 128)
-        down = torch.empty(pairs, h, device="cuda", dtype=BF16)
-        wflat = weights.reshape(-1).float()
+        gemms = MoeGemms(x, inter, w13, s13, w2, s2, ids, weights, k, fp8=True)
         configs = [moe_config(key, pairs / e, True, True)]
         if sweep:
             configs += [dict(block_m=bm, block_n=bn, block_k=128, group_m=gm, num_warps=w, num_stages=s)
@@ -201,15 +197,10 @@ def moe_rows(sweep: bool, best: dict) -> list[Row]:
                                                  (128, 64, 8, 4, 3), (64, 128, 32, 8, 3))]
         results = []
         for cfg in configs:
-            align = moe_align(ids, e, cfg["block_m"])
-            gemm1 = functools.partial(grouped_gemm, a, w13, inter, cfg, a_scale=a_s, b_scale=s13,
-                                      block_size=BLOCK, align=align, a_div=k, gated=True)
             cfg2 = down_config(cfg)  # the down GEMM's own tile (tuned separately)
-            align2 = align if cfg2["block_m"] == cfg["block_m"] else moe_align(ids, e, cfg2["block_m"])
-            gemm2 = functools.partial(grouped_gemm, a2, w2, down, cfg2, a_scale=a2_s, b_scale=s2,
-                                      block_size=BLOCK, align=align2, topk_weights=wflat)
             try:
-                t1, t2 = bench_ms(gemm1), bench_ms(gemm2)
+                t1 = bench_ms(functools.partial(gemms.gate_up, cfg))
+                t2 = bench_ms(functools.partial(gemms.down, cfg2))
             except Exception as exc:  # noqa: BLE001
                 print(f"  moe cfg={cfg}: failed {type(exc).__name__}: {str(exc)[:100]}")
                 continue
@@ -223,7 +214,7 @@ def moe_rows(sweep: bool, best: dict) -> list[Row]:
                         4 * pairs * h * i, fp8=True, note=str(cfg)))
         rows.append(Row("moe fp8 down", f"V3 T={tokens}", t2, 1 / 3 * w_bytes + pairs * i + pairs * h * 2,
                         2 * pairs * h * i, fp8=True))
-        del inter, down, a2
+        del inter, gemms
     del w13, w2
     # DeepSeek-V2-Lite experts, bf16: E=64 routed + 2 shared, H=2048, I=1408, top-6 (+ the two shared).
     routed, shared, h, i, top_k = 64, 2, 2048, 1408, 6

@@ -80,10 +80,10 @@ def moe_grids(fp8: bool, rows_per_expert: float) -> tuple[list[dict], list[dict]
     if rows_per_expert >= 128 and fp8:
         # "sorted": the dense FP8 GEMM (A through TMA) reaches ~70% of the FP8 rate with 128 x 128 tiles, the
         # gathered grouped one 42-47%
-        gate_up = [(64, 64, 8, 4, 4, "fuse"), (128, 128, 8, 8, 4, "tma+sorted"), (64, 128, 8, 4, 4, "tma+sorted"),
-                   (128, 64, 8, 8, 4, "tma+sorted"), (64, 64, 8, 4, 4, "tma+sorted"), (64, 64, 8, 4, 4, "tma"),
-                   (128, 128, 8, 8, 3, "tma+sorted"), (128, 64, 8, 8, 3, "tma"), (64, 128, 8, 8, 3, "fuse"),
-                   (64, 64, 8, 4, 3, "fuse"), (128, 64, 32, 8, 3, "tma")]
+        gate_up = [(64, 64, 8, 4, 4, "tma+sorted"), (64, 64, 8, 4, 4, "fuse+sorted"), (64, 64, 8, 4, 5, "tma+sorted"),
+                   (64, 64, 8, 4, 3, "tma+sorted"), (64, 64, 8, 4, 4, "tma+sorted+ws"), (64, 64, 1, 4, 4, "tma+sorted"),
+                   (64, 64, 32, 4, 4, "tma+sorted"), (64, 64, 8, 4, 4, "fuse"), (128, 128, 8, 8, 4, "tma+sorted"),
+                   (64, 128, 8, 8, 4, "fuse+sorted"), (128, 64, 8, 8, 4, "tma+sorted")]
         down = [(64, 128, 8, 4, 3), (128, 128, 8, 8, 4, "tma+sorted"), (64, 128, 8, 4, 4, "tma+sorted"),
                 (128, 64, 8, 8, 4, "tma+sorted"), (64, 64, 8, 4, 4, "tma+sorted"), (64, 128, 8, 4, 3, "tma"),
                 (128, 128, 8, 8, 3, "tma+sorted"), (128, 128, 8, 8, 4, "tma"), (64, 256, 8, 8, 3),
@@ -136,7 +136,7 @@ def _dequant_a(a, a_s):
     return a.float() * a_s.repeat_interleave(BLOCK[1], 1)[:, : a.shape[1]] if a_s is not None else a.float()
 
 
-class _MoeCase:
+class MoeGemms:
     """One token count's GEMM inputs, outputs and reference rows, and the two ways to run a candidate:
 
     - gathered (the default tiles): gate/up reads the quantized hidden rows by ``pair // k``, down the quantized
@@ -144,9 +144,11 @@ class _MoeCase:
     - ``sorted``: gate/up times the copy of the hidden rows into expert order (quantized on the way) plus the
       GEMM, whose output stays in that order; down takes the intermediate already in that order and quantized
       (outside the timing, as the gathered one) and stores in pair order.
+
+    ``refs`` = (pair rows to check, their gate/up reference, their down reference) for ``*_err``.
     """
 
-    def __init__(self, x, h_in, w13, s13, w2, s2, ids, weights, k, fp8, refs):
+    def __init__(self, x, h_in, w13, s13, w2, s2, ids, weights, k, fp8, refs=(None, None, None)):
         from dsinfer.ops.triton.fp8 import per_token_group_quant
         from dsinfer.ops.triton.moe import grouped_gemm
         from dsinfer.ops.triton.moe_align import moe_align
@@ -262,7 +264,7 @@ def tune_moe(name: str, routed: int, h: int, inter: int, top_k: int, num_shared:
             ref1.append(torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:])
             ref2.append((a2_deq[p] @ w2e.T) * wflat[p, None])
         del a_deq, a2_deq
-        case = _MoeCase(x, h_in, w13, s13, w2, s2, ids, weights, k, fp8,
+        case = MoeGemms(x, h_in, w13, s13, w2, s2, ids, weights, k, fp8,
                         (torch.cat(sel), torch.cat(ref1), torch.cat(ref2)))
 
         current = moe_config(key, rpe, fp8, True)
