@@ -52,9 +52,9 @@ BLOCK = (128, 128)
 
 def _cfg(bm, bn, bk, gm, w, st, mode=None) -> dict:
     """mode: None (the default GEMM), "fuse" (gate/up in one dot), "two" (two dots), "tma" (weights through TMA
-    descriptors, two dots), each optionally with "+bkN" (K tile N instead of the grid's), "+ws" (the K loop
-    warp-specialized) and "+sorted" (activations copied into expert order first; with "tma" they are TMA tiles
-    too; gate/up and down must then share block_m)."""
+    descriptors, two dots), each optionally with "+bkN" (K tile N instead of the grid's) and "+sorted"
+    (activations copied into expert order first; with "tma" they are TMA tiles too; gate/up and down must then
+    share block_m)."""
     cfg = dict(block_m=bm, block_n=bn, block_k=bk, group_m=gm, num_warps=w, num_stages=st)
     flags = set((mode or "").split("+"))
     if flags & {"fuse", "two"}:
@@ -64,8 +64,6 @@ def _cfg(bm, bn, bk, gm, w, st, mode=None) -> dict:
     for flag in flags:
         if flag.startswith("bk"):  # "bk128": a K tile of its own
             cfg["block_k"] = int(flag[2:])
-    if "ws" in flags:
-        cfg["warp_specialize"] = True
     if "sorted" in flags:
         cfg["sorted"] = True
     return cfg
@@ -81,7 +79,7 @@ def moe_grids(fp8: bool, rows_per_expert: float) -> tuple[list[dict], list[dict]
         # "sorted": the dense FP8 GEMM (A through TMA) reaches ~70% of the FP8 rate with 128 x 128 tiles, the
         # gathered grouped one 42-47%
         gate_up = [(64, 64, 8, 4, 4, "tma+sorted"), (64, 64, 8, 4, 4, "fuse+sorted"), (64, 64, 8, 4, 5, "tma+sorted"),
-                   (64, 64, 8, 4, 3, "tma+sorted"), (64, 64, 8, 4, 4, "tma+sorted+ws"), (64, 64, 1, 4, 4, "tma+sorted"),
+                   (64, 64, 8, 4, 3, "tma+sorted"), (64, 64, 1, 4, 4, "tma+sorted"),
                    (64, 64, 32, 4, 4, "tma+sorted"), (64, 64, 8, 4, 4, "fuse"), (128, 128, 8, 8, 4, "tma+sorted"),
                    (64, 128, 8, 8, 4, "fuse+sorted"), (128, 64, 8, 8, 4, "tma+sorted")]
         down = [(64, 128, 8, 4, 3), (128, 128, 8, 8, 4, "tma+sorted"), (64, 128, 8, 4, 4, "tma+sorted"),
@@ -321,7 +319,7 @@ def tune_dense(budget: Budget, table: dict) -> None:
     ref = _dequant_a(a[rows], a_s[rows]) @ (w.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)).T
     current = dense_config(m, True, n, k)
     grid = [_cfg(*c) for c in ((128, 128, 128, 8, 8, 3), (64, 128, 128, 8, 4, 3, "tma"),
-                               (128, 128, 128, 8, 8, 3, "tma+ws"), (128, 128, 128, 8, 8, 3, "tma"),
+                               (128, 128, 128, 8, 8, 3, "tma"),
                                (128, 128, 128, 8, 8, 4), (64, 256, 128, 8, 8, 3), (64, 128, 128, 8, 4, 4),
                                (128, 128, 128, 8, 8, 4, "tma"), (128, 64, 128, 8, 4, 4))]
     cands = [current] + [c for c in grid if c != current]

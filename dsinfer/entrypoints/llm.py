@@ -67,19 +67,39 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate (vLLM's ``LLM.chat``).
+
+        ``tools``: OpenAI-style tool definitions, given to the template (or described in the system prompt when
+        the template has no tools). ``continue_final_message``: the last message is an assistant prefill that the
+        model continues. Message text is tokenized literally: a special-token string typed in a message stays
+        text (``protocol.chat_encoding``, as on the server)."""
+        from dsinfer.protocol.chat_encoding import ChatEncoder
+        from dsinfer.protocol.errors import ProtocolError
+
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
+        template = chat_template or tokenizer.chat_template
+        if template is None:
+            raise ValueError("this model has no chat template; pass chat_template= or use generate() with raw text")
+        if continue_final_message and add_generation_prompt:
+            add_generation_prompt = False  # the prompt ends inside the last (assistant) turn
+        encoder = ChatEncoder(tokenizer, template)
         prompts = []
         for conversation in conversations:
-            conversation = [_text_content(m) for m in conversation]
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt, chat_template,
-                                                 **(chat_template_kwargs or {}))
+            try:
+                encoded = encoder.encode([_text_content(m) for m in conversation], tools=tools,
+                                         add_generation_prompt=add_generation_prompt,
+                                         template_kwargs=chat_template_kwargs,
+                                         continue_final_message=continue_final_message)
+            except ProtocolError as exc:
+                raise ValueError(str(exc)) from None
             # the template already wrote BOS where the model wants it
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            prompts.append({"prompt": encoded.text, "prompt_token_ids": encoded.token_ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _params_for(self, count: int, params: SamplingParams | Sequence[SamplingParams] | None):

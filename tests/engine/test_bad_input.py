@@ -90,12 +90,19 @@ def test_invalid_sampling_params_name_the_field(kwargs, match):
     ({"prompt_token_ids": [1]}, SamplingParams(logit_bias={300: 1.0}), "logit_bias contains token id 300"),
     ({"prompt_token_ids": [1] * 512}, SamplingParams(), r"512 tokens; max_model_len is 512"),
     ({"prompt_token_ids": [1] * 600}, SamplingParams(), r"600 tokens; max_model_len is 512"),
-    ({"prompt_token_ids": [1] * 500}, SamplingParams(max_tokens=20),
-     r"max_tokens \(20\) = 520 exceeds max_model_len"),
 ])
 def test_bad_request_is_rejected_and_the_engine_still_serves(llm, prompt, params, match):
     with pytest.raises(ValueError, match=match):
         llm.generate(prompt, params, use_tqdm=False)
+    assert serves_a_good_request(llm)
+
+
+def test_max_tokens_past_the_context_stop_at_the_context(llm):
+    """As vLLM offline: prompt + max_tokens over max_model_len (512) is not an error; the output stops at the
+    context's end with finish reason "length"."""
+    (out,) = llm.generate({"prompt_token_ids": [1] * 500}, SamplingParams(max_tokens=20, ignore_eos=True),
+                          use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 12 and out.outputs[0].finish_reason == "length"
     assert serves_a_good_request(llm)
 
 

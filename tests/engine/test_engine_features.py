@@ -301,6 +301,27 @@ def test_chat_takes_text_content_parts_and_generate_takes_text_prompts(smollm2_l
     assert a.outputs[0].token_ids == b.outputs[0].token_ids and b.prompt == "Paris is"
 
 
+def test_chat_takes_tools_and_continues_a_final_assistant_message(smollm2_llm):
+    """vLLM's ``tools=`` and ``continue_final_message``: the tools reach the prompt, a prefill is continued (the
+    prompt ends with its text, no new turn), a special-token string typed by the user stays text."""
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    user = {"role": "user", "content": "Weather in Paris?"}
+    (with_tools,) = smollm2_llm.chat([user], greedy, use_tqdm=False, tools=[tool])
+    assert "get_weather" in with_tools.prompt
+    (plain,) = smollm2_llm.chat([user], greedy, use_tqdm=False)
+    assert "get_weather" not in plain.prompt
+    prefill = [user, {"role": "assistant", "content": "The weather in Paris is"}]
+    (cont,) = smollm2_llm.chat(prefill, greedy, use_tqdm=False, continue_final_message=True)
+    assert cont.prompt.endswith("The weather in Paris is")
+    with pytest.raises(ValueError, match="last assistant message"):
+        smollm2_llm.chat([user], greedy, use_tqdm=False, continue_final_message=True)
+    end_of_turn = smollm2_llm.get_tokenizer().token_to_id("<|im_end|>")
+    (typed,) = smollm2_llm.chat([{"role": "user", "content": "say <|im_end|>"}], greedy, use_tqdm=False)
+    assert typed.prompt_token_ids.count(end_of_turn) == plain.prompt_token_ids.count(end_of_turn)
+
+
 def test_final_output_metrics_are_complete(tiny_llama_dir):
     """The finished output carries its finish time, after its first token's; earlier outputs have none."""
     llm = LLM(str(tiny_llama_dir))

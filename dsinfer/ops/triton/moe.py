@@ -70,9 +70,7 @@ def moe_config(key: str, rows_per_expert: float, fp8: bool, is_cuda: bool) -> di
     num_stages, fuse_gu (gate and up in one dot; default off on CUDA), tma (weights, and the activations of a
     dense or sorted GEMM, through TMA descriptors; default off; excludes fuse_gu), sorted (the activations
     copied into expert order first, ``ops.triton.moe_permute``, and the intermediate kept in it: consecutive A
-    rows instead of a gather; default off), warp_specialize (Triton's automatic warp
-    specialization of the K loop: loads in a producer warp group, the dots and FP8 scaling in consumer groups;
-    default off) and ``down`` (see ``down_config``)."""
+    rows instead of a gather; default off) and ``down`` (see ``down_config``)."""
     return nearest_config(key, rows_per_expert, is_cuda) or default_config(rows_per_expert, fp8, is_cuda)
 
 
@@ -114,8 +112,7 @@ def _gemm_kernel(
     MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr,
     GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SCALAR_BS: tl.constexpr, A_DESC: tl.constexpr,
-    B_DESC: tl.constexpr, UPCAST: tl.constexpr, WARP_SPEC: tl.constexpr, A_SORTED: tl.constexpr,
-    C_SORTED: tl.constexpr,
+    B_DESC: tl.constexpr, UPCAST: tl.constexpr, A_SORTED: tl.constexpr, C_SORTED: tl.constexpr,
 ):
     """C[rows] = A[rows] @ B[e]^T (rows: pairs sorted by expert when GATHER, else 0..M); see module doc.
 
@@ -127,8 +124,7 @@ def _gemm_kernel(
     (one multiply-add per accumulator element). A_DESC / B_DESC: ``a_ptr`` / ``b_ptr`` are TMA tensor descriptors
     (A [M, K] without gather, B viewed [E * rows, K]) loading [BLOCK_M | BLOCK_N, BLOCK_K] tiles; the tiles
     past N read the next rows (the next expert's, or zeros past the end), never stored; not with FUSE_GU.
-    WARP_SPEC: the K loop through Triton's automatic warp specialization (CUDA only; the interpreter runs it as a
-    plain loop). A_SORTED / C_SORTED (with GATHER): A's / C's rows are already in sorted order (row = position in
+    A_SORTED / C_SORTED (with GATHER): A's / C's rows are already in sorted order (row = position in
     ``sorted_ids``, ``ops.triton.moe_permute``), so a tile's A rows are consecutive (a TMA tile with A_DESC) and
     C is stored at the sorted positions (padding rows included; they are zeros)."""
     pid = tl.program_id(0)
@@ -180,7 +176,7 @@ def _gemm_kernel(
         bs_up_ptrs = b_scale_ptr + expert * stride_bse + ((b_rows + up_offset) // GROUP_N) * stride_bsn
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N if GATED and FUSE_GU else BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPEC):
+    for k0 in range(0, K, BLOCK_K):
         k_valid = offs_k < K - k0
         if A_DESC:
             a = a_ptr.load([pid_m * BLOCK_M, k0])
@@ -315,7 +311,7 @@ def grouped_gemm(
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k, GROUP_M=cfg["group_m"],
         EVEN_K=k % block_k == 0, SCALAR_BS=fp8 and not fuse_gu and block_size[0] % cfg["block_n"] == 0,
         A_DESC=a_desc, B_DESC=b_desc,
-        UPCAST=not a.is_cuda or (fp8 and block_k < 32), WARP_SPEC=cfg.get("warp_specialize", False) and a.is_cuda,
+        UPCAST=not a.is_cuda or (fp8 and block_k < 32),
         A_SORTED=sorted_a and align is not None, C_SORTED=sorted_out and align is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
