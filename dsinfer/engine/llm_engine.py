@@ -82,6 +82,7 @@ class LLMEngine:
         max_tokens = self._check_lengths(token_ids, params)
         params.validate_for_vocab(self.model_config.vocab_size)
         grammar = self._prepare_grammar(params)
+        bad_word_ids = self._bad_word_ids(params)
         parent = ParentRequest(request_id, text, token_ids, params, arrival_time or time.monotonic())
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         for index in range(params.n):
@@ -92,17 +93,27 @@ class LLMEngine:
                 request.prompt_logprobs = [None]
             if grammar is not None:
                 request.grammar = self._structured.request_grammar(request, *grammar)
+            request.bad_word_ids = bad_word_ids
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
                                                params.include_stop_str_in_output)
             child = ChildState(request, detok)
-            if params.uses_penalties or getattr(params, "structured_outputs", None) is not None:
+            # sampling that reads the last outputs (penalties, grammars, a bad word's first tokens) waits for them
+            if params.uses_penalties or params.structured_outputs is not None or any(
+                    len(ids) > 1 for ids in bad_word_ids):
                 self._needs_host_tokens.add(child_id)
             parent.children.append(child)
             self._children[child_id] = (parent, child)
             self.scheduler.add_request(request)
         self._parents[request_id] = parent
+
+    def _bad_word_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        if not params.bad_words:
+            return ()
+        if self.tokenizer is None:
+            raise ValueError("bad_words need the model's tokenizer, and this model has none")
+        return bad_word_token_ids(self.tokenizer, params.bad_words)
 
     def _prepare_grammar(self, params: SamplingParams) -> tuple[Any, Any] | None:
         """Validate a structured-output constraint and start compiling it; ValueError when invalid."""
@@ -316,3 +327,18 @@ class LLMEngine:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
         }
+
+
+def bad_word_token_ids(tokenizer: Any, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """Each bad word as token sequences, as vLLM bans them: the word alone, and with a leading space when that
+    is a different first token of the same length (the word inside a sentence). A sequence's last token is
+    banned when the output so far ends with the rest of it."""
+    seqs: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        for ids in (bare, spaced) if spaced[:1] != bare[:1] and len(spaced) == len(bare) else (bare,):
+            if ids and ids not in seqs:
+                seqs.append(ids)
+    return tuple(seqs)
+

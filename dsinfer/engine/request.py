@@ -59,6 +59,7 @@ class Request:
     first_token_time: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     grammar: Any = None  # structured outputs: a dsinfer.structured.matcher.RequestGrammar (None: unconstrained)
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (bad_word_token_ids)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -50,6 +50,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # sample only these (vLLM)
+    bad_words: list[str] | None = None  # never generate these words (vLLM: with and without a leading space)
     structured_outputs: dict[str, Any] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra: dict[str, Any] = field(default_factory=dict)
@@ -57,7 +59,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        for name in ("stop", "stop_token_ids"):
+        for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, list | tuple):
                 raise ValueError(f"{name} must be a list, got {type(value).__name__}")
@@ -74,6 +76,9 @@ class SamplingParams:
                                  f"got {self.output_kind!r}") from None
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        self.bad_words = list(self.bad_words) if self.bad_words else None
         if self.top_k == 0:
             self.top_k = -1
         self._validate()
@@ -135,6 +140,16 @@ class SamplingParams:
             _check_number("stop_token_ids", tid, integer=True)
             if tid < 0:
                 raise ValueError(f"stop_token_ids must be >= 0, got {tid}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+            for tid in self.allowed_token_ids:
+                _check_number("allowed_token_ids", tid, integer=True)
+                if tid < 0:
+                    raise ValueError(f"allowed_token_ids must be >= 0, got {tid}")
+        for word in self.bad_words or []:
+            if not isinstance(word, str) or not word.strip():
+                raise ValueError(f"bad_words must be non-empty strings, got {word!r}")
         for tid, bias in (self.logit_bias or {}).items():
             _check_number("logit_bias key", tid, integer=True)
             _check_number("logit_bias value", bias)
@@ -149,6 +164,9 @@ class SamplingParams:
         for tid in self.logit_bias or {}:
             if tid >= vocab_size:
                 raise ValueError(f"logit_bias contains token id {tid}, outside the vocabulary [0, {vocab_size})")
+        for tid in self.allowed_token_ids or []:
+            if tid >= vocab_size:
+                raise ValueError(f"allowed_token_ids contains {tid}, outside the vocabulary [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:

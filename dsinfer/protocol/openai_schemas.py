@@ -101,6 +101,10 @@ class SamplingFields(WireModel):
     max_tokens: MaxTokens | None = None
     min_tokens: Annotated[int, Field(strict=True, ge=0, le=1 << 30)] = 0
     logit_bias: Annotated[dict[str, Bias], Field(max_length=4096)] | None = None
+    # vLLM extras: sample only these tokens; never generate these words
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=1 << 18)] | None = None
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=1024)]],
+                         Field(max_length=1024)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False

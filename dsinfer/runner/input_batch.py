@@ -197,16 +197,34 @@ def _logit_bias(items: list[ScheduledRequest], vocab_size: int, device: torch.de
 
 
 def _banned(items: list[ScheduledRequest], vocab_size: int, device: torch.device) -> torch.Tensor | None:
-    """Stop tokens are banned while a request has fewer than min_tokens outputs."""
-    rows = [(i, s.request) for i, s in enumerate(items)
-            if s.request.num_output_tokens + s.request.num_pending < s.request.params.min_tokens]
-    if not rows:
+    """Tokens a request must not sample now: its stop tokens while it has fewer than min_tokens outputs, every
+    token outside ``allowed_token_ids``, and its bad words' last tokens where the output ends with the rest."""
+    rows = {i: tokens for i, s in enumerate(items) if (tokens := _banned_tokens(s.request))}
+    allowed = {i: s.request.params.allowed_token_ids for i, s in enumerate(items) if s.request.params.allowed_token_ids}
+    if not rows and not allowed:
         return None
     banned = torch.zeros(len(items), vocab_size, dtype=torch.bool)
-    for i, req in rows:
-        stops = set(req.params.stop_token_ids)
-        if not req.params.ignore_eos:
-            stops |= req.eos_token_ids
-        if stops:
-            banned[i, torch.tensor(sorted(stops))] = True
+    for i, ids in allowed.items():
+        banned[i] = True
+        banned[i, torch.tensor(ids)] = False
+    for i, tokens in rows.items():
+        banned[i, torch.tensor(sorted(tokens))] = True
     return banned.to(device)
+
+
+def _banned_tokens(req) -> set[int]:
+    params, banned = req.params, set()
+    if req.num_output_tokens + req.num_pending < params.min_tokens:
+        banned |= set(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned |= req.eos_token_ids
+    for ids in req.bad_word_ids:
+        if len(ids) == 1:
+            banned.add(ids[0])
+            continue
+        # the engine steps such a request synchronously (its outputs are all on the host)
+        assert not req.num_pending, "bad words longer than a token need the request's outputs on the host"
+        prefix = list(ids[:-1])
+        if req.output_token_ids[-len(prefix):] == prefix:
+            banned.add(ids[-1])
+    return banned

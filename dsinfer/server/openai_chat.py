@@ -44,6 +44,8 @@ def sampling_fields(req: SamplingFields) -> dict[str, Any]:
         stop_token_ids=req.stop_token_ids,
         min_tokens=req.min_tokens,
         logit_bias=logit_bias_ids(req.logit_bias),
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words,
         ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,

@@ -64,6 +64,10 @@ def check_bad(server, path, status, body=None, content=None, param=None, **heade
         ("stop_token_ids", [-2]),
         ("seed", 2**64),
         ("presence_penalty", 3),
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [VOCAB]),
+        ("bad_words", "word"),
+        ("bad_words", [""]),
     ],
 )
 def test_bad_chat_field_is_400(server, field, value):
@@ -91,6 +95,22 @@ def test_completions_default_max_tokens_fits_the_room_left(server):
     assert r.json()["usage"]["completion_tokens"] == 4 and r.json()["choices"][0]["finish_reason"] == "length"
     error = check_bad(server, "/v1/completions", 400, {**near_end, "max_tokens": 16}, param="max_tokens")
     assert error["code"] == "context_length_exceeded"
+
+
+def test_allowed_token_ids_and_bad_words_shape_the_completion(server):
+    """vLLM's extras on the completions API: the tokens come from the allowed set; a bad word stays out."""
+    body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0}
+    allowed = {"allowed_token_ids": [28, 29, 30]}
+    r = server.post("/v1/completions", json={**body, **allowed})
+    assert r.status_code == 200, r.text
+    tokens = r.json()["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 6 and set(tokens) <= {",", "-", "."}  # ids 28-30 of SmolLM2's vocabulary
+    plain = server.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert "Paris" in plain
+    r = server.post("/v1/completions", json={**body, "bad_words": ["Paris"]})
+    assert r.status_code == 200, r.text
+    assert "Paris" not in r.json()["choices"][0]["text"]
 
 
 def test_nan_temperature_is_400(server):
