@@ -17,6 +17,8 @@
 #             latency.py (decode B=1/64/256 at 1k context vs the floor of the experts actually routed to, prefill);
 #             throughput.py (V2-Lite 512 x 1000 / 100 with HF on 32 prompts; V3 256 x 1000 / 100; two runs
 #             each, the faster kept: a fresh machine still JIT-compiles a few kernels in the first one)
+#   ops       not in "all": the CPU-sized op tests (no `gpu` mark) on CUDA through their `device` fixture, which
+#             takes the GPU when there is one (session 7 found an FP8 tile that compiled only in the interpreter)
 #   profile   not in "all": profile_decode.py --replay (the kernels of the decode graph replays, per step) for
 #             Llama-3.1-8B at B=1 and 256 and DeepSeek-V2-Lite at B=1, 64 and 256, and --prefill of one
 #             1024-token prompt for both (eager: GPU busy against wall shows the host's share) (~3 min)
@@ -32,7 +34,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 for part in ${ONLY//,/ }; do
-    case $part in all|tests|kernels|llama|deepseek|profile) ;; *) echo "unknown part: $part" >&2; exit 2 ;; esac
+    case $part in all|tests|kernels|llama|deepseek|ops|profile) ;; *) echo "unknown part: $part" >&2; exit 2 ;; esac
 done
 want() { [[ ,$ONLY, == *,all,* || ,$ONLY, == *,$1,* ]]; }
 OUT=${OUT:-/tmp/dsinfer-gpu-check}
@@ -73,7 +75,10 @@ SMI_PID=$!
 trap 'kill $SMI_PID 2>/dev/null' EXIT
 if want tests; then
     mapfile -t GPU_TESTS < <(grep -rl "mark.gpu" tests --include='*.py' | sort -u)
-    step pytest "$PY" -m pytest "${GPU_TESTS[@]}" -m gpu -q -p no:cacheprovider
+    step pytest "$PY" -m pytest "${GPU_TESTS[@]}" -m gpu  # pyproject's addopts: -q (a second -q hides the count)
+fi
+if [[ ,$ONLY, == *,ops,* ]]; then
+    step pytest-ops "$PY" -m pytest tests/ops -m "not gpu"
 fi
 if want kernels; then
     step roofline "$PY" benchmarks/roofline.py
@@ -113,6 +118,7 @@ if [[ ,$ONLY, == *,profile,* ]]; then
 fi
 echo
 if want tests; then grep -E "passed|failed|error" "$OUT/pytest.log" | tail -1; fi
+if [[ ,$ONLY, == *,ops,* ]]; then grep -E "passed|failed|error" "$OUT/pytest-ops.log" | tail -1; fi
 kill $SMI_PID 2>/dev/null
 "$PY" benchmarks/gpu_summary.py "$OUT" "$SMI_CSV" || status=1
 exit $status
