@@ -83,6 +83,7 @@ class LLMEngine:
         params.validate_for_vocab(self.model_config.vocab_size)
         grammar = self._prepare_grammar(params)
         bad_word_ids = self._bad_word_ids(params)
+        self._check_something_samplable(params, bad_word_ids)
         parent = ParentRequest(request_id, text, token_ids, params, arrival_time or time.monotonic())
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         for index in range(params.n):
@@ -114,6 +115,18 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ValueError("bad_words need the model's tokenizer, and this model has none")
         return bad_word_token_ids(self.tokenizer, params.bad_words)
+
+    def _check_something_samplable(self, params: SamplingParams, bad_word_ids) -> None:
+        """An allowed set that the bans empty would sample from nothing: a ValueError instead."""
+        if not params.allowed_token_ids:
+            return
+        left = set(params.allowed_token_ids) - {ids[0] for ids in bad_word_ids if len(ids) == 1}
+        if not left:
+            raise ValueError("allowed_token_ids holds only tokens that bad_words ban: nothing could be sampled")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        if params.min_tokens and left <= stops:
+            raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens bans until "
+                             f"{params.min_tokens} tokens are out: nothing could be sampled")
 
     def _prepare_grammar(self, params: SamplingParams) -> tuple[Any, Any] | None:
         """Validate a structured-output constraint and start compiling it; ValueError when invalid."""

@@ -79,7 +79,13 @@ class LLM:
         from dsinfer.protocol.chat_encoding import ChatEncoder
         from dsinfer.protocol.errors import ProtocolError
 
+        if not isinstance(messages, list | tuple):
+            raise ValueError(f"messages must be a list of message dicts (or of such lists), got "
+                             f"{type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+        _check_tools(tools)
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
@@ -91,6 +97,8 @@ class LLM:
         encoder = ChatEncoder(tokenizer, template)
         prompts = []
         for conversation in conversations:
+            if not isinstance(conversation, list | tuple):
+                raise ValueError(f"a conversation must be a list of message dicts, got {conversation!r:.80}")
             try:
                 encoded = encoder.encode([_text_content(m) for m in conversation], tools=tools,
                                          add_generation_prompt=add_generation_prompt,
@@ -139,9 +147,41 @@ class LLM:
             self.engine.step()
 
 
+def _check_tools(tools: Any) -> None:
+    """OpenAI tool definitions: [{"type": "function", "function": {"name": str, ...}}, ...]."""
+    if tools is None:
+        return
+    if not isinstance(tools, list | tuple):
+        raise ValueError(f"tools must be a list of tool dicts, got {type(tools).__name__}")
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(fn, dict)
+                and isinstance(fn.get("name"), str) and fn["name"]):
+            raise ValueError('each tool must be {"type": "function", "function": {"name": str, "description": ..., '
+                             f'"parameters": {{...}}}}}}, got {tool!r:.80}')
+        if not isinstance(fn.get("parameters") or {}, dict) or not isinstance(fn.get("description") or "", str):
+            raise ValueError(f"tool {fn['name']!r}: parameters must be a dict and description a string")
+
+
+def _check_tool_calls(calls: Any) -> None:
+    if not isinstance(calls, list | tuple):
+        raise ValueError(f"tool_calls must be a list, got {type(calls).__name__}")
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments"), str | dict)):
+            raise ValueError('each tool call must be {"id": ..., "type": "function", "function": {"name": str, '
+                             f'"arguments": str or dict}}}}, got {call!r:.80}')
+
+
 def _text_content(message: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI-style content parts (``[{"type": "text", "text": ...}]``) joined into one string, as vLLM does; a
-    missing or null content is empty. Other part types (images) are a ValueError: text models only."""
+    """OpenAI-style content parts (``[{"type": "text", "text": ...}]``) joined into one string by newlines, as
+    vLLM does; a missing or null content is empty. Other part types (images) are a ValueError: text models only.
+    A message that is not a dict with a string role is a ValueError too."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ValueError(f"each message must be a dict with a string 'role', got {message!r:.80}")
+    if message.get("tool_calls") is not None:
+        _check_tool_calls(message["tool_calls"])
     content = message.get("content")
     if isinstance(content, str):
         return message
@@ -153,7 +193,7 @@ def _text_content(message: dict[str, Any]) -> dict[str, Any]:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(f"message content parts must be {{'type': 'text', 'text': str}}, got {part!r:.80}")
             texts.append(part["text"])
-        return {**message, "content": "".join(texts)}
+        return {**message, "content": "\n".join(texts)}
     raise ValueError(f"message content must be a string or a list of text parts, got {type(content).__name__}")
 
 

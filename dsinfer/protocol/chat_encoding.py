@@ -5,6 +5,11 @@ arguments, template kwargs) replaced by a unique marker. The rendered text is sp
 template's own scaffolding is tokenized normally (so ``<|im_start|>`` there becomes its special id) and every
 untrusted span is tokenized with special-token strings kept literal. A marker that went through ``tojson`` is
 restored JSON-escaped. Invariant (checked): no special token id lies inside an untrusted span.
+
+The template is also rendered once with the real strings, as HF ``apply_chat_template`` does. Most templates only
+place the text, and both renderings give the same prompt. Some read or rewrite it (``| trim``, ``| upper``,
+``content.split('</think>')``, ``startswith``): for those the real rendering is the right prompt and is the one
+encoded, and untrusted text containing a special-token string is refused (it could not be kept literal there).
 """
 
 from __future__ import annotations
@@ -32,15 +37,18 @@ class EncodedChat:
 
 
 class _Markers:
-    def __init__(self) -> None:
+    """Replaces untrusted strings by markers; ``plain``: leaves them as they are (but still records them)."""
+
+    def __init__(self, plain: bool = False) -> None:
         self.nonce = secrets.token_hex(8)
         self.values: list[str] = []
+        self.plain = plain
 
     def mark(self, value: str) -> str:
         if not value:
             return value
         self.values.append(value)
-        return f"@@U{self.nonce}x{len(self.values) - 1}@@"
+        return value if self.plain else f"@@U{self.nonce}x{len(self.values) - 1}@@"
 
     def mark_tree(self, value: Any, keys: bool = False) -> Any:
         """Mark every string in a JSON value (and every dict key when ``keys``)."""
@@ -121,6 +129,7 @@ class ChatEncoder:
         self.tokenizer = tokenizer
         self.template = template
         self._special_ids = frozenset(tokenizer.special_token_ids)
+        self._special_strings = frozenset(tokenizer.special_tokens)
 
     def render(
         self,
@@ -130,12 +139,13 @@ class ChatEncoder:
         template: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
+        plain: bool = False,
     ) -> tuple[str, _Markers]:
-        """The rendered prompt with markers in place of untrusted strings. ``continue_final_message``: the last
-        message is an assistant prefill; the prompt ends right after its text (no end of turn, no new turn), so
-        the model continues it (Anthropic's prefill, vLLM's flag of that name)."""
+        """The rendered prompt with markers in place of untrusted strings (``plain``: with the strings).
+        ``continue_final_message``: the last message is an assistant prefill; the prompt ends right after its text
+        (no end of turn, no new turn), so the model continues it (Anthropic's prefill, vLLM's flag of that name)."""
         template = template or self.template
-        m = _Markers()
+        m = _Markers(plain)
         if continue_final_message:
             if not ends_with_prefill(messages):
                 raise ProtocolError("continuing the final message needs a last assistant message with text "
@@ -165,7 +175,14 @@ class ChatEncoder:
             raise ProtocolError(f"chat template failed: {exc}") from None
         except (TypeError, KeyError, AttributeError, IndexError, RecursionError) as exc:
             raise ProtocolError(f"chat template cannot render this conversation: {exc}") from None
-        if continue_final_message:
+        if continue_final_message and plain:  # as HF: cut after the last place the final text appears
+            final = messages[-1]["content"]
+            at = rendered.rfind(final) if final in rendered else rendered.rfind(final.strip())
+            if at < 0:
+                raise ProtocolError("the chat template does not render the final assistant message's text, so it "
+                                    "cannot be continued", param="messages")
+            rendered = rendered[: at + len(final if final in rendered else final.strip())]
+        elif continue_final_message:
             ends = [x.end() for x in _MARKER.finditer(rendered) if x[2] == m.nonce and int(x[3]) == prefill]
             if not ends:
                 raise ProtocolError("the chat template does not render the final assistant message's text, so it "
@@ -175,7 +192,19 @@ class ChatEncoder:
 
     def encode(self, messages: list[dict[str, Any]], **kwargs: Any) -> EncodedChat:
         rendered, markers = self.render(messages, **kwargs)
-        return self._encode_rendered(rendered, markers)
+        encoded = self._encode_rendered(rendered, markers)
+        text, plain = self.render(messages, **kwargs, plain=True)
+        if text == encoded.text:
+            return encoded
+        # the template reads or rewrites the strings (module doc): encode the real rendering
+        for value in plain.values:
+            found = [(value.find(t), t) for t in self._special_strings if t in value]
+            if found:
+                special = min(found)[1]  # the first in the text
+                raise ProtocolError(f"the text {value[:40]!r} contains the special token {special!r}, which this "
+                                    "chat template rewrites text around, so it cannot be kept literal; remove it",
+                                    param="messages")
+        return EncodedChat(self.tokenizer.encode(text, add_special_tokens=False), text)
 
     def _encode_rendered(self, rendered: str, m: _Markers) -> EncodedChat:
         ids: list[int] = []
@@ -217,7 +246,7 @@ def _flatten_tool_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif msg.get("tool_calls"):
             calls = "".join(
                 f'\n<tool_call>\n{{"name": "{tc["function"]["name"]}", '
-                f'"arguments": {tc["function"]["arguments"]}}}\n</tool_call>'
+                f'"arguments": {_arguments_json(tc["function"]["arguments"])}}}\n</tool_call>'
                 for tc in msg["tool_calls"]
             )
             out.append({"role": msg["role"], "content": (msg.get("content") or "") + calls})
@@ -233,3 +262,9 @@ def _with_tools_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any
         first["content"] = f"{first.get('content') or ''}\n\n{prompt}"
         return [first, *messages[1:]]
     return [{"role": "system", "content": prompt}, *messages]
+
+
+def _arguments_json(arguments: Any) -> str:
+    """A tool call's arguments as JSON text (the API's string as it is; a dict offline, dumped)."""
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+

@@ -27,7 +27,7 @@ def _text_of(content: Any, param: str) -> str | None:
                 f"content part type {part.type!r} is not supported (only text)", param=f"{param}.{i}.type"
             )
         texts.append(part.text)
-    return "".join(texts)
+    return "\n".join(texts)  # as vLLM joins an OpenAI message's text parts
 
 
 def _function_tool(name: str, description: str | None, parameters: dict | None) -> dict[str, Any]:

@@ -78,3 +78,11 @@ def test_bad_words_never_appear(smollm2_llm, async_scheduling):
                                                   bad_words=[two, one]), use_tqdm=False)[0]
     assert all(not any(_contains(c.token_ids, s) for s in seqs) for c in sampled.outputs)
     assert llm.engine.scheduler.running == [] and not llm.engine._needs_host_tokens
+
+
+def test_allowed_tokens_all_banned_by_bad_words_is_a_value_error(smollm2_llm):
+    from dsinfer.engine.llm_engine import bad_word_token_ids
+
+    ids = [seq[0] for seq in bad_word_token_ids(smollm2_llm.get_tokenizer(), ["Paris"])]
+    with pytest.raises(ValueError, match="only tokens that bad_words ban"):
+        smollm2_llm.generate("x", SamplingParams(allowed_token_ids=ids, bad_words=["Paris"]), use_tqdm=False)

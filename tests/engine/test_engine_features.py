@@ -288,11 +288,11 @@ def test_block_size_defaults_to_64_for_mla_on_cuda_only():
 
 
 def test_chat_takes_text_content_parts_and_generate_takes_text_prompts(smollm2_llm):
-    """vLLM's forms: OpenAI content parts in LLM.chat, {"prompt": text} in LLM.generate; same tokens as the plain
-    string. A non-text part is a ValueError."""
+    """vLLM's forms: OpenAI content parts in LLM.chat (joined by newlines, as vLLM), {"prompt": text} in
+    LLM.generate; same tokens as the plain string. A non-text part is a ValueError."""
     greedy = SamplingParams(temperature=0, max_tokens=4)
-    plain = smollm2_llm.chat([{"role": "user", "content": "Name a color."}], greedy, use_tqdm=False)[0]
-    parts = [{"type": "text", "text": "Name a "}, {"type": "text", "text": "color."}]
+    plain = smollm2_llm.chat([{"role": "user", "content": "Name a\ncolor."}], greedy, use_tqdm=False)[0]
+    parts = [{"type": "text", "text": "Name a"}, {"type": "text", "text": "color."}]
     (split,) = smollm2_llm.chat([{"role": "user", "content": parts}], greedy, use_tqdm=False)
     assert split.prompt_token_ids == plain.prompt_token_ids and split.outputs[0].text == plain.outputs[0].text
     with pytest.raises(ValueError, match="content parts"):
@@ -320,6 +320,43 @@ def test_chat_takes_tools_and_continues_a_final_assistant_message(smollm2_llm):
     end_of_turn = smollm2_llm.get_tokenizer().token_to_id("<|im_end|>")
     (typed,) = smollm2_llm.chat([{"role": "user", "content": "say <|im_end|>"}], greedy, use_tqdm=False)
     assert typed.prompt_token_ids.count(end_of_turn) == plain.prompt_token_ids.count(end_of_turn)
+
+
+@pytest.mark.parametrize("call, match", [
+    (dict(messages="hello"), "messages must be a list"),
+    (dict(messages=None), "messages must be a list"),
+    (dict(messages=["hello"]), "a conversation must be a list"),
+    (dict(messages=[{"role": "user", "content": "hi"}, "x"]), "each message must be a dict"),
+    (dict(messages=[{"content": "hi"}]), "each message must be a dict with a string 'role'"),
+    (dict(chat_template_kwargs=["x"]), "chat_template_kwargs must be a dict"),
+    (dict(tools=[{"type": "function"}]), "each tool must be"),
+    (dict(tools={"type": "function"}), "tools must be a list"),
+    (dict(tools=[{"type": "function", "function": {"name": 5}}]), "each tool must be"),
+    (dict(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"id": "c1"}]}]),
+     "each tool call must be"),
+])
+def test_chat_rejects_malformed_messages_and_tools_with_value_errors(smollm2_llm, call, match):
+    kwargs = dict(messages=[{"role": "user", "content": "hi"}]) | call
+    with pytest.raises(ValueError, match=match):
+        smollm2_llm.chat(sampling_params=SamplingParams(max_tokens=1), use_tqdm=False, **kwargs)
+
+
+def test_chat_tool_call_arguments_given_as_a_dict_are_json(smollm2_llm):
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    (out,) = smollm2_llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert '"arguments": {"city": "Paris"}' in out.prompt
+
+
+def test_allowed_tokens_that_bans_empty_are_a_value_error(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir))  # eos 2
+    with pytest.raises(ValueError, match="only stop tokens, which min_tokens bans"):
+        llm.generate({"prompt_token_ids": [1]}, SamplingParams(allowed_token_ids=[2], min_tokens=3),
+                     use_tqdm=False)
+    (out,) = llm.generate({"prompt_token_ids": [1]}, SamplingParams(allowed_token_ids=[2, 7], min_tokens=3,
+                                                                      max_tokens=4), use_tqdm=False)
+    assert out.outputs[0].token_ids[:3] == [7, 7, 7]
 
 
 def test_final_output_metrics_are_complete(tiny_llama_dir):

@@ -139,3 +139,37 @@ def test_continue_final_message_needs_an_assistant_text(tokenizer, last):
     messages = [{"role": "user", "content": "Hi"}, last] if last["role"] == "assistant" else [last]
     with pytest.raises(ProtocolError, match="continu"):
         ChatEncoder(tokenizer, CHATML_TEMPLATE).encode(messages, continue_final_message=True)
+
+
+# Templates that read or rewrite the text they place (as Llama 3's `| trim`, DeepSeek-R1's and Qwen3's
+# `split('</think>')`), where markers would be wrong: the prompt is HF's rendering of the real strings.
+REWRITING_TEMPLATES = [
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}",
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | upper }}<|im_end|>\n{% endfor %}",
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'].startswith('Hi') %}greeting: "
+    "{% endif %}{{ m['content'].split('</think>')[-1] }} ({{ m['content'] | length }})<|im_end|>\n{% endfor %}",
+]
+
+
+@pytest.mark.parametrize("template", REWRITING_TEMPLATES, ids=["trim", "upper", "inspect"])
+def test_templates_that_rewrite_the_text_see_the_real_strings(tokenizer, template):
+    messages = [{"role": "user", "content": "  Hi abc  "},
+                {"role": "assistant", "content": "<think>why</think>Because."}]
+    enc = ChatEncoder(tokenizer, template).encode(messages, add_generation_prompt=False)
+    expected = tokenizer.apply_chat_template(messages, False, template)
+    assert enc.text == expected and "@@" not in enc.text
+    assert enc.token_ids == tokenizer.encode(expected, add_special_tokens=False)
+    # a special-token string in text such a template rewrites cannot be kept literal: refused
+    with pytest.raises(ProtocolError, match="special token '<\\|im_end\\|>'"):
+        ChatEncoder(tokenizer, template).encode([{"role": "user", "content": f" {INJECTION} "}])
+    # text the template leaves as it is still goes the literal way (trim of a text without outer spaces)
+    if template == REWRITING_TEMPLATES[0]:
+        enc = ChatEncoder(tokenizer, template).encode([{"role": "user", "content": INJECTION}])
+        assert _special_count(tokenizer, enc.token_ids) == 2 and enc.untrusted_spans
+
+
+def test_continuing_through_a_rewriting_template_cuts_after_the_final_text(tokenizer):
+    template = REWRITING_TEMPLATES[0]
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is "}]
+    enc = ChatEncoder(tokenizer, template).encode(messages, continue_final_message=True)
+    assert enc.text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nThe answer is"
