@@ -98,10 +98,13 @@ def _mistral_window(cfg: dict[str, Any], layer_idx: int) -> int | None:
 
 
 def _qwen2_window(cfg: dict[str, Any], layer_idx: int) -> int | None:
-    # Qwen2 applies its window only when use_sliding_window is set, from layer max_window_layers on.
-    if cfg.get("use_sliding_window") and layer_idx >= cfg.get("max_window_layers", 0):
-        return cfg.get("sliding_window") or None
-    return None
+    # As transformers: a window only with use_sliding_window, on the layers ``layer_types`` names
+    # "sliding_attention", else (older configs) from layer max_window_layers (default 28) on.
+    if not cfg.get("use_sliding_window"):
+        return None
+    types = cfg.get("layer_types")
+    sliding = types[layer_idx] == "sliding_attention" if types else layer_idx >= cfg.get("max_window_layers", 28)
+    return (cfg.get("sliding_window") or None) if sliding else None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -117,6 +120,13 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: dict[str, Any]):
         super().__init__()
         _require(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; supported: 'silu'")
+        types = cfg.get("layer_types")
+        if types is not None and (not isinstance(types, list) or len(types) != cfg["num_hidden_layers"]
+                                  or not set(types) <= {"full_attention", "sliding_attention"}):
+            raise ValueError("layer_types must list 'full_attention' or 'sliding_attention' for each of the "
+                             f"{cfg['num_hidden_layers']} layers, got {types!r:.120}")
         cfg.setdefault("rms_norm_eps", 1e-6)
         self.cfg = cfg
         self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"])

@@ -72,7 +72,8 @@ def select_experts(
     - ``group_limited_greedy``: top-k within the ``topk_group`` groups of highest max score (DeepSeek-V2).
     - ``noaux_tc``: the choice uses scores + ``e_score_correction_bias`` within the ``topk_group`` groups of
       highest top-2 sum; the weights are the unbiased scores of the chosen experts (DeepSeek-V3).
-    Weights are renormalized to sum 1 when ``norm_topk_prob`` (and top_k > 1), then multiplied by
+    Weights are renormalized to sum 1 when ``norm_topk_prob`` (top_k 1 included, as HF's V3 and vLLM), then
+    multiplied by
     ``routed_scaling_factor``. ``num_shared`` (S) shared experts stacked after the E routed ones: columns k..k+S-1
     hold ids E..E+S-1 with weight exactly 1.0 (neither renormalized nor scaled), after the routed choice.
 
@@ -112,11 +113,11 @@ def select_experts_ref(
         from dsinfer.batch_invariant.moe import ordered_sum, sort_topk
 
         topk_weights, topk_ids = sort_topk(topk_weights, topk_ids)
-        if r.norm_topk_prob and top_k > 1:
+        if r.norm_topk_prob:
             topk_weights = topk_weights / (ordered_sum(topk_weights) + 1e-20)
         # the shared ids E.. come after every routed id: the columns stay in expert-id order
         return with_shared(topk_weights * r.routed_scaling_factor, topk_ids, logits.shape[1], num_shared)
-    if r.norm_topk_prob and top_k > 1:
+    if r.norm_topk_prob:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
     return with_shared(topk_weights * r.routed_scaling_factor, topk_ids, logits.shape[1], num_shared)
 

@@ -49,8 +49,24 @@ def check_config(cfg: dict[str, Any]) -> None:
         raise ValueError(f"qk_rope_head_dim must be even (rope rotates pairs), got {cfg['qk_rope_head_dim']}")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; supported: 'silu'")
-    if (cfg.get("moe_layer_freq") or 1) < 1:
-        raise ValueError(f"moe_layer_freq must be >= 1, got {cfg.get('moe_layer_freq')!r}")
+    if (cfg.get("moe_layer_freq") or 1) != 1:
+        raise ValueError(f"moe_layer_freq={cfg.get('moe_layer_freq')!r} is not supported (every layer from "
+                         "first_k_dense_replace on is MoE, as in transformers and every DeepSeek release): 1")
+    if cfg.get("mlp_bias"):
+        raise ValueError("mlp_bias=true is not supported for DeepSeek models (their MLPs have no bias)")
+
+
+def check_router(cfg: dict[str, Any], defaults: dict[str, Any], methods: tuple[str, ...]) -> None:
+    """The variant's scoring function (V2 softmax, V3 sigmoid: transformers hard-codes them, DeepSeek's code
+    raises for the other) and its top-k methods; a config naming another is a ValueError, not a silent switch."""
+    scoring = cfg.get("scoring_func")
+    if scoring is not None and scoring != defaults["scoring_func"]:
+        raise ValueError(f"scoring_func={scoring!r} is not supported for {cfg.get('architectures')}; "
+                         f"supported: {defaults['scoring_func']!r}")
+    method = cfg.get("topk_method")
+    if method is not None and method not in methods:
+        raise ValueError(f"topk_method={method!r} is not supported for {cfg.get('architectures')}; "
+                         f"supported: {list(methods)}")
 
 
 def router_config(cfg: dict[str, Any], defaults: dict[str, Any]) -> RouterConfig:

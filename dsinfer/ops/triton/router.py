@@ -118,7 +118,7 @@ def select_experts_triton(
         N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1, TOP_K=top_k,
         K_PAD=max(2, triton.next_power_of_2(top_k)), NUM_SHARED=num_shared,
         S_PAD=max(2, triton.next_power_of_2(num_shared)), SIGMOID=routing.scoring_func == "sigmoid",
-        HAS_BIAS=has_bias, NOAUX=noaux, NORM=routing.norm_topk_prob and top_k > 1,
+        HAS_BIAS=has_bias, NOAUX=noaux, NORM=routing.norm_topk_prob,
         num_warps=4 if e_pad >= 128 else 2,
     )
     return weights, ids
