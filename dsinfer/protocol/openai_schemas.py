@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictBool, StrictStr, field_validator
+from pydantic import Field, StrictBool, StrictStr, field_validator, model_validator
 
 from dsinfer.protocol.fields import (
     Bias,
@@ -51,6 +51,14 @@ class ChatMessage(WireModel):
     tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None
     tool_call_id: ShortStr | None = None
     reasoning_content: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        # as OpenAI: only an assistant turn that calls tools may leave its content out (or null)
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content"
+                             + (" (or tool_calls)" if self.role == "assistant" else ""))
+        return self
 
 
 class FunctionDef(WireModel):

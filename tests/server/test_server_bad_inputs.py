@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import httpx
@@ -111,6 +112,17 @@ def test_allowed_token_ids_and_bad_words_shape_the_completion(server):
     r = server.post("/v1/completions", json={**body, "bad_words": ["Paris"]})
     assert r.status_code == 200, r.text
     assert "Paris" not in r.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([{"role": "user", "content": None}], "a user message needs content"),
+    ([{"role": "user"}], "a user message needs content"),
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}], "needs content \\(or tool_calls"),
+])
+def test_message_without_content_is_400(server, messages, match):
+    """As OpenAI: only an assistant turn with tool calls may leave its content out."""
+    error = check_bad(server, CHAT, 400, {"messages": messages, "max_tokens": 2}, param="messages")
+    assert re.search(match, error["message"]), error
 
 
 def test_nan_temperature_is_400(server):
