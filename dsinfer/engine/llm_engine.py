@@ -188,7 +188,8 @@ class LLMEngine:
         block_size, usable = self.config.cache.block_size, self.runner.num_blocks - 1
         needed = -(-(len(token_ids) + max_tokens - 1) // block_size)
         if needed > usable:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) needs {needed} "
+            asked = str(max_tokens) if params.max_tokens == max_tokens else f"{max_tokens}: the context's room"
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({asked}) needs {needed} "
                              f"KV blocks of {block_size} tokens; the KV cache has {usable} (raise "
                              "num_kv_blocks or kv_cache_memory_gb, or lower max_tokens)")
         return max_tokens
