@@ -139,20 +139,20 @@ class MoeGemms:
 
     - gathered (the default tiles): gate/up reads the quantized hidden rows by ``pair // k``, down the quantized
       intermediate by pair (quantization outside the timing);
-    - ``sorted``: gate/up times the copy of the hidden rows into expert order (quantized on the way) plus the
-      GEMM, whose output stays in that order; down takes the intermediate already in that order and quantized
-      (outside the timing, as the gathered one) and stores in pair order.
+    - ``sorted``: gate/up is the fused MoE's own ``sorted_gate_up`` (the copy of the hidden rows into expert order,
+      quantized on the way, timed with the GEMM), its output in that order; down takes the intermediate already in
+      that order and quantized (outside the timing, as the gathered one) and stores in pair order.
 
-    ``refs`` = (pair rows to check, their gate/up reference, their down reference) for ``*_err``.
+    ``check(rows, ref1, ref2)`` sets the pair rows ``*_err`` compare and their gate/up and down references.
     """
 
-    def __init__(self, x, h_in, w13, s13, w2, s2, ids, weights, k, fp8, refs=(None, None, None)):
+    def __init__(self, x, h_in, w13, s13, w2, s2, ids, weights, k, fp8):
         from dsinfer.ops.triton.fp8 import per_token_group_quant
-        from dsinfer.ops.triton.moe import grouped_gemm
+        from dsinfer.ops.triton.moe import grouped_gemm, sorted_gate_up
         from dsinfer.ops.triton.moe_align import moe_align
         from dsinfer.ops.triton.moe_permute import permute_rows
 
-        self.gemm, self.permute = grouped_gemm, permute_rows
+        self.gemm, self.sorted_gate_up, self.permute = grouped_gemm, sorted_gate_up, permute_rows
         self.x, self.h_in, self.w13, self.s13, self.w2, self.s2 = x, h_in, w13, s13, w2, s2
         self.k, self.fp8, self.pairs = k, fp8, h_in.shape[0]
         self.group, self.block = (BLOCK[1], BLOCK) if fp8 else (None, None)
@@ -163,8 +163,11 @@ class MoeGemms:
         self.inter = torch.empty(self.pairs, w2.shape[2], device=tuning.DEV, dtype=torch.bfloat16)
         self.down_out = torch.empty(self.pairs, w2.shape[1], device=tuning.DEV, dtype=torch.bfloat16)
         self.sorted_inter, self.sorted_down_in = {}, {}
-        self.check_rows, self.ref1, self.ref2 = refs
+        self.check_rows = self.ref1 = self.ref2 = None
         self.last_gate_up = self.inter, None
+
+    def check(self, rows, ref1, ref2) -> None:
+        self.check_rows, self.ref1, self.ref2 = rows, ref1, ref2
 
     def gate_up(self, cfg):
         al = self.align(cfg["block_m"])
@@ -173,11 +176,9 @@ class MoeGemms:
                       align=al, a_div=self.k, gated=True)
             self.last_gate_up = self.inter, None
             return
-        a, a_s = self.permute(self.x, al, a_div=self.k, group=self.group)
-        out = self.sorted_inter.setdefault(cfg["block_m"], torch.empty(
-            al[0].shape[0], self.inter.shape[1], device=tuning.DEV, dtype=torch.bfloat16))
-        self.gemm(a, self.w13, out, cfg, a_scale=a_s, b_scale=self.s13, block_size=self.block, align=al,
-                  gated=True, sorted_a=True, sorted_out=True, num_pairs=self.pairs)
+        out = self.sorted_gate_up(self.x, self.w13, cfg, al, self.k, self.s13, self.block,
+                                  out=self.sorted_inter.get(cfg["block_m"]))
+        self.sorted_inter[cfg["block_m"]] = out  # the next call of this block_m writes into it
         self.last_gate_up = out, al[0]
 
     def gate_up_err(self) -> float:
@@ -223,7 +224,6 @@ def tune_moe(name: str, routed: int, h: int, inter: int, top_k: int, num_shared:
     """The model's stack as it runs: ``routed`` experts then ``num_shared`` shared ones (``layers.moe.FusedExperts``),
     each token a random top-k of the routed ones plus every shared one (weight 1), keyed by the stacked count."""
     from dsinfer.ops.moe import with_shared
-    from dsinfer.ops.triton.fp8 import per_token_group_quant
     from dsinfer.ops.triton.moe import down_config, moe_config
 
     dtype = "fp8" if fp8 else "bfloat16"
@@ -247,23 +247,21 @@ def tune_moe(name: str, routed: int, h: int, inter: int, top_k: int, num_shared:
         weights, ids = with_shared(*scores.topk(top_k, dim=-1), routed, num_shared)
         touched = int(ids.unique().numel())
         h_in = torch.randn(pairs, inter, device=tuning.DEV, dtype=torch.bfloat16)
-        # Reference on the pairs of two experts.
-        wflat = weights.reshape(-1).float()
+        case = MoeGemms(x, h_in, w13, s13, w2, s2, ids, weights, k, fp8)
+        # Reference on the pairs of two experts, from the GEMMs' own quantized inputs.
         flat = ids.reshape(-1)
         chk = flat[:2].tolist()
         sel = [(flat == ex).nonzero().squeeze(1) for ex in chk]
         ref1, ref2 = [], []
-        a_deq = _dequant_a(*(per_token_group_quant(x, BLOCK[1]) if fp8 else (x, None)))
-        a2_deq = _dequant_a(*(per_token_group_quant(h_in, BLOCK[1]) if fp8 else (h_in, None)))
+        a_deq, a2_deq = _dequant_a(case.a, case.a_s), _dequant_a(case.a2, case.a2_s)
         for ex, p in zip(chk, sel):
             w13e = _dequant_w(w13, s13, ex) if fp8 else w13[ex].float()
             w2e = _dequant_w(w2, s2, ex) if fp8 else w2[ex].float()
             gu = a_deq[p // k] @ w13e.T
             ref1.append(torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:])
-            ref2.append((a2_deq[p] @ w2e.T) * wflat[p, None])
+            ref2.append((a2_deq[p] @ w2e.T) * case.weights[p, None])
         del a_deq, a2_deq
-        case = MoeGemms(x, h_in, w13, s13, w2, s2, ids, weights, k, fp8,
-                        (torch.cat(sel), torch.cat(ref1), torch.cat(ref2)))
+        case.check(torch.cat(sel), torch.cat(ref1), torch.cat(ref2))
 
         current = moe_config(key, rpe, fp8, True)
         grid1, grid2 = moe_grids(fp8, rpe)

@@ -56,25 +56,22 @@ def check_config(cfg: dict[str, Any]) -> None:
         raise ValueError("mlp_bias=true is not supported for DeepSeek models (their MLPs have no bias)")
 
 
-def check_router(cfg: dict[str, Any], defaults: dict[str, Any], methods: tuple[str, ...]) -> None:
-    """The variant's scoring function (V2 softmax, V3 sigmoid: transformers hard-codes them, DeepSeek's code
-    raises for the other) and its top-k methods; a config naming another is a ValueError, not a silent switch."""
-    scoring = cfg.get("scoring_func")
-    if scoring is not None and scoring != defaults["scoring_func"]:
-        raise ValueError(f"scoring_func={scoring!r} is not supported for {cfg.get('architectures')}; "
-                         f"supported: {defaults['scoring_func']!r}")
-    method = cfg.get("topk_method")
-    if method is not None and method not in methods:
-        raise ValueError(f"topk_method={method!r} is not supported for {cfg.get('architectures')}; "
-                         f"supported: {list(methods)}")
-
-
 def router_config(cfg: dict[str, Any], defaults: dict[str, Any]) -> RouterConfig:
-    """The gate's settings; fields a config leaves out (transformers 5 drops V3's) take the variant's."""
+    """The gate's settings; fields a config leaves out (transformers 5 drops V3's) take the variant's. A config
+    naming the other variant's scoring function (V2 softmax, V3 sigmoid: transformers hard-codes them, DeepSeek's
+    code raises for the other) or a top-k method outside the variant's ``topk_methods`` is a ValueError, not a
+    silent switch."""
 
     def get(key: str, fallback: Any) -> Any:
         value = cfg.get(key)
         return fallback if value is None else value
+
+    if get("scoring_func", defaults["scoring_func"]) != defaults["scoring_func"]:
+        raise ValueError(f"scoring_func={cfg['scoring_func']!r} is not supported for {cfg.get('architectures')}; "
+                         f"supported: {defaults['scoring_func']!r}")
+    if get("topk_method", defaults["topk_method"]) not in defaults["topk_methods"]:
+        raise ValueError(f"topk_method={cfg['topk_method']!r} is not supported for {cfg.get('architectures')}; "
+                         f"supported: {list(defaults['topk_methods'])}")
 
     routing = Routing(
         scoring_func=get("scoring_func", defaults["scoring_func"]),

@@ -20,7 +20,7 @@ from dsinfer.layers.fp8_linear import Fp8Config
 from dsinfer.layers.mla import MLAAttention, MLAMetadata, fuses_q_kv_a
 from dsinfer.layers.moe import SHARED, FusedExperts
 from dsinfer.layers.norm import RMSNorm
-from dsinfer.models.deepseek.blocks import DeepseekDecoderLayer, check_config, check_router, fused_shared_experts
+from dsinfer.models.deepseek.blocks import DeepseekDecoderLayer, check_config, fused_shared_experts
 from dsinfer.ops.fp8 import FP8_DTYPE
 from dsinfer.runner.forward_batch import ForwardBatch
 
@@ -48,15 +48,13 @@ def _stacked(mlp: str, proj: str, tensor: str) -> str:
 class DeepseekV2ForCausalLM(nn.Module):
     variant: dict[str, Any] = {
         "rope_is_neox": lambda cfg: False,  # V2 ropes interleaved pairs (the reference's complex multiply)
-        "router": {"scoring_func": "softmax", "topk_method": "greedy", "norm_topk_prob": False},
-        "topk_methods": ("greedy", "group_limited_greedy"),
+        "router": {"scoring_func": "softmax", "topk_method": "greedy", "norm_topk_prob": False,
+                   "topk_methods": ("greedy", "group_limited_greedy")},
     }
 
     def __init__(self, cfg: dict[str, Any]):
         super().__init__()
         check_config(cfg)
-        if cfg.get("n_routed_experts"):
-            check_router(cfg, self.variant["router"], self.variant["topk_methods"])
         cfg.setdefault("rms_norm_eps", 1e-6)
         self.cfg, self.quant = cfg, Fp8Config.from_hf(cfg)
         self.fuses_shared_experts = fused_shared_experts(cfg, self.quant) > 0
@@ -169,6 +167,6 @@ class DeepseekV2ForCausalLM(nn.Module):
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     variant: dict[str, Any] = {
         "rope_is_neox": lambda cfg: cfg.get("rope_interleave") is False,
-        "router": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True},
-        "topk_methods": ("noaux_tc",),
+        "router": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
+                   "topk_methods": ("noaux_tc",)},
     }

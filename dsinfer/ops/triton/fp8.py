@@ -27,6 +27,23 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
+def quantize_groups(x, EXACT_CAST: tl.constexpr):
+    """[G, GROUP] float32 -> (e4m3-valued float32 [G, GROUP], scale [G]): a group's scale is amax / 448, and 0 for
+    an all-zero group (its values stay 0). The caller casts to its e4m3 output."""
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.where(amax > 0, tl.maximum(amax, 1e-10) / 448.0, 0.0)
+    q = tl.clamp(x / tl.where(scale > 0, scale, 1.0)[:, None], -448.0, 448.0)  # 448: the e4m3 maximum
+    if EXACT_CAST:
+        q = _round_to_e4m3(q)
+    return q, scale
+
+
+def groups_per_program(num_groups: int, group: int) -> int:
+    """Groups one quantizing program takes: up to ~2048 values."""
+    return min(triton.next_power_of_2(num_groups), max(1, 2048 // triton.next_power_of_2(group)))
+
+
+@triton.jit
 def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_xm, stride_qm, stride_sm,
                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
                         EXACT_CAST: tl.constexpr):
@@ -36,16 +53,14 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_xm, stride_qm
     cols = offs_g[:, None] * GROUP + offs_c[None, :]
     mask = (offs_g[:, None] < num_groups) & (offs_c[None, :] < GROUP) & (cols < K)
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
-    q = tl.clamp(x / scale[:, None], -448.0, 448.0)
-    if EXACT_CAST:
-        q = _round_to_e4m3(q)
+    q, scale = quantize_groups(x, EXACT_CAST)
     tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_sm + offs_g, scale, mask=offs_g < num_groups)
 
 
 def per_token_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K / group)]): x ~= q * scale per group."""
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K / group)]): x ~= q * scale per group (scale 0 for an
+    all-zero group)."""
     m, k = x.shape
     num_groups = triton.cdiv(k, group)
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
@@ -54,7 +69,7 @@ def per_token_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, to
         return q, s
     if x.stride(-1) != 1:
         x = x.contiguous()
-    gpp = min(triton.next_power_of_2(num_groups), max(1, 2048 // triton.next_power_of_2(group)))
+    gpp = groups_per_program(num_groups, group)
     _group_quant_kernel[(m, triton.cdiv(num_groups, gpp))](
         x, q, s, k, num_groups, x.stride(0), q.stride(0), s.stride(0),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), GROUPS_PER_PROG=gpp,

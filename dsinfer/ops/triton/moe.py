@@ -369,19 +369,29 @@ def expert_pair_outputs(
     return down
 
 
-def _sorted_pair_outputs(hidden, w13, w2, weights, align, top_k, cfg, cfg2, w13_scale_inv, w2_scale_inv,
-                         block_size) -> torch.Tensor:
-    """``expert_pair_outputs`` through activations in expert order: the hidden rows copied (and quantized) per
-    pair into ``align``'s order, the intermediate stored in that order, then the down GEMM's output in pair order."""
+def sorted_gate_up(hidden: torch.Tensor, w13: torch.Tensor, cfg: dict, align, top_k: int,
+                   w13_scale_inv: torch.Tensor | None = None, block_size: tuple[int, int] | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """The gate/up GEMM of ``sorted`` tiles: the hidden rows copied (and quantized for FP8) per pair into
+    ``align``'s expert order, then ``silu(gate) * up`` per row of that order ([capacity, I], padding rows zero)."""
     from dsinfer.ops.triton.moe_permute import permute_rows
 
-    num_pairs, group = hidden.shape[0] * top_k, block_size[1] if block_size else None
-    capacity, inter = align[0].shape[0], w2.shape[2]
-    a, a_s = permute_rows(hidden, align, a_div=top_k, group=group)
-    inter_out = torch.empty(capacity, inter, dtype=hidden.dtype, device=hidden.device)
-    down = torch.empty(num_pairs, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-    grouped_gemm(a, w13, inter_out, cfg, a_scale=a_s, b_scale=w13_scale_inv, block_size=block_size, align=align,
-                 gated=True, sorted_a=True, sorted_out=True, num_pairs=num_pairs)
+    a, a_s = permute_rows(hidden, align, a_div=top_k, group=block_size[1] if block_size else None)
+    if out is None:
+        out = torch.empty(align[0].shape[0], w13.shape[1] // 2, dtype=hidden.dtype, device=hidden.device)
+    return grouped_gemm(a, w13, out, cfg, a_scale=a_s, b_scale=w13_scale_inv, block_size=block_size, align=align,
+                        gated=True, sorted_a=True, sorted_out=True, num_pairs=hidden.shape[0] * top_k)
+
+
+def _sorted_pair_outputs(hidden, w13, w2, weights, align, top_k, cfg, cfg2, w13_scale_inv, w2_scale_inv,
+                         block_size) -> torch.Tensor:
+    """``expert_pair_outputs`` through activations in expert order (``sorted_gate_up``), the down GEMM reading
+    the intermediate in that order and storing in pair order."""
+    from dsinfer.ops.triton.moe_permute import permute_rows
+
+    inter_out = sorted_gate_up(hidden, w13, cfg, align, top_k, w13_scale_inv, block_size)
+    down = torch.empty(hidden.shape[0] * top_k, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+    group = block_size[1] if block_size else None
     a2, a2_s = permute_rows(inter_out, align, gather=False, group=group) if group else (inter_out, None)
     grouped_gemm(a2, w2, down, cfg2, a_scale=a2_s, b_scale=w2_scale_inv, block_size=block_size, align=align,
                  topk_weights=weights, sorted_a=True)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.triton.fp8 import _round_to_e4m3
+from dsinfer.ops.triton.fp8 import groups_per_program, quantize_groups
 
 
 @triton.jit
@@ -40,12 +40,7 @@ def _permute_kernel(x_ptr, ids_ptr, num_padded_ptr, q_ptr, s_ptr, K, num_groups,
     x = tl.load(x_ptr + src * stride_xm + cols, mask=mask & (cols < width), other=0.0)
     out_ptrs = q_ptr + row.to(tl.int64) * stride_qm + cols
     if QUANT:
-        x = x.to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=1)
-        scale = tl.where(amax > 0, tl.maximum(amax, 1e-10) / 448.0, 0.0)
-        q = tl.clamp(x / tl.where(scale > 0, scale, 1.0)[:, None], -448.0, 448.0)  # e4m3 max
-        if EXACT_CAST:
-            q = _round_to_e4m3(q)
+        q, scale = quantize_groups(x.to(tl.float32), EXACT_CAST)
         tl.store(out_ptrs, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + offs_g * stride_sg + row, scale, mask=offs_g < num_groups)
     else:
@@ -65,7 +60,7 @@ def permute_rows(
     ``align`` = ``moe_align``'s (sorted_ids, expert_ids, num_padded). With ``gather``, row r is
     x[sorted_ids[r] // a_div] (zeros for padding), else x is already in that order and row r is x[r]. With
     ``group``, rows are e4m3 with a float32 scale per (row, group of ``group`` columns), as
-    ``fp8.per_token_group_quant`` (a zero group gets scale 0); the scale view has strides (1, capacity)."""
+    ``fp8.per_token_group_quant``; the scale view has strides (1, capacity)."""
     sorted_ids, _, num_padded = align
     capacity, k = sorted_ids.shape[0], x.shape[1]
     quant = group is not None
@@ -77,7 +72,7 @@ def permute_rows(
         return out, scales
     if x.stride(-1) != 1:
         x = x.contiguous()
-    gpp = min(triton.next_power_of_2(num_groups), max(1, 2048 // triton.next_power_of_2(group)))
+    gpp = groups_per_program(num_groups, group)
     _permute_kernel[(capacity, triton.cdiv(num_groups, gpp))](
         x, sorted_ids, num_padded, out, scales if quant else out, k, num_groups,
         x.shape[0] * a_div if gather else capacity, x.stride(0), out.stride(0), capacity,
