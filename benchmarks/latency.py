@@ -60,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--max-prefill-graph-tokens", type=int, default=2048,
+                   help="prompt steps up to this many tokens run through piecewise CUDA graphs (0: eager)")
     p.add_argument("--json-out", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -259,11 +261,12 @@ def count_touched_experts(runner, sched) -> list[int]:
     hooks = [module.register_forward_hook(
         lambda m, _inputs, out, name=name: counts.__setitem__(name, int(out[1][:, :m.cfg.top_k].unique().numel())))
         for name, module in runner.model.named_modules() if isinstance(module, Router) and not name.startswith("mtp.")]
-    graphs, runner.graphs = runner.graphs, None  # hooks do not fire inside a graph replay
+    # hooks do not fire inside a graph replay
+    graphs, prefill_graphs, runner.graphs, runner.prefill_graphs = runner.graphs, runner.prefill_graphs, None, None
     try:
         runner.execute(sched)
     finally:
-        runner.graphs = graphs
+        runner.graphs, runner.prefill_graphs = graphs, prefill_graphs
         for hook in hooks:
             hook.remove()
     return list(counts.values())
@@ -371,7 +374,9 @@ def describe(shape: WeightShape, cfg: dict, llm) -> str:
     if shape.moe_layers:
         text += (f" + {shape.expert_bytes[0] / 1e6:.1f} MB per routed expert x {shape.moe_layers} MoE layers "
                  f"(top {shape.top_k} of {shape.num_experts})")
-    return text + f"; KV {llm.engine.runner.kv_bytes_per_token} B/token"
+    graphs = llm.engine.runner.prefill_graphs
+    text += f"; KV {llm.engine.runner.kv_bytes_per_token} B/token"
+    return text + f"; prefill CUDA graphs at {graphs.captured_sizes if graphs else []} tokens"
 
 
 def main(argv=None) -> int:
@@ -385,7 +390,8 @@ def main(argv=None) -> int:
           f"{f', FP8 matmul {fp8_rate / 1e12:.0f} TFLOP/s' if fp8_rate else ''} (measured now)", flush=True)
     max_tokens = max((n * length for n, length in map(parse_prefill, args.prefill)), default=0)
     llm = make_llm(args.model, args, enable_prefix_caching=False, max_num_seqs=max(256, max(args.batch_sizes)),
-                   max_num_batched_tokens=max(2048, max_tokens))
+                   max_num_batched_tokens=max(2048, max_tokens),
+                   max_prefill_graph_tokens=args.max_prefill_graph_tokens)
     model = llm.engine.runner.model
     shape = weight_shape(model)
     print(describe(shape, model.cfg, llm), flush=True)

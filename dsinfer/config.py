@@ -80,6 +80,8 @@ class DeviceConfig:
     deterministic: bool = False  # batch-invariant kernels
     async_scheduling: bool = True  # overlap CPU scheduling of step N+1 with GPU execution of step N
     enforce_eager: bool = False  # no CUDA graphs
+    # steps with prompt tokens up to this many run through piecewise CUDA graphs (runner/prefill_graphs.py); 0: eager
+    max_prefill_graph_tokens: int = 2048
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ class EngineArgs:
     deterministic: bool | None = None
     async_scheduling: bool | None = None
     enforce_eager: bool = False
+    max_prefill_graph_tokens: int = 2048
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -160,7 +163,8 @@ class EngineArgs:
             load=LoadConfig(load_format, self.seed),
             # deterministic mode keeps CUDA graphs: the runner captures them inside the batch-invariant mode, and
             # the invariant kernels give a row the same result whatever the (padded) batch around it
-            device=DeviceConfig(device, bool(deterministic), bool(async_sched), self.enforce_eager),
+            device=DeviceConfig(device, bool(deterministic), bool(async_sched), self.enforce_eager,
+                                self.max_prefill_graph_tokens),
         )
 
     def _validate(self) -> None:
@@ -169,6 +173,7 @@ class EngineArgs:
             if self.block_size & (self.block_size - 1):
                 raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         _check_int("max_num_seqs", self.max_num_seqs, 1, 1 << 16)
+        _check_int("max_prefill_graph_tokens", self.max_prefill_graph_tokens, 0, 1 << 16)
         if self.max_num_batched_tokens is not None:
             _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 22)
         if self.max_model_len is not None:

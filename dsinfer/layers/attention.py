@@ -6,6 +6,8 @@ passed explicitly.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -13,6 +15,7 @@ from dsinfer import ops
 from dsinfer.kvcache.spec import FullAttentionSpec, SlidingWindowSpec
 from dsinfer.layers.rotary import RotaryEmbedding
 from dsinfer.runner.forward_batch import ForwardBatch
+from dsinfer.runner.prefill_graphs import attention_piece
 
 
 class Attention(nn.Module):
@@ -34,7 +37,18 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                 rotary: RotaryEmbedding | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq*D], k/v: [T, Hkv*D] -> [T, Hq*D]. With ``rotary`` (and ``positions``), q and k are rotated
-        here, in the same pass that stores k and v in the cache."""
+        here, in the same pass that stores k and v in the cache. The store and the attention read the step's
+        metadata: a prefill CUDA graph is cut around them (``attention_piece``)."""
+        if rotary is None:
+            return attention_piece(self._attend, (q, k, v), batch)
+        return attention_piece(functools.partial(self._rotate_and_attend, rotary), (q, k, v, positions), batch)
+
+    def _rotate_and_attend(self, rotary: RotaryEmbedding, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self._attend(q, k, v, batch, rotary, positions)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                rotary: RotaryEmbedding | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)

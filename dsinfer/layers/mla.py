@@ -29,6 +29,7 @@ from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, rope_parameters_of
 from dsinfer.ops.mla import mla_decode, mla_prefill, rope_norm_store_mla
 from dsinfer.runner.forward_batch import ForwardBatch
+from dsinfer.runner.prefill_graphs import attention_piece
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
 
@@ -45,12 +46,20 @@ class MLARows:
 
 @dataclass
 class MLAMetadata:
-    """The batch split once per forward (shared by every MLA layer): one-token rows and multi-token rows."""
+    """The batch split once per step (``of``, shared by every MLA layer): one-token rows and multi-token rows."""
 
     decode: MLARows | None
     prefill: MLARows | None
     max_seq_len: int | None = None  # host-side bound on seq_lens (sizes the decode kernel's split-KV grid)
     invariant: MLARows | None = None  # deterministic mode: every row, one recipe (decode / prefill are None)
+
+    @classmethod
+    def of(cls, batch: ForwardBatch) -> MLAMetadata:
+        """The batch's metadata: built by the first MLA layer of a step, shared by the others."""
+        meta = batch.derived.get("mla")
+        if meta is None:
+            meta = batch.derived["mla"] = cls.build(batch)
+        return meta
 
     @classmethod
     def build(cls, batch: ForwardBatch) -> MLAMetadata:
@@ -166,18 +175,22 @@ class MLAAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(q))
         return q, kv_a
 
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, meta: MLAMetadata
-    ) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q, kv_a = self._project(hidden)
+        # rope, the cache store and attention read the step's metadata: a prefill CUDA graph is cut around them
+        out = attention_piece(self._attention, (q, kv_a, positions), batch)
+        return self.o_proj(out)
+
+    def _attention(self, q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor,
+                   batch: ForwardBatch) -> torch.Tensor:
+        """q [T, H * (N + P)], kv_a [T, R + P] -> the attention output [T, H * V]."""
         q = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         norm, rotary = self.kv_a_layernorm, self.rotary
         q_pe = rope_norm_store_mla(positions, q_pe, k_pe, kv_c, norm.weight, norm.eps, rotary.cos_sin_cache,
                                    rotary.is_neox, self.kv_cache, batch.slot_mapping)
-        out = self.attend(q_nope, q_pe, meta)
-        return self.o_proj(out.flatten(1))
+        return self.attend(q_nope, q_pe, MLAMetadata.of(batch)).flatten(1)
 
     def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
         """q_nope [T, H, N], q_pe [T, H, P] (roped) -> [T, H, V] (contiguous)."""

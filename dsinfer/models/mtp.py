@@ -23,7 +23,7 @@ from torch import nn
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.fp8_linear import Fp8Config
 from dsinfer.layers.linear import Linear
-from dsinfer.layers.mla import MLAAttention, MLAMetadata
+from dsinfer.layers.mla import MLAAttention
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.models.deepseek.blocks import DeepseekDecoderLayer
 from dsinfer.runner.forward_batch import ForwardBatch
@@ -56,10 +56,9 @@ class DeepseekMTPLayer(nn.Module):
         next_ids: torch.Tensor,
         positions: torch.Tensor,
         batch: ForwardBatch,
-        meta: MLAMetadata,
     ) -> torch.Tensor:
         x = self.eh_proj(torch.cat((self.enorm(self.embed_tokens(next_ids)), self.hnorm(hidden)), dim=-1))
-        x, residual = self.block(positions, x, None, batch, meta)
+        x, residual = self.block(positions, x, None, batch)
         return x + residual
 
 
@@ -87,5 +86,5 @@ class DeepseekMTP(nn.Module):
         """hidden [T, D] (main model's last hidden states), next_ids [T] (token after each position)
         -> (draft logits [T, vocab] float32, this layer's hidden states [T, D] for the next depth)."""
         layer = self.layers[depth]
-        out = layer(hidden, next_ids, positions, batch, MLAMetadata.build(batch))
+        out = layer(hidden, next_ids, positions, batch)
         return layer.shared_head(out), out

@@ -68,10 +68,9 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden, upcast=False)  # the sampler upcasts when it must
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every size, largest first, into one pool (smaller graphs reuse the largest one's memory)."""
+    def capture(self, pool) -> None:
+        """Capture every size, largest first, into ``pool`` (smaller graphs reuse the largest one's memory)."""
         started = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
         # all-padding inputs: nothing is stored, attention skips every row
         self.slot_mapping.fill_(-1)
         self.query_start_loc.zero_()

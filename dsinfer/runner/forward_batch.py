@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,6 +26,8 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [S] int64: token rows whose logits are computed
     max_query_len: int  # host-side, known when the batch is built
     max_seq_len: int
+    # values the layers derive from the batch once per step and share (e.g. ``MLAMetadata``), by name
+    derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:

@@ -1,7 +1,8 @@
 """ModelRunner: SchedulerOutput -> ForwardBatch -> logits -> sampled tokens (+ logprobs).
 
 It owns the model, the KV cache tensors (sized from the memory budget after the model loads) and, on CUDA, the
-decode CUDA graphs. ``launch`` queues a step and returns a ``StepHandle`` without waiting for the GPU;
+CUDA graphs: whole-step graphs for decode (``cuda_graphs``), piecewise ones for steps with prompt tokens
+(``prefill_graphs``). ``launch`` queues a step and returns a ``StepHandle`` without waiting for the GPU;
 ``execute`` is ``launch(...).result()``.
 """
 
@@ -22,6 +23,7 @@ from dsinfer.models.loader.model_loader import _default_dtype_and_device, load_m
 from dsinfer.models.registry import model_class
 from dsinfer.runner.cuda_graphs import DecodeGraphs
 from dsinfer.runner.input_batch import StepInputs, build_sampling_batch, build_step_inputs, to_device_packed
+from dsinfer.runner.prefill_graphs import PrefillGraphs
 from dsinfer.runner.warmup import warm_up_prefill
 from dsinfer.sampling.sampler import Sampler
 from dsinfer.scheduler.scheduler import ScheduledRequest, SchedulerOutput
@@ -105,12 +107,19 @@ class ModelRunner:
         self._last_rows: dict[str, int] = {}
         self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] | None = None  # benchmarks
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         if self.device.type == "cuda" and not config.device.enforce_eager:
             max_len = config.model.max_model_len
             self.graphs = DecodeGraphs(self.model, config.scheduler.max_num_seqs, -(-max_len // self.block_size),
                                        max_len, self.device)
+            pool = torch.cuda.graph_pool_handle()  # one graph runs at a time: all share one memory pool
             with batch_invariant(config.device.deterministic):  # capture the kernels the eager steps run
-                self.graphs.capture()
+                self.graphs.capture(pool)
+                max_tokens = min(config.device.max_prefill_graph_tokens, config.scheduler.max_num_batched_tokens)
+                if max_tokens > 0:
+                    self.prefill_graphs = PrefillGraphs(self.model, max_tokens, max_len, self.block_size,
+                                                        self.device)
+                    self.prefill_graphs.capture(pool)
         if self.device.type == "cuda":
             with batch_invariant(config.device.deterministic):
                 warm_up_prefill(self.model, config.scheduler.max_num_batched_tokens, config.model.max_model_len,
@@ -193,14 +202,20 @@ class ModelRunner:
         return StepHandle(inputs.sample_items, copies, prompt_logprobs, done)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits of the step's logits rows: a decode graph's replay when one fits, else the eager model."""
+        """Logits of the step's logits rows: a decode graph's replay when one fits, else the prefill graphs of the
+        step's token count when they fit, else the eager model."""
         batch = inputs.batch
         size = None
         if self.graphs is not None and batch.is_decode_only and not inputs.prompt_rows:
             size = self.graphs.padded_size(batch.num_seqs)
         if size is None:
             self._fill_placeholders(batch.input_ids, inputs)
-            hidden = self.model(batch.input_ids, batch.positions, batch)
+            graphs = self.prefill_graphs
+            padded = None if graphs is None else graphs.padded_size(batch.num_tokens)
+            if padded is not None:
+                hidden = graphs.run(padded, batch)
+            else:
+                hidden = self.model(batch.input_ids, batch.positions, batch)
             return self.model.compute_logits(hidden[batch.logits_indices])
         self.graphs.load_inputs(inputs.host, size)
         self._fill_placeholders(self.graphs.input_ids, inputs)

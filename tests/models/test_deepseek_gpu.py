@@ -107,6 +107,7 @@ def test_cuda_float32_greedy_matches_cpu_and_hf(arch, mode, request, monkeypatch
     if not eager:
         assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs, \
             "decode CUDA graphs were not captured (see the capture warning in the log)"
+        assert llm.engine.runner.prefill_graphs.captured_sizes, "prefill CUDA graphs were not captured"
         replays = _count_replays(llm, monkeypatch)
     ours = _generate(llm, ckpt, ALL)
     if not eager:
@@ -133,6 +134,20 @@ def test_cuda_bfloat16_smoke(arch, request, monkeypatch):
     assert mean < 0.05, f"bf16 prompt logprobs differ from float32 HF by {mean:.3g} on average"  # CPU bf16: ~0.01
     same_first = sum(o[0] == h[0] for o, h in zip(ours.tokens, hf.tokens))
     assert same_first >= 6, f"only {same_first} of 8 first greedy tokens agree with HF"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["v2", "v3"])
+def test_cuda_prefill_graphs_match_eager_on_a_mixed_step(arch, request):
+    """Decode rows (absorbed MLA) and prompts (expanded MLA) in one step, through the piecewise graphs."""
+    from tests.runner.test_prefill_graphs import _mixed_step_logits
+
+    ckpt = request.getfixturevalue(arch)
+    llm = LLM(str(ckpt.path), device="cuda", dtype="float32", enable_prefix_caching=False)
+    assert llm.engine.runner.prefill_graphs.captured_sizes, "prefill CUDA graphs were not captured"
+    with_graphs, eager, _ = _mixed_step_logits(llm)
+    torch.testing.assert_close(with_graphs, eager, rtol=1e-4, atol=1e-4)
 
 
 # ---- CPU: the Triton kernels in the interpreter ----

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsinfer.ops.mla import mla_decode_ref, mla_prefill_ref, store_mla_kv
+from dsinfer.ops.mla import mla_decode_ref, mla_prefill_ref, store_mla_kv, store_mla_kv_ref
 
 H, N, P, V, R, BLOCK = 4, 16, 8, 12, 32, 4
 
@@ -37,8 +37,8 @@ def test_absorbed_decode_and_expanded_prefill_match_dense_attention():
     for b, n in enumerate(seq_lens):
         pos = torch.arange(n)
         slots = tables[b, pos // BLOCK].long() * BLOCK + pos % BLOCK
-        store_mla_kv(latents[b], k_pes[b], cache, slots)
-    store_mla_kv(torch.ones(1, R), torch.ones(1, P), cache, torch.tensor([-1]))  # padding: not stored
+        store_mla_kv_ref(latents[b], k_pes[b], cache, slots)
+    store_mla_kv_ref(torch.ones(1, R), torch.ones(1, P), cache, torch.tensor([-1]))  # padding: not stored
     total = sum(q_lens)
     q_nope, q_pe = torch.randn(total, H, N, generator=gen), torch.randn(total, H, P, generator=gen)
     cu = torch.tensor([0, 1, 2, 7, 13], dtype=torch.int32)
@@ -66,9 +66,10 @@ def test_absorbed_decode_and_expanded_prefill_match_dense_attention():
     torch.testing.assert_close(absorbed, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_store_skips_negative_slots():
-    cache = torch.zeros(2, BLOCK, R + P)
-    store_mla_kv(torch.ones(3, R), torch.full((3, P), 2.0), cache, torch.tensor([5, -1, 0]))
-    flat = cache.view(-1, R + P)
+def test_store_skips_negative_slots(device):
+    cache = torch.zeros(2, BLOCK, R + P, device=device)
+    slots = torch.tensor([5, -1, 0], device=device)
+    store_mla_kv(torch.ones(3, R, device=device), torch.full((3, P), 2.0, device=device), cache, slots)
+    flat = cache.view(-1, R + P).cpu()
     assert flat[5, 0] == 1 and flat[5, -1] == 2 and flat[0, 0] == 1
     assert flat[[1, 2, 3, 4, 6, 7]].abs().sum() == 0

@@ -12,7 +12,7 @@ from dsinfer import batch_invariant, envs
 from dsinfer.layers.activation import SiluAndMul
 from dsinfer.layers.fp8_linear import Fp8Config, make_linear
 from dsinfer.layers.linear import Linear
-from dsinfer.layers.mla import MLAAttention, MLAMetadata
+from dsinfer.layers.mla import MLAAttention
 from dsinfer.layers.moe import FusedExperts, Router, RouterConfig
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.ops.moe import Routing
@@ -177,12 +177,11 @@ class DeepseekDecoderLayer(nn.Module):
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         batch: ForwardBatch,
-        meta: MLAMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, batch, meta)
+        hidden = self.self_attn(positions, hidden, batch)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual

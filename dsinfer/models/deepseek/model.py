@@ -17,7 +17,7 @@ from torch import nn
 
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.fp8_linear import Fp8Config
-from dsinfer.layers.mla import MLAAttention, MLAMetadata, fuses_q_kv_a
+from dsinfer.layers.mla import MLAAttention, fuses_q_kv_a
 from dsinfer.layers.moe import SHARED, FusedExperts
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.models.deepseek.blocks import DeepseekDecoderLayer, check_config, fused_shared_experts
@@ -76,10 +76,9 @@ class DeepseekV2ForCausalLM(nn.Module):
         return [layer.self_attn for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        meta = MLAMetadata.build(batch)
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, batch, meta)
+            hidden, residual = layer(positions, hidden, residual, batch)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
