@@ -15,8 +15,9 @@ output gets a static buffer that the next graph reads, and a new graph begins. A
 0 eagerly on the real step's rows and metadata, graph 1, piece 1, ... and the last graph.
 
 The static buffers are shared by every layer and every token count: one stream orders a piece's read of its
-inputs before the next graph's copy overwrites them. Padding rows (past the step's tokens) run through the
-graphs on stale but finite values (the buffers start zeroed) and are never read: pieces see only the real rows.
+inputs before the next graph's copy overwrites them. Padding rows (past the step's tokens) are token 0 at
+position 0 with a zero attention output in every layer (their rows of the buffers are zeroed each step, so no
+stale value, NaN or not, lingers there); they are never read, and pieces see only the real rows.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ class _Captured:
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)  # one more than pieces
     pieces: list[_Piece] = field(default_factory=list)
     hidden: torch.Tensor | None = None  # the last graph's output, [size, hidden]
+
+    @functools.cached_property
+    def outputs(self) -> list[torch.Tensor]:
+        """The distinct static buffers the pieces write (usually one, shared by every layer)."""
+        return list({id(piece.output): piece.output for piece in self.pieces}.values())
 
 
 class _Recorder:
@@ -218,6 +224,9 @@ class PrefillGraphs:
         n = batch.num_tokens
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
+        if n < size:
+            for buf in (self.input_ids, self.positions, *captured.outputs):
+                buf[n:size].zero_()
         for graph, piece in zip(captured.graphs, captured.pieces):
             graph.replay()
             piece.output[:n].copy_(piece.fn(*(buf[:n] for buf in piece.inputs), batch))

@@ -90,8 +90,12 @@ def test_llama_prefill_graphs_match_eager(tiny_llama_dir):
     graphs = llm.engine.runner.prefill_graphs
     assert graphs.sizes == [16, 32, 64, 128, 256]
     with_graphs, eager, tokens = _mixed_step_logits(llm)
-    assert graphs.padded_size(tokens) > tokens, f"the step did not run padded in graphs ({graphs.captured_sizes})"
+    size = graphs.padded_size(tokens)
+    assert size > tokens, f"the step did not run padded in graphs ({graphs.captured_sizes})"
     torch.testing.assert_close(with_graphs, eager, rtol=1e-4, atol=1e-4)
+    # the padding rows were token 0 at position 0 with zero attention outputs, not what earlier steps left
+    for buf in (graphs.input_ids, graphs.positions, *graphs._captured[size].outputs):
+        assert not buf[tokens:size].any()
 
 
 @pytest.mark.gpu
