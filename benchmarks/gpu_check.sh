@@ -95,7 +95,7 @@ if want llama; then
 fi
 if want deepseek; then
     step latency-v2-lite "$PY" benchmarks/latency.py --model "$V2LITE" --batch-sizes 1 64 256 \
-        --prefill 1024 4096 8x2048 --steps 30 --json-out "$OUT/latency-v2-lite.json"
+        --prefill 256 1024 4096 8x2048 --steps 30 --json-out "$OUT/latency-v2-lite.json"
     # dsinfer's KV cache stops at max_num_seqs x max_model_len (9 GB here), which leaves room for HF's weights
     step throughput-v2-lite "$PY" benchmarks/throughput.py "${DUMMY[@]}" --model "$V2LITE" \
         --num-prompts 512 --input-len 1000 --output-len 100 --max-num-seqs 256 --max-num-batched-tokens 8192 \
