@@ -68,8 +68,9 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden, upcast=False)  # the sampler upcasts when it must
 
     @torch.inference_mode()
-    def capture(self, pool) -> None:
-        """Capture every size, largest first, into ``pool`` (smaller graphs reuse the largest one's memory)."""
+    def capture(self, pool, stream: torch.cuda.Stream) -> None:
+        """Capture every size, largest first, into ``pool`` on ``stream`` (smaller graphs reuse the largest one's
+        memory)."""
         started = time.perf_counter()
         # all-padding inputs: nothing is stored, attention skips every row
         self.slot_mapping.fill_(-1)
@@ -79,7 +80,7 @@ class DecodeGraphs:
             for size in reversed(self.sizes):
                 self._forward(size)  # warm-up: compiles kernels and sets up cuBLAS outside the capture
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self.logits[size] = self._forward(size)
                 self.graphs[size] = graph
         except Exception as exc:  # a model whose forward syncs or allocates on the host: run it eagerly

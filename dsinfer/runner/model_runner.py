@@ -112,14 +112,16 @@ class ModelRunner:
             max_len = config.model.max_model_len
             self.graphs = DecodeGraphs(self.model, config.scheduler.max_num_seqs, -(-max_len // self.block_size),
                                        max_len, self.device)
-            pool = torch.cuda.graph_pool_handle()  # one graph runs at a time: all share one memory pool
+            # one graph runs at a time, so all share one memory pool, captured on one stream (the allocator reuses
+            # a pool's free memory on the stream that freed it)
+            pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
             with batch_invariant(config.device.deterministic):  # capture the kernels the eager steps run
-                self.graphs.capture(pool)
+                self.graphs.capture(pool, stream)
                 max_tokens = min(config.device.max_prefill_graph_tokens, config.scheduler.max_num_batched_tokens)
                 if max_tokens > 0:
                     self.prefill_graphs = PrefillGraphs(self.model, max_tokens, max_len, self.block_size,
                                                         self.device)
-                    self.prefill_graphs.capture(pool)
+                    self.prefill_graphs.capture(pool, stream)
         if self.device.type == "cuda":
             with batch_invariant(config.device.deterministic):
                 warm_up_prefill(self.model, config.scheduler.max_num_batched_tokens, config.model.max_model_len,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,17 +38,39 @@ from dsinfer.runner.warmup import SEQUENCE_TOKENS, dummy_prefill_batch
 
 logger = logging.getLogger("dsinfer")
 
-CAPTURE_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def capture_sizes(max_tokens: int) -> list[int]:
+    """Token counts to capture, up to ``max_tokens``: powers of two to 256, then steps of 1.5x and 4/3x (384, 512,
+    768, 1024, 1536, 2048, ...), so that a step is padded by at most half of its size (a 257-token step runs at
+    384). The engine's default limit is 2,048 (``max_prefill_graph_tokens``)."""
+    sizes, size = [], 16
+    while size <= max_tokens:
+        sizes.append(size)
+        if size < 256:
+            size *= 2
+        else:  # 2^k -> 1.5 x 2^k -> 2^(k+1)
+            size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return sizes
+
+
+class _State(threading.local):
+    recorder: _Recorder | None = None  # set while this thread's forward is being cut
+
+
+_state = _State()
 
 
 def attention_piece(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
                     batch: ForwardBatch) -> torch.Tensor:
     """``fn(*inputs, batch)``: the part of a layer that reads the step's attention metadata. ``inputs`` are
     row-major per token ([T, ...]); so is the result. While a prefill graph is captured, the graph is cut here
-    (see the module doc), so ``fn`` must read nothing else that a graph produced: it runs between graphs."""
-    if _recorder is None:
+    (see the module doc), so ``fn`` must read nothing else that a graph produced: it runs between graphs. A
+    model's forward must go through here once per attention layer (the capture checks the count)."""
+    recorder = _state.recorder
+    if recorder is None:
         return fn(*inputs, batch)
-    return _recorder.cut(fn, inputs, batch)
+    return recorder.cut(fn, inputs, batch)
 
 
 @dataclass
@@ -112,9 +135,6 @@ class _Recorder:
         return output[:n]
 
 
-_recorder: _Recorder | None = None
-
-
 def _best_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
     fn()  # first use: lazily built state
     best = float("inf")
@@ -128,12 +148,12 @@ def _best_seconds(fn: Callable[[], object], device: torch.device, repeats: int =
 
 
 class PrefillGraphs:
-    """Piecewise graphs of the model forward at the token counts ``sizes`` (steps up to the largest)."""
+    """Piecewise graphs of the model forward at the token counts ``capture_sizes(max_tokens)``."""
 
     def __init__(self, model: nn.Module, max_tokens: int, max_model_len: int, block_size: int,
-                 device: torch.device, sizes: tuple[int, ...] = CAPTURE_TOKENS):
+                 device: torch.device):
         self.model = model
-        self.sizes = [s for s in sizes if s <= max_tokens]
+        self.sizes = capture_sizes(max_tokens)
         self.max_model_len, self.block_size, self.device = max_model_len, block_size, device
         rows = self.sizes[-1] if self.sizes else 0
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -150,28 +170,33 @@ class PrefillGraphs:
         i = bisect.bisect_left(self.sizes, num_tokens)
         return self.sizes[i] if i < len(self.sizes) and self.sizes[i] in self._captured else None
 
+    def _batch(self, size: int) -> ForwardBatch:
+        """Prompts of ``size`` tokens in all (stored nowhere): shapes the pieces' outputs during the capture."""
+        return dummy_prefill_batch(size, min(SEQUENCE_TOKENS, self.max_model_len), self.block_size, self.device)
+
     def _forward(self, size: int, recorder: _Recorder) -> torch.Tensor:
-        global _recorder
-        batch = self._batch(size)
-        _recorder = recorder
+        _state.recorder = recorder
         try:
             recorder.begin()
             try:
-                hidden = self.model(self.input_ids[:size], self.positions[:size], batch)
+                hidden = self.model(self.input_ids[:size], self.positions[:size], self._batch(size))
             finally:
                 recorder.end()
         finally:
-            _recorder = None
+            _state.recorder = None
+        pieces, layers = len(recorder.result.pieces), len(self.model.attention_layers())
+        if pieces != layers:  # an attention layer that bypassed attention_piece would be frozen into a graph
+            raise RuntimeError(f"the forward was cut {pieces} times for {layers} attention layers")
         return hidden
 
     @torch.inference_mode()
-    def capture(self, pool) -> None:
-        """Capture every size, largest first, into ``pool`` (shared with the decode graphs: one runs at a time)."""
+    def capture(self, pool, stream: torch.cuda.Stream) -> None:
+        """Capture every size, largest first, into ``pool`` on ``stream`` (the decode graphs' pool and stream:
+        the allocator reuses a pool's free memory on the stream it was freed on; one graph runs at a time)."""
         if not self.sizes:
             return
         started = time.perf_counter()
         rows = self.sizes[-1]
-        stream = torch.cuda.Stream(self.device)  # a capture cannot run on the legacy default stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
             with torch.cuda.stream(stream):
@@ -180,42 +205,38 @@ class PrefillGraphs:
                     self._forward(size, _Recorder(self._buffers, rows, capture=False))
                     torch.cuda.synchronize(self.device)
                     recorder = _Recorder(self._buffers, rows, capture=True, pool=pool)
-                    hidden = self._forward(size, recorder)
-                    recorder.result.hidden = hidden
+                    recorder.result.hidden = self._forward(size, recorder)
                     self._captured[size] = recorder.result
-        except Exception as exc:  # a forward that syncs or allocates on the host outside attention: eager steps
-            logger.warning("prefill CUDA graph capture failed (%s: %s); prompt steps run eagerly",
-                           type(exc).__name__, exc)
+                self._drop_slower_than_eager()
+        except Exception as exc:  # e.g. a forward that syncs on the host outside attention: eager steps
+            logger.warning("prefill CUDA graphs failed (%s: %s); prompt steps run eagerly", type(exc).__name__, exc)
             self._captured.clear()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         if not self._captured:
-            return
-        pieces = len(self._captured[self.sizes[-1]].pieces)
-        self._drop_slower_than_eager()
-        logger.info("prefill CUDA graphs for %s tokens (%d pieces each; captured %s) in %.1f s", self.captured_sizes,
-                    pieces, self.sizes, time.perf_counter() - started)
+            self._buffers.clear()
+        logger.info("prefill CUDA graphs for %s tokens (captured %s) in %.1f s", self.captured_sizes, self.sizes,
+                    time.perf_counter() - started)
 
     def _drop_slower_than_eager(self) -> None:
-        """Keep the sizes below the first one whose graphs are not faster than the eager forward. Graphs win where
-        the host is the bottleneck; past that their copies and the padding cost a little (Llama-3.1-8B, 1,024
-        tokens, H200: 26.2 ms against 24.3 ms eager; DeepSeek-V2-Lite: 17.3 ms against 31.7 ms), and where that
-        crossing lies depends on the model and the machine, so it is measured here, on dummy prompts."""
+        """Keep the sizes below the first one whose graphs are not faster than the eager forward of the smallest
+        step they would serve (one token more than the size below). Graphs win where the host is the bottleneck;
+        past that their copies and the padding cost (Llama-3.1-8B, 1,024 tokens, H200: 26.2 ms against 24.3 ms
+        eager; DeepSeek-V2-Lite: 17.3 ms against 31.7 ms), and where that crossing lies depends on the model and
+        the machine, so it is measured here, on dummy prompts."""
+        smaller = 0
         for size in self.captured_sizes:
-            batch = self._batch(size)
-            graphs = _best_seconds(functools.partial(self.run, size, batch), self.device)
-            eager = _best_seconds(functools.partial(self.model, self.input_ids[:size], self.positions[:size], batch),
+            graphs = _best_seconds(functools.partial(self.run, size, self._batch(size)), self.device)
+            n = smaller + 1 if smaller else size
+            eager = _best_seconds(functools.partial(self.model, self.input_ids[:n], self.positions[:n], self._batch(n)),
                                   self.device)
             if graphs >= eager:
                 for dropped in [s for s in self._captured if s >= size]:
                     del self._captured[dropped]
-                logger.info("prefill CUDA graphs stop below %d tokens: %.2f ms there against %.2f ms eager", size,
-                            graphs * 1e3, eager * 1e3)
+                logger.info("prefill CUDA graphs stop below %d tokens: %.2f ms there against %.2f ms for %d tokens "
+                            "eager", size, graphs * 1e3, eager * 1e3, n)
                 return
-
-    def _batch(self, size: int) -> ForwardBatch:
-        """Prompts of ``size`` tokens in all (stored nowhere): shapes the pieces' outputs during the capture."""
-        return dummy_prefill_batch(size, min(SEQUENCE_TOKENS, self.max_model_len), self.block_size, self.device)
+            smaller = size
 
     @torch.inference_mode()  # the static buffers are inference tensors (made during the capture)
     def run(self, size: int, batch: ForwardBatch) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from dsinfer import LLM, SamplingParams
 from dsinfer.runner import prefill_graphs
-from dsinfer.runner.prefill_graphs import _Recorder, attention_piece
+from dsinfer.runner.prefill_graphs import _Recorder, attention_piece, capture_sizes
 from dsinfer.runner.warmup import dummy_prefill_batch
 
 HAS_CUDA = torch.cuda.is_available()
@@ -37,13 +37,21 @@ def test_warm_up_recorder_cuts_every_attention_layer_through_shared_buffers(tiny
         plain = model(batch.input_ids, batch.positions, batch)
         buffers: dict = {}
         recorder = _Recorder(buffers, rows=64, capture=False)
-        monkeypatch.setattr(prefill_graphs, "_recorder", recorder)
+        monkeypatch.setattr(prefill_graphs._state, "recorder", recorder)
         cut = model(batch.input_ids, batch.positions, batch)
     torch.testing.assert_close(cut, plain, rtol=0, atol=0)
     assert len(recorder.result.pieces) == len(model.layers) == 2
     assert len(buffers) == 5 and all(buf.shape[0] == 64 for buf in buffers.values())
     first, second = recorder.result.pieces
     assert first.output is second.output and all(a is b for a, b in zip(first.inputs, second.inputs))
+
+
+def test_capture_sizes_pad_a_step_by_at_most_half():
+    assert capture_sizes(2048) == [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert capture_sizes(300) == [16, 32, 64, 128, 256] and capture_sizes(8) == []
+    sizes = capture_sizes(1 << 14)
+    assert all(b <= 2 * a for a, b in zip(sizes, sizes[1:])) and sizes[-1] == 1 << 14
+    assert all(b <= 1.5 * a for a, b in zip(sizes, sizes[1:]) if a >= 256)
 
 
 def test_max_prefill_graph_tokens_is_validated(tiny_llama_dir):
@@ -88,7 +96,7 @@ def test_llama_prefill_graphs_match_eager(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), device="cuda", dtype="float32", max_num_batched_tokens=256,
               enable_prefix_caching=False)
     graphs = llm.engine.runner.prefill_graphs
-    assert graphs.sizes == [16, 32, 64, 128, 256]
+    assert graphs.sizes == [16, 32, 64, 128, 256]  # the step budget caps them
     with_graphs, eager, tokens = _mixed_step_logits(llm)
     size = graphs.padded_size(tokens)
     assert size > tokens, f"the step did not run padded in graphs ({graphs.captured_sizes})"
