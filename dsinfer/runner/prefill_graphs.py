@@ -175,11 +175,12 @@ class PrefillGraphs:
         return dummy_prefill_batch(size, min(SEQUENCE_TOKENS, self.max_model_len), self.block_size, self.device)
 
     def _forward(self, size: int, recorder: _Recorder) -> torch.Tensor:
+        batch = self._batch(size)  # host-to-device copies: not inside a capture
         _state.recorder = recorder
         try:
             recorder.begin()
             try:
-                hidden = self.model(self.input_ids[:size], self.positions[:size], self._batch(size))
+                hidden = self.model(self.input_ids[:size], self.positions[:size], batch)
             finally:
                 recorder.end()
         finally:
