@@ -20,8 +20,12 @@ _ENGINE_ARGS = (
     "max_num_batched_tokens",
     "enable_prefix_caching",
     "kv_cache_memory_gb",
+    "gpu_memory_utilization",
     "seed",
     "load_format",
+    "device",
+    "enforce_eager",
+    "max_prefill_graph_tokens",
 )
 
 
@@ -40,7 +44,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     eng.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     eng.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache size in GiB")
+    eng.add_argument("--gpu-memory-utilization", type=float, default=None,
+                     help="fraction of GPU memory for weights, activations and the KV cache")
     eng.add_argument("--seed", type=int, default=None, help="engine seed")
+    eng.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
+    eng.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    eng.add_argument("--max-prefill-graph-tokens", type=int, default=None,
+                     help="steps with prompt tokens up to this many replay piecewise CUDA graphs (0: eager)")
     eng.add_argument("--load-format", default=None, help="auto | safetensors | gguf | dummy")
     eng.add_argument("--deterministic", action="store_true", default=None,
                      help="batch-invariant mode: a request's output does not depend on its batch")
@@ -81,13 +91,19 @@ def _template_text(value: str | None) -> str | None:
     return path.read_text() if "{" not in value and path.is_file() else value
 
 
-def build_engine(args: argparse.Namespace) -> Any:
+def engine_args(args: argparse.Namespace) -> Any:
+    """The ``EngineArgs`` of the engine flags that were given (the others keep their defaults)."""
     from dsinfer.config import EngineArgs
-    from dsinfer.engine.llm_engine import LLMEngine
 
     names = {f.name for f in dataclasses.fields(EngineArgs)}
     kwargs = {k: getattr(args, k) for k in _ENGINE_ARGS if k in names and getattr(args, k) is not None}
-    return LLMEngine.from_engine_args(EngineArgs(model=args.model, **kwargs))
+    return EngineArgs(model=args.model, **kwargs)
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    from dsinfer.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(engine_args(args))
 
 
 def settings_from_args(args: argparse.Namespace, engine: Any) -> Any:

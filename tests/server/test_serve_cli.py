@@ -1,0 +1,31 @@
+"""`dsinfer serve`'s engine flags reach EngineArgs (no model is loaded here)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from dsinfer.server.cli import add_serve_args, engine_args
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    return add_serve_args(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+def test_engine_flags_reach_engine_args():
+    args = engine_args(_parse("some/model", "--gpu-memory-utilization", "0.5", "--enforce-eager",
+                              "--max-prefill-graph-tokens", "512", "--device", "cpu", "--max-num-seqs", "8"))
+    assert (args.model, args.gpu_memory_utilization, args.enforce_eager) == ("some/model", 0.5, True)
+    assert (args.max_prefill_graph_tokens, args.device, args.max_num_seqs) == (512, "cpu", 8)
+
+
+def test_flags_not_given_keep_the_engine_defaults():
+    from dsinfer.config import EngineArgs
+
+    assert engine_args(_parse()) == EngineArgs()
+
+
+def test_a_bad_engine_flag_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match="max_prefill_graph_tokens"):
+        engine_args(_parse("--max-prefill-graph-tokens", "-3"))._validate()
