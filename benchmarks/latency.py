@@ -261,12 +261,10 @@ def count_touched_experts(runner, sched) -> list[int]:
     hooks = [module.register_forward_hook(
         lambda m, _inputs, out, name=name: counts.__setitem__(name, int(out[1][:, :m.cfg.top_k].unique().numel())))
         for name, module in runner.model.named_modules() if isinstance(module, Router) and not name.startswith("mtp.")]
-    # hooks do not fire inside a graph replay
-    graphs, prefill_graphs, runner.graphs, runner.prefill_graphs = runner.graphs, runner.prefill_graphs, None, None
     try:
-        runner.execute(sched)
+        with runner.eager():  # hooks do not fire inside a graph replay
+            runner.execute(sched)
     finally:
-        runner.graphs, runner.prefill_graphs = graphs, prefill_graphs
         for hook in hooks:
             hook.remove()
     return list(counts.values())

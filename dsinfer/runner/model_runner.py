@@ -8,8 +8,10 @@ CUDA graphs: whole-step graphs for decode (``cuda_graphs``), piecewise ones for 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -165,6 +167,16 @@ class ModelRunner:
                 f"{total / GiB:.1f} GiB, gpu_memory_utilization={cache.gpu_memory_utilization} allows "
                 f"{total * cache.gpu_memory_utilization / GiB:.1f} GiB; short by {-budget / GiB:.1f} GiB")
         return budget
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Steps inside run the eager model, no graph (forward hooks, profiles, graph-against-eager checks)."""
+        graphs, prefill_graphs = self.graphs, self.prefill_graphs
+        self.graphs = self.prefill_graphs = None
+        try:
+            yield
+        finally:
+            self.graphs, self.prefill_graphs = graphs, prefill_graphs
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step and wait for its result (the synchronous path)."""

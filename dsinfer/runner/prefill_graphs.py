@@ -39,7 +39,6 @@ from dsinfer.runner.warmup import SEQUENCE_TOKENS, dummy_prefill_batch
 logger = logging.getLogger("dsinfer")
 
 
-
 def capture_sizes(max_tokens: int) -> list[int]:
     """Token counts to capture, up to ``max_tokens``: powers of two to 256, then steps of 1.5x and 4/3x (384, 512,
     768, 1024, 1536, 2048, ...), so that a step is padded by at most half of its size (a 257-token step runs at

@@ -65,10 +65,9 @@ def test_decode_graph_replay_matches_eager_logits(tiny_llama_dir):
 
     inputs = build_step_inputs(decode.scheduled, runner.block_size, runner.device)
     graph_logits = runner._forward(inputs).clone()
-    graphs, prefill_graphs, runner.graphs, runner.prefill_graphs = runner.graphs, runner.prefill_graphs, None, None
-    eager_logits = runner._forward(build_step_inputs(decode.scheduled, runner.block_size, runner.device))
-    runner.graphs, runner.prefill_graphs = graphs, prefill_graphs
-    assert graphs.padded_size(5) == 8
+    with runner.eager():
+        eager_logits = runner._forward(build_step_inputs(decode.scheduled, runner.block_size, runner.device))
+    assert runner.graphs.padded_size(5) == 8
     torch.testing.assert_close(graph_logits, eager_logits, rtol=1e-4, atol=1e-4)
 
 

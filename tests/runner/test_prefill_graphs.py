@@ -46,6 +46,15 @@ def test_warm_up_recorder_cuts_every_attention_layer_through_shared_buffers(tiny
     assert first.output is second.output and all(a is b for a, b in zip(first.inputs, second.inputs))
 
 
+def test_runner_eager_turns_both_graph_kinds_off_and_restores_them(tiny_llama_dir):
+    runner = LLM(str(tiny_llama_dir), device="cpu", dtype="float32").engine.runner
+    runner.graphs, runner.prefill_graphs = "decode graphs", "prefill graphs"
+    with pytest.raises(KeyError), runner.eager():
+        assert runner.graphs is None and runner.prefill_graphs is None
+        raise KeyError("a failing step")
+    assert (runner.graphs, runner.prefill_graphs) == ("decode graphs", "prefill graphs")
+
+
 def test_capture_sizes_pad_a_step_by_at_most_half():
     assert capture_sizes(2048) == [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
     assert capture_sizes(300) == [16, 32, 64, 128, 256] and capture_sizes(8) == []
@@ -82,11 +91,8 @@ def _mixed_step_logits(llm: LLM) -> tuple[torch.Tensor, torch.Tensor, int]:
     runner.execute(SchedulerOutput([ScheduledRequest(r, r.num_tokens - 1, 0) for r in old]))
     step = [ScheduledRequest(r, 1, r.num_tokens - 1) for r in old] + [ScheduledRequest(r, r.num_tokens, 0) for r in new]
     graphs = runner._forward(build_step_inputs(step, runner.block_size, runner.device)).clone()
-    saved, runner.prefill_graphs = runner.prefill_graphs, None
-    try:
+    with runner.eager():
         eager = runner._forward(build_step_inputs(step, runner.block_size, runner.device))
-    finally:
-        runner.prefill_graphs = saved
     return graphs, eager, sum(item.num_new_tokens for item in step)
 
 
