@@ -246,6 +246,25 @@ def test_fused_moe_bf16_v2_lite_shapes(num_tokens, assert_close):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 3, 8])
+def test_fused_moe_v2_lite_stack_decode_tiles(num_tokens, assert_close):
+    """V2-Lite's expert stack as the model runs it (64 routed + 2 shared, 6 + 2 per token): decode batches take
+    configs/moe.json's tiles for that key (TMA weight tiles at 1-3 tokens)."""
+    from dsinfer.ops.moe import with_shared
+    from dsinfer.ops.triton.moe import moe_config
+
+    gen = torch.Generator().manual_seed(2)
+    w13, w2 = _experts(66, 2048, 1408, gen, std=0.02)
+    x = torch.randn(num_tokens, 2048, generator=gen)
+    weights, ids = with_shared(*_route(num_tokens, 64, 6, gen, "cuda"), 64, 2)
+    if num_tokens < 4:
+        assert moe_config("66,1408,2048,bfloat16", num_tokens * 8 / 66, False, True).get("tma")
+    out = fused_moe(x.bfloat16().cuda(), w13.bfloat16().cuda(), w2.bfloat16().cuda(), weights, ids)
+    ref = fused_moe_ref(x.cuda(), w13.cuda(), w2.cuda(), weights, ids)
+    assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [3, 512])
 def test_fused_moe_fp8_v3_expert_shapes(num_tokens, assert_close):
     gen = torch.Generator().manual_seed(1)
