@@ -20,19 +20,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.pdl_probe import _norm_kernel, replay_us  # noqa: E402
 from benchmarks.roofline import measure_bandwidth  # noqa: E402
-
-
-@triton.jit
-def _norm_kernel(x_ptr, w_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    offs = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-    y = x * tl.rsqrt(tl.sum(x * x, 0) / n + 1e-6) * w
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=offs < n)
 
 
 @triton.jit
@@ -99,29 +88,6 @@ def silu(x, out, pdl):
     return out
 
 
-def replay_us(fn, reps: int = 20) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / reps)
-    return best
-
-
 def layer_chain(layers, bufs, mode, cfgs, pdl_small):
     x = bufs["x"]
     for lw in layers:
@@ -171,7 +137,7 @@ def main():
         x = torch.randn(1, k, device=dev, dtype=dt)
         out = torch.empty(1, n, device=dev, dtype=dt)
         ws = [lw[name] for lw in layers]
-        cub = replay_us(lambda ws=ws, x=x, out=out: [torch.mm(x, w.t(), out=out) for w in ws]) / len(ws)
+        cub = replay_us(lambda ws=ws, x=x, out=out: [torch.mm(x, w.t(), out=out) for w in ws], reps=20) / len(ws)
         results = []
         for bn, bk, warps, stages, pre in itertools.product((16, 32, 64), (128, 256), (4, 8), (4,), (0, 1)):
             if bn * bk * 2 * stages > 200_000 or (n // bn) < 64:
@@ -179,7 +145,7 @@ def main():
             cfg = (bn, bk, warps, stages, pre)
             try:
                 us = replay_us(functools.partial(lambda ws, x, out, cfg: [gemv(x, w, out, cfg, True) for w in ws],
-                                                 ws, x, out, cfg)) / len(ws)
+                                                 ws, x, out, cfg), reps=20) / len(ws)
             except Exception as exc:  # a tile that does not compile or fit
                 print(f"  {name} {cfg}: {type(exc).__name__}")
                 continue
