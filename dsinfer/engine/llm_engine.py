@@ -304,9 +304,15 @@ class LLMEngine:
     def _stop_status(self, child: ChildState, token: int) -> RequestStatus | None:
         request, params = child.request, child.request.params
         past_min = request.num_output_tokens >= params.min_tokens
-        stop_str = child.detokenizer.add_token(token, past_min) if child.detokenizer else None
+        eos = token in request.eos_token_ids and not params.ignore_eos
+        token_stop = past_min and (eos or token in params.stop_token_ids)
+        stop_str = None
+        # A stop token ends the text without its own text (EOS with skip_special_tokens=False included), unless
+        # include_stop_str_in_output, as vLLM; its id stays in token_ids
+        if child.detokenizer and (not token_stop or params.include_stop_str_in_output):
+            stop_str = child.detokenizer.add_token(token, past_min and not token_stop)
         if past_min:
-            if token in request.eos_token_ids and not params.ignore_eos:
+            if eos:
                 return RequestStatus.FINISHED_STOPPED
             if token in params.stop_token_ids:
                 request.stop_reason = token

@@ -10,9 +10,17 @@ from dsinfer.engine.sampling_params import RequestOutputKind, SamplingParams
 
 def run_repl(llm, params: SamplingParams) -> int:
     """Read a line, answer it with the whole conversation as context; /exit or EOF quits, /reset clears."""
-    engine, tokenizer = llm.engine, llm.get_tokenizer()
     from dataclasses import replace
 
+    from dsinfer.protocol.chat_encoding import ChatEncoder
+    from dsinfer.protocol.errors import ProtocolError
+
+    engine, tokenizer = llm.engine, llm.get_tokenizer()
+    if tokenizer is None or tokenizer.chat_template is None:
+        print("error: this model has no chat template; use `dsinfer generate` with raw text", file=sys.stderr)
+        return 2
+    # typed text is tokenized literally: a special-token string stays text, as in LLM.chat and the server
+    encoder = ChatEncoder(tokenizer, tokenizer.chat_template)
     params = replace(params, output_kind=RequestOutputKind.DELTA)
     history: list[dict[str, str]] = []
     ids = itertools.count()
@@ -30,11 +38,11 @@ def run_repl(llm, params: SamplingParams) -> int:
         if not line:
             continue
         history.append({"role": "user", "content": line})
-        text = tokenizer.apply_chat_template(history, add_generation_prompt=True)
-        prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
         try:
+            encoded = encoder.encode(history, add_generation_prompt=True)
+            prompt = {"prompt": encoded.text, "prompt_token_ids": encoded.token_ids}
             engine.add_request(f"repl-{next(ids)}", prompt, params)
-        except ValueError as exc:
+        except (ValueError, ProtocolError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             history.pop()
             continue

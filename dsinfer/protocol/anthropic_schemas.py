@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictBool, StrictStr
+from pydantic import Field, Strict, StrictBool, StrictStr
 
 from dsinfer.protocol.fields import MaxTokens, ShortStr, StopStr, TopK, TopP, WireModel
 from dsinfer.protocol.openai_schemas import ToolName
@@ -65,7 +65,7 @@ class CountTokensRequest(WireModel):
 class MessagesRequest(CountTokensRequest):
     max_tokens: MaxTokens
     stop_sequences: Annotated[list[StopStr], Field(max_length=16)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    temperature: Annotated[float, Strict(), Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
     stream: StrictBool = False

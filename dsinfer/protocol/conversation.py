@@ -106,7 +106,11 @@ def anthropic_messages(req: an.CountTokensRequest) -> list[dict[str, Any]]:
     )
     if system:
         out.append({"role": "system", "content": system})
+    last = len(req.messages) - 1
     for i, m in enumerate(req.messages):
+        if not m.content and not (i == last and m.role == "assistant"):  # "" or [], as Anthropic's API
+            raise ProtocolError("all messages must have non-empty content except for the optional final "
+                                "assistant message", param=f"messages.{i}.content")
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
@@ -115,7 +119,9 @@ def anthropic_messages(req: an.CountTokensRequest) -> list[dict[str, Any]]:
         for j, block in enumerate(m.content):
             param = f"messages.{i}.content.{j}"
             if block.type == "text":
-                texts.append(block.text or "")
+                if not block.text:
+                    raise ProtocolError("text content blocks must be non-empty", param=f"{param}.text")
+                texts.append(block.text)
             elif block.type == "tool_use" and m.role == "assistant":
                 calls.append(
                     {
@@ -136,8 +142,8 @@ def anthropic_messages(req: an.CountTokensRequest) -> list[dict[str, Any]]:
                 out.append(
                     {"role": "tool", "tool_call_id": block.tool_use_id or "", "content": content or ""}
                 )
-            elif block.type in ("thinking", "redacted_thinking"):
-                continue
+            elif block.type in ("thinking", "redacted_thinking") and m.role == "assistant":
+                continue  # earlier turns' reasoning is not part of the prompt
             else:
                 raise ProtocolError(f"content block type {block.type!r} is not supported here", param=param)
         if texts or calls:

@@ -1,8 +1,8 @@
 """Strict field types shared by the request schemas.
 
 Integer fields accept only JSON integers (no floats, strings or booleans) inside an explicit range; float
-fields accept integers and floats but never NaN/Infinity; every field has a bound, so nothing unbounded
-reaches the engine.
+fields accept JSON integers and floats (no strings or booleans, as OpenAI's API) but never NaN/Infinity; every
+field has a bound, so nothing unbounded reaches the engine.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ TopLogprobs = Annotated[int, Strict(), Field(ge=0, le=20)]
 Seed = Annotated[int, Strict(), Field(ge=-(2**63), le=INT64_MAX)]
 TopK = Annotated[int, Strict(), Field(ge=-1, le=1 << 30)]
 TokenId = Annotated[int, Strict(), Field(ge=0, le=1 << 31)]
-Temperature = Annotated[float, Field(ge=0.0, le=1e4, allow_inf_nan=False)]
-TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
-MinP = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
-RepetitionPenalty = Annotated[float, Field(gt=0.0, le=100.0, allow_inf_nan=False)]
-Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
+Temperature = Annotated[float, Strict(), Field(ge=0.0, le=1e4, allow_inf_nan=False)]
+TopP = Annotated[float, Strict(), Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+MinP = Annotated[float, Strict(), Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+Penalty = Annotated[float, Strict(), Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+RepetitionPenalty = Annotated[float, Strict(), Field(gt=0.0, le=100.0, allow_inf_nan=False)]
+Bias = Annotated[float, Strict(), Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 ShortStr = Annotated[str, Field(max_length=256)]
 StopStr = Annotated[str, Field(min_length=1, max_length=1024)]
 

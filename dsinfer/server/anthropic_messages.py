@@ -87,7 +87,7 @@ async def messages(request: Request):
         )
     out = await gen.final(request)
     c = out.outputs[0]
-    parsed = parse_output(ctx.strip_eos(c.text), **parser_kwargs)
+    parsed = parse_output(c.text, **parser_kwargs)
     content = _blocks(parsed)
     reason, sequence = _stop_reason(c, req, bool(parsed.tool_calls))
     return JSONResponse(
@@ -149,6 +149,9 @@ class _BlockWriter:
     def __init__(self) -> None:
         self.index = -1
         self.open: str | None = None
+        # whitespace that came before any text block: it opens none by itself (a tool call may follow, as the
+        # non-streamed answer, which drops whitespace-only text beside tool calls), but leads the text if it comes
+        self.pending_space = ""
 
     def _start(self, kind: str, block: dict[str, Any]) -> list[str]:
         events = self.close()
@@ -172,8 +175,13 @@ class _BlockWriter:
         self.open = None
         return [sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
-    def open_empty_text(self) -> list[str]:
-        return self._start("text", {"type": "text", "text": ""})
+    def open_only_text(self) -> list[str]:
+        """The text block of an answer with no other block: empty, or the whitespace held back."""
+        events = self._start("text", {"type": "text", "text": ""})
+        if self.pending_space:
+            events.append(self._delta({"type": "text_delta", "text": self.pending_space}))
+            self.pending_space = ""
+        return events
 
     def write(self, delta: OutputDelta) -> list[str]:
         events: list[str] = []
@@ -181,10 +189,13 @@ class _BlockWriter:
             if self.open != "thinking":
                 events += self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
             events.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
-        if delta.content and (self.open == "text" or delta.content.strip()):
+        if delta.content and self.open != "text" and not delta.content.strip():
+            self.pending_space += delta.content
+        elif delta.content:
             if self.open != "text":
                 events += self._start("text", {"type": "text", "text": ""})
-            events.append(self._delta({"type": "text_delta", "text": delta.content}))
+            events.append(self._delta({"type": "text_delta", "text": self.pending_space + delta.content}))
+            self.pending_space = ""
         for call in delta.tool_calls:
             block = {"type": "tool_use", "id": new_id("toolu_")[:30], "name": call.name, "input": {}}
             events += self._start("tool_use", block)
@@ -227,8 +238,8 @@ async def _stream(
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
         yield sse_event("error", anthropic_stream_error_payload(exc))
         return
-    if writer.index < 0:  # nothing generated: still one (empty) text block
-        for event in writer.open_empty_text():
+    if writer.index < 0:  # no block opened: one text block (empty or whitespace), as the non-streamed answer
+        for event in writer.open_only_text():
             yield event
     for event in writer.close():
         yield event

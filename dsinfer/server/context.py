@@ -97,10 +97,6 @@ class ServingContext:
             "tool_parser": self.tool_parser if use_tools else None,
         }
 
-    def strip_eos(self, text: str) -> str:
-        eos = self.tokenizer.eos_token
-        return text[: -len(eos)] if eos and text.endswith(eos) else text
-
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     """Validate the JSON body into ``model``; every failure is a 400 naming the field."""

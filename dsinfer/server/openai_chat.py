@@ -142,7 +142,7 @@ def _response(
 ) -> dict[str, Any]:
     choices = []
     for c in sorted(out.outputs, key=lambda c: c.index):
-        parsed = parse_output(ctx.strip_eos(c.text), **parser_kwargs)
+        parsed = parse_output(c.text, **parser_kwargs)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.tool_calls:
             message["content"] = parsed.content.strip() or None

@@ -58,7 +58,7 @@ async def responses(request: Request):
         )
     out = await gen.final(request)
     c = out.outputs[0]
-    items = _items(parse_output(ctx.strip_eos(c.text), **parser_kwargs))
+    items = _items(parse_output(c.text, **parser_kwargs))
     return JSONResponse(_response(ctx, req, gen, items, c.finish_reason))
 
 

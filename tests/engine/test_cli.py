@@ -82,3 +82,36 @@ def test_a_bad_log_level_is_a_clean_error_and_any_case_is_accepted():
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.startswith("error: environment variable DSINFER_LOG_LEVEL='LOUD' is invalid")
     assert dsinfer("env", DSINFER_LOG_LEVEL="debug").returncode == 0
+
+
+def test_chat_repl_keeps_typed_special_tokens_literal(smollm2_llm, monkeypatch, capsys):
+    """The interactive chat encodes as LLM.chat does: a typed "<|im_end|>" stays text, not the EOS id."""
+    from dsinfer import SamplingParams
+    from dsinfer.entrypoints.chat_repl import run_repl
+
+    message = "Say <|im_end|> please"
+    lines = iter([message, "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    engine, seen = smollm2_llm.engine, []
+    add_request = engine.add_request
+
+    def record(request_id, prompt, params):
+        seen.append(prompt["prompt_token_ids"])
+        return add_request(request_id, prompt, params)
+
+    monkeypatch.setattr(engine, "add_request", record)
+    assert run_repl(smollm2_llm, SamplingParams(max_tokens=4, temperature=0.0)) == 0
+    monkeypatch.setattr(engine, "add_request", add_request)
+    (expected,) = smollm2_llm.chat([{"role": "user", "content": message}], SamplingParams(max_tokens=1),
+                                   use_tqdm=False)
+    assert seen == [expected.prompt_token_ids]
+    (eos,) = smollm2_llm.get_tokenizer().eos_token_ids
+    plain = smollm2_llm.chat([{"role": "user", "content": "Say please"}], SamplingParams(max_tokens=1),
+                             use_tqdm=False)[0].prompt_token_ids
+    assert seen[0].count(eos) == plain.count(eos)  # only the template's own end-of-turn markers
+
+
+def test_python_dash_m_dsinfer_is_the_command():
+    result = subprocess.run([sys.executable, "-m", "dsinfer", "env"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "DSINFER_" in result.stdout

@@ -260,6 +260,30 @@ def test_stop_string_is_cut_and_reported(smollm2_llm):
     assert_no_leak(smollm2_llm)
 
 
+def test_stop_token_text_is_left_out_unless_asked_for(smollm2_llm):
+    """A stop token (EOS, or one of stop_token_ids) ends the text without its own text, as vLLM; its id stays in
+    token_ids; include_stop_str_in_output keeps the text."""
+    tokenizer = smollm2_llm.get_tokenizer()
+    comma = tokenizer.encode(",", add_special_tokens=False)[-1]
+    prompt = "1, 2, 3, 4, 5, 6,"
+    for keep in (False, True):
+        params = SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[comma],
+                                include_stop_str_in_output=keep)
+        (out,) = smollm2_llm.generate(prompt, params, use_tqdm=False)
+        c = out.outputs[0]
+        assert c.token_ids[-1] == comma and c.finish_reason == "stop" and c.stop_reason == comma
+        assert c.text == tokenizer.decode(c.token_ids if keep else c.token_ids[:-1]), c.text
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    eos = tokenizer.eos_token
+    for keep in (False, True):
+        params = SamplingParams(max_tokens=32, temperature=0.0, skip_special_tokens=False,
+                                include_stop_str_in_output=keep)
+        (out,) = smollm2_llm.chat(question, params, use_tqdm=False)
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and c.stop_reason is None, c.text
+        assert c.text.endswith(eos) == keep and "Paris" in c.text, c.text
+
+
 def test_logprobs_decode_tokens_on_the_bundled_model(smollm2_llm):
     params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, prompt_logprobs=1)
     (out,) = smollm2_llm.generate("The capital of France is", params, use_tqdm=False)

@@ -133,6 +133,66 @@ def test_tool_choice_any_without_tools_is_400(client):
         client.messages.create(model="SmolLM2-135M-Instruct", max_tokens=8, messages=ASK, tool_choice={"type": "any"})
 
 
+def test_stream_keeps_leading_whitespace(client):
+    """After a prefill the answer starts with blank lines: the streamed text equals the non-streamed one."""
+    messages = [{"role": "user", "content": "List three fruits."}, {"role": "assistant", "content": "Here is a list:"}]
+    m = client.messages.create(model="SmolLM2-135M-Instruct", max_tokens=12, messages=messages, extra_body=GREEDY)
+    with client.messages.stream(model="SmolLM2-135M-Instruct", max_tokens=12, messages=messages,
+                                extra_body=GREEDY) as stream:
+        streamed = stream.get_final_message()
+    assert [b.text for b in streamed.content] == [b.text for b in m.content]
+
+
+def test_block_writer_holds_whitespace_until_text_or_drops_it_before_a_tool_call():
+    from dsinfer.protocol.chat_output import OutputDelta
+    from dsinfer.protocol.tool_parsers import ParsedToolCall
+    from dsinfer.server.anthropic_messages import _BlockWriter
+
+    def texts(events):
+        return [e for e in events if "text_delta" in e]
+
+    writer = _BlockWriter()
+    assert writer.write(OutputDelta(content="\n\n")) == []
+    (delta,) = texts(writer.write(OutputDelta(content="* Banana")))
+    assert '"\\n\\n* Banana"' in delta
+    writer = _BlockWriter()
+    writer.write(OutputDelta(content=" \n"))
+    events = writer.write(OutputDelta(tool_calls=[ParsedToolCall("get_time", '{"zone": "UTC"}')]))
+    assert not texts(events) and '"tool_use"' in events[0] and writer.index == 0
+    writer = _BlockWriter()
+    writer.write(OutputDelta(content="\n"))
+    (delta,) = texts(writer.open_only_text())  # an answer of whitespace alone: one text block holding it
+    assert '"\\n"' in delta
+
+
+def test_empty_message_content_is_400_except_a_final_assistant_prefill(client):
+    cases = [
+        [{"role": "user", "content": ""}],
+        [{"role": "user", "content": []}],
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": []}, {"role": "user", "content": "Bye"}],
+        [{"role": "user", "content": [{"type": "text", "text": ""}]}],
+        [{"role": "user", "content": [{"type": "thinking", "thinking": "hm", "signature": ""}]}],
+    ]
+    for messages in cases:
+        with pytest.raises(anthropic.BadRequestError) as err:
+            client.messages.create(model="SmolLM2-135M-Instruct", max_tokens=2, messages=messages)
+        assert err.value.body["error"]["type"] == "invalid_request_error", messages
+    m = client.messages.create(model="SmolLM2-135M-Instruct", max_tokens=2, extra_body=GREEDY,
+                               messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}])
+    assert m.stop_reason in ("max_tokens", "end_turn")
+
+
+def test_float_fields_refuse_strings_and_booleans(server):
+    for value in ("0.5", True):
+        r = server.post("/v1/messages", json={"model": "SmolLM2-135M-Instruct", "max_tokens": 2,
+                                              "messages": MESSAGES, "temperature": value})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+        r = server.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "top_p": value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_p", r.text
+    r = server.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "temperature": 1})
+    assert r.status_code == 200, r.text
+
+
 def test_assistant_prefill_is_continued(client, server):
     """A final assistant turn is a prefill: the prompt ends with its text (no end of turn, no new turn) and the
     answer continues it; the OpenAI API does the same with continue_final_message (same prompt, same greedy
