@@ -40,6 +40,21 @@ class NamedFunction(WireModel):
     name: ToolName
 
 
+class TextFormat(WireModel):
+    """``text.format``: plain text, any JSON object, or JSON under a schema (the schema sits in the format itself,
+    not under ``json_schema`` as in chat's ``response_format``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: ShortStr | None = None
+    description: Annotated[str, Field(max_length=65536)] | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class TextConfig(WireModel):
+    format: TextFormat | None = None
+
+
 class ResponsesRequest(WireModel):
     model: ShortStr | None = None
     input: StrictStr | Annotated[list[InputItem], Field(min_length=1, max_length=4096)]
@@ -51,6 +66,7 @@ class ResponsesRequest(WireModel):
     seed: Seed | None = None
     tools: Annotated[list[FunctionTool], Field(max_length=256)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    text: TextConfig | None = None
     parallel_tool_calls: StrictBool = True
     stream: StrictBool = False
     store: StrictBool = False

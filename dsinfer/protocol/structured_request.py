@@ -30,6 +30,17 @@ def _from_response_format(response_format: Any) -> dict[str, Any] | None:
     return {"json": schema}
 
 
+def text_format_constraint(fmt: Any) -> dict[str, Any] | None:
+    """The constraint of the Responses API's ``text.format`` (None for plain text)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"json_object": True}
+    if not isinstance(fmt.json_schema, dict):
+        raise ProtocolError("text.format.schema must be a JSON schema object", param="text.format.schema")
+    return {"json": fmt.json_schema}
+
+
 def structured_outputs_of(req: Any) -> tuple[dict[str, Any] | None, str | None]:
     """(the constraint dict, the request field it came from) or (None, None)."""
     sources: list[tuple[str, dict[str, Any]]] = []

@@ -48,7 +48,7 @@ async def completions(request: Request):
         max_tokens=resolve_max_tokens(req.max_tokens, len(ids), ctx.max_model_len, "max_tokens", "prompt",
                                       clamp="max_tokens" not in req.model_fields_set),
         logprobs=req.logprobs,
-        # echo with logprobs scores the prompt too (its first token has none)
+        # echo with logprobs scores the prompt too (its first token has none: a one-token prompt needs no scores)
         prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None and len(ids) > 1 else None,
     )
     structured, field = structured_outputs_of(req)
@@ -67,22 +67,28 @@ async def completions(request: Request):
 
 
 def _choice(ctx: ServingContext, req: CompletionRequest, c: Any, echo: str, offset: int,
-            prompt: RequestOutput | None = None) -> dict[str, Any]:
-    """One choice; ``prompt`` (with ``echo``): the output whose prompt logprobs lead the logprobs."""
+            prompt: RequestOutput | None = None) -> tuple[dict[str, Any], int]:
+    """One choice, and the text offset after its generated tokens' logprobs (a stream's next offset: the text
+    itself may hold back what could begin a stop string, the logprobs never do); ``prompt`` (with ``echo``): the
+    output whose prompt logprobs lead the logprobs."""
     logprobs = None
     if req.logprobs is not None:
         logprobs = completion_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, req.logprobs, offset)
-        if echo and prompt is not None and prompt.prompt_logprobs:
-            head = prompt_completion_logprobs(ctx.tokenizer, prompt.prompt_token_ids, prompt.prompt_logprobs,
-                                              req.logprobs)
+        offset += sum(len(token) for token in logprobs["tokens"])
+        if echo and prompt is not None and prompt.prompt_token_ids:
+            positions = prompt.prompt_logprobs or [None] * len(prompt.prompt_token_ids)  # one token: unscored
+            head = prompt_completion_logprobs(ctx.tokenizer, prompt.prompt_token_ids, positions, req.logprobs)
             logprobs = {key: head[key] + logprobs[key] for key in logprobs}
-    return {"index": c.index, "text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+    else:
+        offset += len(c.text)
+    choice = {"index": c.index, "text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+    return choice, offset
 
 
 def _response(
     ctx: ServingContext, req: CompletionRequest, gen: Generation, out: RequestOutput, echo: str
 ) -> dict[str, Any]:
-    choices = [_choice(ctx, req, c, echo, len(echo), out) for c in sorted(out.outputs, key=lambda c: c.index)]
+    choices = [_choice(ctx, req, c, echo, len(echo), out)[0] for c in sorted(out.outputs, key=lambda c: c.index)]
     return {
         "id": gen.request_id,
         "object": "text_completion",
@@ -116,8 +122,7 @@ async def _stream(
                     continue
                 prefix = "" if echoed[c.index] else echo
                 echoed[c.index] = True
-                choice = _choice(ctx, req, c, prefix, offsets[c.index], out)
-                offsets[c.index] += len(c.text)
+                choice, offsets[c.index] = _choice(ctx, req, c, prefix, offsets[c.index], out)
                 yield sse_data({**base, "choices": [choice]})
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
         yield sse_data(stream_error_payload(exc))

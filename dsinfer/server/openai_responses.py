@@ -13,8 +13,10 @@ from dsinfer.engine.outputs import RequestOutput
 from dsinfer.protocol.chat_output import ChatOutputParser, OutputDelta, parse_output
 from dsinfer.protocol.conversation import responses_messages, responses_tools
 from dsinfer.protocol.errors import ProtocolError
-from dsinfer.protocol.responses_schemas import ResponsesRequest
+from dsinfer.protocol.responses_schemas import NamedFunction, ResponsesRequest
 from dsinfer.protocol.sampling import build_sampling_params, resolve_max_tokens
+from dsinfer.protocol.structured_request import text_format_constraint, validate_structured_outputs
+from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.generation import Generation, primed
 from dsinfer.server.sse import SSE_HEADERS, sse_event
@@ -35,6 +37,14 @@ async def responses(request: Request):
         )
     use_tools = bool(req.tools) and req.tool_choice != "none"
     encoded = ctx.encode_chat(responses_messages(req), responses_tools(req) if use_tools else None)
+    structured = text_format_constraint(req.text.format if req.text is not None else None)
+    field = "text.format" if structured is not None else None
+    tool_constraint = _tool_choice_constraint(ctx, req)
+    if tool_constraint is not None:
+        if structured is not None:
+            raise ProtocolError("a forced or strict tool choice cannot be combined with text.format",
+                                param="text.format")
+        structured, field = tool_constraint, "tools"
     fields = dict(
         max_tokens=resolve_max_tokens(
             req.max_output_tokens, len(encoded.token_ids), ctx.max_model_len, "max_output_tokens", "input"
@@ -43,10 +53,12 @@ async def responses(request: Request):
         top_p=req.top_p,
         seed=req.seed,
         logprobs=req.top_logprobs,
+        structured_outputs=structured,
     )
     if use_tools and ctx.tool_markers_special:
         fields["skip_special_tokens"] = False
     params = build_sampling_params(fields, ctx.vocab_size, req.stream)
+    await validate_structured_outputs(structured, field)
     gen = Generation(ctx, encoded.token_ids, params, new_id("resp_"))
     parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools)
     if req.stream:
@@ -60,6 +72,15 @@ async def responses(request: Request):
     c = out.outputs[0]
     items = _items(parse_output(c.text, **parser_kwargs))
     return JSONResponse(_response(ctx, req, gen, items, c.finish_reason))
+
+
+def _tool_choice_constraint(ctx: ServingContext, req: ResponsesRequest) -> dict[str, Any] | None:
+    """The constraint that enforces ``tool_choice`` ("required", a named function, or strict tools)."""
+    tools = [ToolSpec(t.name, t.parameters, bool(t.strict)) for t in req.tools or []]
+    choice = req.tool_choice
+    if choice is not None and not isinstance(choice, str):  # a named function
+        return tool_call_constraint(tools, "named", ctx.tool_parser, choice.name)
+    return tool_call_constraint(tools, choice or "auto", ctx.tool_parser)
 
 
 def _message_item(text: str, status: str = "completed") -> dict[str, Any]:
@@ -127,7 +148,10 @@ def _response(
         "temperature": req.temperature,
         "top_p": req.top_p,
         "tools": [t.model_dump() for t in req.tools or []],
-        "tool_choice": "auto",
+        "tool_choice": req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunction)
+        else req.tool_choice or "auto",
+        "text": {"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
+        if req.text is not None and req.text.format is not None else {"format": {"type": "text"}},
         "parallel_tool_calls": req.parallel_tool_calls,
         "store": False,
         "metadata": req.metadata or {},

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -148,6 +150,59 @@ def test_completions_echo_with_logprobs_scores_the_prompt(client, model, stream)
     assert all(len(t) >= 1 for t in lp["top_logprobs"][1:n])
     assert lp["tokens"][n:] == plain.choices[0].logprobs.tokens
     assert lp["text_offset"][n] == len(prompt) and lp["text_offset"][:n] == sorted(lp["text_offset"][:n])
+
+
+def test_completions_stream_logprob_offsets_match_non_stream_with_a_stop(client, model):
+    """With a stop string the stream holds back text that could begin it, but sends every token's logprob: the
+    offsets follow the tokens, as without streaming."""
+    kwargs = dict(model=model, prompt="The capital of France is", max_tokens=10, temperature=0, logprobs=1,
+                  stop=["zzzzzzzzzz"])
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    chunks = [c for c in client.completions.create(**kwargs, stream=True) if c.choices and c.choices[0].logprobs]
+    assert sum((c.choices[0].logprobs.text_offset for c in chunks), []) == whole.text_offset
+    assert sum((c.choices[0].logprobs.tokens for c in chunks), []) == whole.tokens
+
+
+def test_completions_echo_of_a_one_token_prompt_has_its_null_entry(client, model):
+    r = client.completions.create(model=model, prompt="The", max_tokens=3, temperature=0, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert lp.tokens[0] == "The" and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert len(lp.tokens) == 4 and "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset[:2] == [0, 3]
+
+
+RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather of a city",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                                   "required": ["city"]}},
+                   {"type": "function", "name": "get_time", "description": "Time in a zone",
+                    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}},
+                                   "required": ["zone"]}}]
+
+
+@pytest.mark.parametrize("choice, name", [("required", None), ({"type": "function", "name": "get_time"}, "get_time")])
+def test_responses_tool_choice_forces_a_call(client, model, choice, name):
+    r = client.responses.create(model=model, input="What's the weather in Paris?", tools=RESPONSES_TOOLS,
+                                tool_choice=choice, max_output_tokens=60, temperature=0)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1, r.output
+    assert calls[0].name == (name or calls[0].name) and calls[0].name in ("get_weather", "get_time")
+    assert isinstance(json.loads(calls[0].arguments), dict)
+    assert r.tool_choice == choice if isinstance(choice, str) else r.tool_choice.name == name
+
+
+def test_responses_text_format_json_schema_constrains_the_output(client, model, server):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "name": "cat", "schema": schema, "strict": True}
+    r = client.responses.create(model=model, input="Describe a cat as JSON with name and age",
+                                max_output_tokens=60, temperature=0, text={"format": fmt})
+    data = json.loads(r.output_text)
+    assert set(data) == {"name", "age"} and isinstance(data["age"], int)
+    assert r.text.format.type == "json_schema"
+    bad = server.post("/v1/responses", json={"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                                                               "schema": "not a schema"}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format.schema", bad.text
 
 
 def test_responses_stream_and_not(client, model):
