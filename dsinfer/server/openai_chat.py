@@ -30,6 +30,8 @@ router = APIRouter()
 
 def sampling_fields(req: SamplingFields) -> dict[str, Any]:
     """The SamplingParams fields common to chat and text completions."""
+    if req.stream_options is not None and not req.stream:
+        raise ProtocolError("stream_options is only allowed when stream is true", param="stream_options")
     return dict(
         n=req.n,
         temperature=req.temperature,
@@ -50,6 +52,15 @@ def sampling_fields(req: SamplingFields) -> dict[str, Any]:
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
     )
+
+
+def usage_now(req: SamplingFields, gen: Generation) -> dict[str, Any]:
+    """``{"usage": ...}`` for every streamed chunk when ``stream_options`` asks for continuous usage stats (with
+    include_usage, as vLLM), else nothing."""
+    options = req.stream_options
+    if options is not None and options.include_usage and options.continuous_usage_stats:
+        return {"usage": gen.usage()}
+    return {}
 
 
 def _params(
@@ -197,7 +208,7 @@ async def _stream(
             "logprobs": None,
             "finish_reason": None,
         }
-        yield sse_data({**base, "choices": [choice]})
+        yield sse_data({**base, "choices": [choice], **usage_now(req, gen)})
     try:
         async for out in outputs:
             for c in out.outputs:
@@ -223,7 +234,7 @@ async def _stream(
                     continue
                 finish = _finish_reason(c.finish_reason, num_calls[c.index] > 0)
                 choice = {"index": c.index, "delta": message, "logprobs": logprobs, "finish_reason": finish}
-                yield sse_data({**base, "choices": [choice]})
+                yield sse_data({**base, "choices": [choice], **usage_now(req, gen)})
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
         yield sse_data(stream_error_payload(exc))
         return

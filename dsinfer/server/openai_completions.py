@@ -17,7 +17,7 @@ from dsinfer.protocol.sampling import build_sampling_params, check_prompt_ids, r
 from dsinfer.protocol.structured_request import structured_outputs_of, validate_structured_outputs
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.generation import Generation, primed
-from dsinfer.server.openai_chat import sampling_fields
+from dsinfer.server.openai_chat import sampling_fields, usage_now
 from dsinfer.server.sse import SSE_DONE, SSE_HEADERS, sse_data
 from dsinfer.server.streaming_errors import stream_error_payload
 
@@ -123,7 +123,7 @@ async def _stream(
                 prefix = "" if echoed[c.index] else echo
                 echoed[c.index] = True
                 choice, offsets[c.index] = _choice(ctx, req, c, prefix, offsets[c.index], out)
-                yield sse_data({**base, "choices": [choice]})
+                yield sse_data({**base, "choices": [choice], **usage_now(req, gen)})
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
         yield sse_data(stream_error_payload(exc))
         return

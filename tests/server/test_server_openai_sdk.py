@@ -163,6 +163,22 @@ def test_completions_stream_logprob_offsets_match_non_stream_with_a_stop(client,
     assert sum((c.choices[0].logprobs.tokens for c in chunks), []) == whole.tokens
 
 
+def test_stream_options_need_stream_and_continuous_usage_fills_every_chunk(client, model, server):
+    for path, body in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "Hi"})):
+        r = server.post(path, json={**body, "max_tokens": 2, "stream_options": {"include_usage": True}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, temperature=0,
+                                                 stream=True, stream_options=options))
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens > 0
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
+    plain = list(client.completions.create(model=model, prompt="Hi", max_tokens=3, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
 def test_completions_echo_of_a_one_token_prompt_has_its_null_entry(client, model):
     r = client.completions.create(model=model, prompt="The", max_tokens=3, temperature=0, echo=True, logprobs=1)
     lp = r.choices[0].logprobs
