@@ -36,8 +36,11 @@ def assert_drained(llm: LLM) -> None:
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama_dir):
-    """(sync, async) engines on the tiny Llama; a small token budget so prompts are chunked."""
-    common = dict(max_num_batched_tokens=64, max_num_seqs=8)
+    """(sync, async) engines on the tiny Llama; a small token budget so prompts are chunked. float32 on any
+    device: the two schedules batch the requests differently (a stop lands one step late), and in bf16 (the CUDA
+    default) another batch shape may flip a near-tied greedy token; float32 keeps them apart (H200: identical in
+    float32, one of 12 requests differed in bf16). Batch-invariant outputs are the deterministic mode's job."""
+    common = dict(max_num_batched_tokens=64, max_num_seqs=8, dtype="float32")
     return (LLM(str(tiny_llama_dir), async_scheduling=False, **common),
             LLM(str(tiny_llama_dir), async_scheduling=True, **common))
 
@@ -104,7 +107,8 @@ def test_abort_while_a_step_is_in_flight(engines):
 def test_preemption_with_tokens_in_flight(tiny_llama_dir, engines):
     prompts = random_prompts(8, 20, 60, seed=4)
     expected = token_ids(engines[0].generate(prompts, GREEDY, use_tqdm=False))
-    llm = LLM(str(tiny_llama_dir), async_scheduling=True, num_kv_blocks=12, block_size=16, max_model_len=128)
+    llm = LLM(str(tiny_llama_dir), async_scheduling=True, num_kv_blocks=12, block_size=16, max_model_len=128,
+              dtype="float32")
     got = token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
     assert llm.engine.get_stats()["num_preemptions"] > 0
     assert got == expected
