@@ -13,6 +13,7 @@ from dsinfer.engine.outputs import RequestOutput
 from dsinfer.protocol.chat_output import ChatOutputParser, OutputDelta, parse_output
 from dsinfer.protocol.conversation import responses_messages, responses_tools
 from dsinfer.protocol.errors import ProtocolError
+from dsinfer.protocol.logprobs import chat_logprobs
 from dsinfer.protocol.responses_schemas import NamedFunction, ResponsesRequest
 from dsinfer.protocol.sampling import build_sampling_params, resolve_max_tokens
 from dsinfer.protocol.structured_request import text_format_constraint, validate_structured_outputs
@@ -70,8 +71,17 @@ async def responses(request: Request):
         )
     out = await gen.final(request)
     c = out.outputs[0]
-    items = _items(parse_output(c.text, **parser_kwargs))
+    logprobs = _logprobs(ctx, req, c.token_ids, c.logprobs)
+    items = _items(parse_output(c.text, **parser_kwargs), logprobs)
     return JSONResponse(_response(ctx, req, gen, items, c.finish_reason))
+
+
+def _logprobs(ctx: ServingContext, req: ResponsesRequest, token_ids: list[int], positions) -> list[dict[str, Any]]:
+    """``output_text.logprobs`` entries (chat's format) of these tokens when ``top_logprobs`` is set. Every
+    generated token is scored in the answer's text, reasoning or tool-call tokens included, as vLLM."""
+    if req.top_logprobs is None:
+        return []
+    return chat_logprobs(ctx.tokenizer, token_ids, positions, req.top_logprobs)
 
 
 def _tool_choice_constraint(ctx: ServingContext, req: ResponsesRequest) -> dict[str, Any] | None:
@@ -83,13 +93,14 @@ def _tool_choice_constraint(ctx: ServingContext, req: ResponsesRequest) -> dict[
     return tool_call_constraint(tools, choice or "auto", ctx.tool_parser)
 
 
-def _message_item(text: str, status: str = "completed") -> dict[str, Any]:
+def _message_item(text: str, status: str = "completed", logprobs: list[dict[str, Any]] | None = None
+                  ) -> dict[str, Any]:
     return {
         "type": "message",
         "id": new_id("msg_"),
         "status": status,
         "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}],
     }
 
 
@@ -114,10 +125,10 @@ def _call_item(name: str, arguments: str) -> dict[str, Any]:
     }
 
 
-def _items(parsed: OutputDelta) -> list[dict[str, Any]]:
+def _items(parsed: OutputDelta, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     items = [_reasoning_item(parsed.reasoning)] if parsed.reasoning else []
     if parsed.content.strip() or not parsed.tool_calls:
-        items.append(_message_item(parsed.content))
+        items.append(_message_item(parsed.content, logprobs=logprobs))
     items.extend(_call_item(c.name, c.arguments) for c in parsed.tool_calls)
     return items
 
@@ -172,6 +183,7 @@ class _EventWriter:
         self.seq = 0
         self.items: list[dict[str, Any]] = []
         self.text: dict[str, Any] | None = None  # the open message item
+        self.pending: list[dict[str, Any]] = []  # logprobs of tokens not yet carried by a text delta
 
     def event(self, kind: str, **fields: Any) -> str:
         self.seq += 1
@@ -193,8 +205,11 @@ class _EventWriter:
         ]
 
     def text_delta(self, delta: str) -> list[str]:
+        """A text delta; it carries the logprobs of the tokens scored since the last one (``pending``)."""
         events = [] if self.text is not None else self.open_text()
-        self.text["content"][0]["text"] += delta
+        part = self.text["content"][0]
+        part["text"] += delta
+        part["logprobs"] += self.pending
         events.append(
             self.event(
                 "response.output_text.delta",
@@ -202,9 +217,10 @@ class _EventWriter:
                 output_index=len(self.items) - 1,
                 content_index=0,
                 delta=delta,
-                logprobs=[],
+                logprobs=self.pending,
             )
         )
+        self.pending = []
         return events
 
     def close_text(self) -> list[str]:
@@ -213,6 +229,8 @@ class _EventWriter:
         item, self.text = self.text, None
         item["status"] = "completed"
         idx, part = self.items.index(item), item["content"][0]
+        part["logprobs"] += self.pending  # tokens whose text never became a delta (held back, or markup)
+        self.pending = []
         return [
             self.event(
                 "response.output_text.done",
@@ -220,7 +238,7 @@ class _EventWriter:
                 output_index=idx,
                 content_index=0,
                 text=part["text"],
-                logprobs=[],
+                logprobs=part["logprobs"],
             ),
             self.event(
                 "response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part
@@ -269,6 +287,7 @@ async def _stream(
     try:
         async for out in outputs:
             for c in out.outputs[:1]:
+                w.pending += _logprobs(ctx, req, c.token_ids, c.logprobs)
                 delta = parser.feed(c.text)
                 if c.finish_reason is not None:
                     delta.extend(parser.finish())

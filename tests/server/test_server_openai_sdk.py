@@ -221,6 +221,21 @@ def test_responses_text_format_json_schema_constrains_the_output(client, model, 
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format.schema", bad.text
 
 
+def test_responses_top_logprobs_score_the_output_text(client, model):
+    kwargs = dict(model=model, input="Name a fruit.", max_output_tokens=5, temperature=0, top_logprobs=2)
+    r = client.responses.create(**kwargs)
+    part = r.output[-1].content[0]
+    assert len(part.logprobs) == r.usage.output_tokens
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+    assert all(lp.logprob <= 0 and 1 <= len(lp.top_logprobs) <= 2 for lp in part.logprobs)
+    events = list(client.responses.create(**kwargs, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.token for lp in streamed] == [lp.token for lp in done.logprobs] == [lp.token for lp in part.logprobs]
+    # the second request reuses the cached prompt: the same tokens, logprobs equal up to float32 rounding
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(done.logprobs, part.logprobs))
+
+
 def test_responses_stream_and_not(client, model):
     r = client.responses.create(model=model, input="Name a fruit.", max_output_tokens=5, temperature=0)
     assert r.object == "response" and r.status in ("completed", "incomplete")
