@@ -121,6 +121,17 @@ class AsyncEngine:
             await asyncio.sleep(poll_s)
         return True
 
+    def cut_off(self) -> int:
+        """Fail every request still in flight with ``EngineDrainingError`` (a drain that timed out): each one's
+        handler answers 503 (in-band for a started stream) and the engine aborts it. Returns how many."""
+        with self._lock:
+            cut, self._streams = self._streams, {}
+            self._aborts.extend(rid for rid in cut if rid not in self._aborts)
+        self._wake.set()
+        for stream in cut.values():
+            stream.put(EngineDrainingError("the server shut down before this request finished"))
+        return len(cut)
+
     # ---- requests ----------
     def _check_accepting(self) -> None:
         if self.dead:

@@ -1,8 +1,8 @@
 """Running the app under uvicorn with a graceful drain on SIGTERM/SIGINT.
 
 First signal: the engine starts draining (/health → 503, new requests → 503) while uvicorn keeps listening;
-once no request is in flight, or after ``drain_timeout_s``, uvicorn is told to exit. A second signal exits at
-once.
+once no request is in flight, or after ``drain_timeout_s`` (the requests still in flight then end with a 503,
+in-band for a started stream), uvicorn is told to exit. A second signal exits at once.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import uvicorn
 from dsinfer.entrypoints.async_engine import AsyncEngine
 
 logger = logging.getLogger("dsinfer.server")
+_FLUSH_S = 0.5  # after a drain timeout: time for the cut-off requests' handlers to send their 503
 
 
 class DrainingServer(uvicorn.Server):
@@ -45,7 +46,9 @@ class DrainingServer(uvicorn.Server):
     async def _drain(self) -> None:
         drained = await self.engine.wait_idle(self.drain_timeout_s)
         if not drained:
-            logger.warning(
-                "drain timeout: %d requests still in flight are cut off", self.engine.num_in_flight
-            )
+            # fail them cleanly (503, in-band for a started stream) and give the handlers a moment to send
+            # that, rather than leave uvicorn to cancel their tasks mid-response
+            cut = self.engine.cut_off()
+            logger.warning("drain timeout: %d requests still in flight are cut off (503)", cut)
+            await asyncio.sleep(_FLUSH_S)
         self.should_exit = True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from dsinfer.entrypoints.async_engine import EngineDeadError, RequestRejectedError
+from dsinfer.entrypoints.async_engine import EngineDeadError, EngineDrainingError, RequestRejectedError
 from dsinfer.protocol.errors import ProtocolError, anthropic_error_body, openai_error_body
 
 logger = logging.getLogger("dsinfer.server")
@@ -15,7 +15,7 @@ def _status_message(exc: Exception) -> tuple[int, str]:
         return exc.status, exc.message
     if isinstance(exc, RequestRejectedError):
         return 400, str(exc)
-    if isinstance(exc, EngineDeadError):
+    if isinstance(exc, EngineDeadError | EngineDrainingError):
         return 503, str(exc)
     logger.exception("error while streaming", exc_info=exc)
     return 500, "internal server error"

@@ -90,8 +90,43 @@ def test_context_length_check():
 
 def test_json_depth_ignores_brackets_in_strings():
     assert json_depth(b'{"a": [[1]], "s": "[[[[{{{{\\"]]]"}') == 3
+    assert json_depth(b'{"a": "\\\\", "b": [[{"c": "\\\\\\"["}]]}') == 4  # \\ ends a string, \\\" does not
     assert json_depth(b"[" * 100000 + b"]" * 100000) == 100000
     assert json_depth(b'"no brackets"') == 0
+
+
+def test_json_depth_matches_the_parser_and_stays_linear_on_hostile_strings():
+    import json
+    import random
+    import time
+
+    rng = random.Random(3)
+    pieces = ['"', "\\", "[", "]", "{", "}", "a", "\\n"]
+
+    def value(depth):
+        kind = rng.randrange(4 if depth < 6 else 1)
+        if kind == 0:
+            return "".join(rng.choice(pieces) for _ in range(rng.randrange(8)))
+        if kind == 1:
+            return [value(depth + 1) for _ in range(rng.randrange(3))]
+        if kind == 2:
+            return {str(i): value(depth + 1) for i in range(rng.randrange(3))}
+        return rng.randrange(100)
+
+    def depth_of(v):
+        if isinstance(v, list):
+            return 1 + max(map(depth_of, v), default=0)
+        if isinstance(v, dict):
+            return 1 + max(map(depth_of, v.values()), default=0)
+        return 0
+
+    for _ in range(300):
+        v = value(0)
+        assert json_depth(json.dumps(v).encode()) == depth_of(v)
+    hostile = b'{"prompt": "' + b'\\"' * 1_000_000  # 2 MB unterminated string of escaped quotes
+    start = time.perf_counter()
+    assert json_depth(hostile) == 1
+    assert time.perf_counter() - start < 2.0  # linear (the old regex scan was quadratic: hours at this size)
 
 
 @pytest.mark.parametrize("schema, body, fields", [

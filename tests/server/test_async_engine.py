@@ -139,3 +139,23 @@ def test_overload_and_draining_refuse_new_requests():
         assert await engine.wait_idle(1.0)
 
     asyncio.run(main())
+
+
+def test_cut_off_fails_in_flight_requests_and_aborts_them_in_the_engine():
+    """A drain that timed out: every open stream gets EngineDrainingError, the engine drops the requests."""
+    async def main():
+        fake = FakeEngine(step_s=0.01)
+        engine = AsyncEngine(fake)
+        engine.start()
+        tasks = [asyncio.ensure_future(_collect(engine, rid, 1000)) for rid in ("a", "b")]
+        await asyncio.sleep(0.1)
+        engine.start_draining()
+        assert engine.cut_off() == 2 and engine.num_in_flight == 0
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0.1)
+        engine.shutdown()
+        return fake, results
+
+    fake, results = asyncio.run(main())
+    assert all(isinstance(r, EngineDrainingError) for r in results)
+    assert sorted(fake.aborted) == ["a", "b"] and not fake.requests

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import threading
@@ -104,5 +105,45 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
         t.join(120)
         assert "data: [DONE]" in chunks  # the in-flight request finished
         assert live.proc.wait(60) == 0
+    finally:
+        stop_server(live)
+
+
+def test_drain_timeout_ends_what_is_left_with_a_503_and_exits(tmp_path):
+    """SIGTERM with a short --drain-timeout: the stream still running ends with an in-band 503 error, the request
+    still queued gets a 503 answer, no traceback, and the process exits soon after the timeout."""
+    live = start_server(tmp_path, "--drain-timeout", "1", "--max-num-seqs", "1")
+    try:
+        chunks: list[str] = []
+        queued: list[httpx.Response] = []
+        body = {"prompt": "Count:", "max_tokens": 480, "ignore_eos": True}
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{live.url}/v1/completions", json={**body, "stream": True},
+                              headers=live.headers(), timeout=120) as r:
+                chunks.extend(r.iter_lines())
+
+        def wait_in_queue() -> None:
+            queued.append(httpx.post(f"{live.url}/v1/completions", json=body, headers=live.headers(), timeout=120))
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=wait_in_queue)]
+        threads[0].start()
+        deadline = time.monotonic() + 60
+        while not chunks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        threads[1].start()
+        time.sleep(0.5)
+        sent = time.monotonic()
+        live.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert live.proc.wait(30) == 0
+        assert time.monotonic() - sent < 15
+        events = [json.loads(line[6:]) for line in chunks if line.startswith("data: {")]
+        assert events[-1]["error"]["type"] == "service_unavailable_error", events[-1]
+        assert "data: [DONE]" not in chunks
+        assert queued[0].status_code == 503 and queued[0].json()["error"]["type"] == "service_unavailable_error"
+        log = live.log.read_text()
+        assert "Traceback" not in log and "cut off" in log, log[-3000:]
     finally:
         stop_server(live)
