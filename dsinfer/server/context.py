@@ -53,6 +53,11 @@ class ServingContext:
         """The names ``/v1/models`` lists: ``--served-model-name``, else the model's."""
         return tuple(self.settings.served_model_names or (self.model_name,))
 
+    def reported_model(self, requested: str | None) -> str:
+        """The model name an answer carries: the one requested when it is a served name (several
+        ``--served-model-name``), else the first."""
+        return requested if requested in self.served_names else self.model_name
+
     def check_model(self, name: str | None, strict: bool = False) -> None:
         """404 for a model this server does not serve. Requests may name any model when no
         ``--served-model-name`` is set; ``strict`` (a lookup by name) checks against ``served_names``."""

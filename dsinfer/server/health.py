@@ -1,4 +1,4 @@
-"""GET /health, /metrics, /version and /v1/models."""
+"""GET /health (and HEAD, and /ping), /metrics, /version and /v1/models."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ router = APIRouter()
 _STARTED = int(time.time())
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request) -> Response:
     engine = request.app.state.ctx.engine
     if engine.dead:
@@ -22,6 +22,12 @@ async def health(request: Request) -> Response:
     if engine.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
     return JSONResponse({"status": "ok"})
+
+
+@router.api_route("/ping", methods=["GET", "POST", "HEAD"])
+async def ping(request: Request) -> Response:
+    """Liveness for load balancers (as vLLM's /ping): the same answer as /health."""
+    return await health(request)
 
 
 @router.get("/metrics")

@@ -179,7 +179,7 @@ def _response(
         "id": gen.request_id,
         "object": "chat.completion",
         "created": int(time.time()),
-        "model": ctx.model_name,
+        "model": ctx.reported_model(req.model),
         "choices": choices,
         "usage": gen.usage(),
         "system_fingerprint": None,
@@ -197,7 +197,7 @@ async def _stream(
         "id": gen.request_id,
         "object": "chat.completion.chunk",
         "created": int(time.time()),
-        "model": ctx.model_name,
+        "model": ctx.reported_model(req.model),
     }
     parsers = [ChatOutputParser(**parser_kwargs) for _ in range(req.n)]
     num_calls = [0] * req.n

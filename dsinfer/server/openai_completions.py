@@ -93,7 +93,7 @@ def _response(
         "id": gen.request_id,
         "object": "text_completion",
         "created": int(time.time()),
-        "model": ctx.model_name,
+        "model": ctx.reported_model(req.model),
         "choices": choices,
         "usage": gen.usage(),
         "system_fingerprint": None,
@@ -111,7 +111,7 @@ async def _stream(
         "id": gen.request_id,
         "object": "text_completion",
         "created": int(time.time()),
-        "model": ctx.model_name,
+        "model": ctx.reported_model(req.model),
     }
     offsets = [len(echo)] * req.n
     echoed = [not echo] * req.n

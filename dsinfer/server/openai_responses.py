@@ -148,7 +148,7 @@ def _response(
         "object": "response",
         "created_at": int(time.time()),
         "status": status,
-        "model": ctx.model_name,
+        "model": ctx.reported_model(req.model),
         "output": items,
         "instructions": req.instructions,
         "incomplete_details": {"reason": "max_output_tokens"}

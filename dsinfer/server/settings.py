@@ -9,7 +9,7 @@ from dataclasses import dataclass
 class ServerSettings:
     served_model_names: tuple[
         str, ...
-    ] = ()  # names accepted in "model" (the first one is reported); () = any
+    ] = ()  # names accepted in "model" (answers carry the requested one, else the first); () = any
     api_keys: tuple[str, ...] = ()  # accepted keys; () = no authentication
     max_body_bytes: int = 8 << 20  # larger request bodies are answered 413
     max_json_depth: int = 64  # deeper JSON nesting is answered 400 before parsing

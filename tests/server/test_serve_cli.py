@@ -29,3 +29,14 @@ def test_flags_not_given_keep_the_engine_defaults():
 def test_a_bad_engine_flag_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match="max_prefill_graph_tokens"):
         engine_args(_parse("--max-prefill-graph-tokens", "-3"))._validate()
+
+
+def test_answers_carry_the_requested_served_name():
+    from dsinfer.server.context import ServingContext
+    from dsinfer.server.settings import ServerSettings
+
+    ctx = ServingContext.__new__(ServingContext)  # only the naming, no engine
+    ctx.settings = ServerSettings(served_model_names=("alpha", "beta"))
+    assert [ctx.reported_model(n) for n in ("beta", "alpha", None)] == ["beta", "alpha", "alpha"]
+    ctx.settings = ServerSettings()
+    assert ctx.reported_model("anything") == "default"

@@ -236,3 +236,10 @@ def test_special_token_strings_in_user_and_tool_text_stay_literal(server, inject
 ])
 def test_continue_final_message_misuse_is_400(server, body):
     assert "continu" in check_bad(server, CHAT, 400, {**body, "max_tokens": 2})["message"]
+
+
+def test_health_answers_head_and_ping_without_a_key(server):
+    assert httpx.head(f"{server.url}/health", timeout=10).status_code == 200
+    for method in ("GET", "POST"):
+        r = httpx.request(method, f"{server.url}/ping", timeout=10)
+        assert r.status_code == 200 and r.json()["status"] == "ok", r.text
