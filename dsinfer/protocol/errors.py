@@ -64,9 +64,9 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str |
     """Turn pydantic's error list into one message and the dotted name of the first bad field."""
     if not errors:
         return "invalid request", None
-    first = max(
-        errors, key=lambda e: len(e.get("loc", ()))
-    )  # the deepest: the union branch that got furthest
+    # the deepest error (the union branch that got furthest); among equals, one that is not a plain type
+    # mismatch (a 17-entry stop list is "at most 16 items", not "should be a valid string")
+    first = max(errors, key=lambda e: (len(e.get("loc", ())), not str(e.get("type", "")).endswith("_type")))
     loc = [str(p) for p in first.get("loc", ()) if not _is_union_tag(p)]
     param = ".".join(loc) or None
     message = first.get("msg", "invalid value")

@@ -164,3 +164,15 @@ def test_validation_messages_name_the_field_plainly():
     assert message(CompletionRequest, {"model": "m", "prompt": ["a", "b"]}) == (
         "prompt: a batch of 2 prompts is not supported: send one prompt per request (got list)", "prompt")
     assert message(ChatCompletionRequest, {"model": "m"}) == ("messages: Field required", "messages")
+
+
+def test_union_field_messages_come_from_the_branch_that_fits_the_value():
+    from pydantic import ValidationError
+
+    from dsinfer.protocol.errors import describe_validation_errors
+
+    with pytest.raises(ValidationError) as err:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                              "stop": [str(i) for i in range(17)]})
+    text, param = describe_validation_errors(err.value.errors(include_url=False))
+    assert param == "stop" and "at most 16" in text, text
