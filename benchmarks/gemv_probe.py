@@ -137,7 +137,7 @@ def main():
         x = torch.randn(1, k, device=dev, dtype=dt)
         out = torch.empty(1, n, device=dev, dtype=dt)
         ws = [lw[name] for lw in layers]
-        cub = replay_us(lambda ws=ws, x=x, out=out: [torch.mm(x, w.t(), out=out) for w in ws], reps=20) / len(ws)
+        cub = replay_us(lambda ws=ws, x=x, out=out: [torch.mm(x, w.t(), out=out) for w in ws]) / len(ws)
         results = []
         for bn, bk, warps, stages, pre in itertools.product((16, 32, 64), (128, 256), (4, 8), (4,), (0, 1)):
             if bn * bk * 2 * stages > 200_000 or (n // bn) < 64:
@@ -145,7 +145,7 @@ def main():
             cfg = (bn, bk, warps, stages, pre)
             try:
                 us = replay_us(functools.partial(lambda ws, x, out, cfg: [gemv(x, w, out, cfg, True) for w in ws],
-                                                 ws, x, out, cfg), reps=20) / len(ws)
+                                                 ws, x, out, cfg)) / len(ws)
             except Exception as exc:  # a tile that does not compile or fit
                 print(f"  {name} {cfg}: {type(exc).__name__}")
                 continue
@@ -171,7 +171,7 @@ def main():
     outs = {}
     for mode, pdl_small in (("cublas", False), ("cublas", True), ("triton-nopdl", False), ("triton", True)):
         fn = functools.partial(layer_chain, layers, bufs, mode, best_cfgs, pdl_small)
-        ms = replay_us(fn, reps=10) / 1e3
+        ms = replay_us(fn) / 1e3
         bufs["x"].copy_(start)  # every mode's output from the same input
         outs[(mode, pdl_small)] = fn().clone()
         torch.cuda.synchronize()

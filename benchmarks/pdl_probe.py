@@ -11,10 +11,16 @@ and dense projections. Prints microseconds per kernel and checks that the output
 from __future__ import annotations
 
 import functools
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.tuning import graph_bench  # noqa: E402
 
 
 @triton.jit
@@ -44,27 +50,9 @@ def chain(x, w, mats, bufs, pdl: bool, length: int):
     return cur
 
 
-def replay_us(fn, reps: int = 50) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / reps)
-    return min(times)
+def replay_us(fn) -> float:
+    """Median microseconds of a CUDA-graph replay of one ``fn()`` (``benchmarks.tuning.graph_bench``)."""
+    return graph_bench(fn) * 1e3
 
 
 def main():

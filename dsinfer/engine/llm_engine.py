@@ -304,22 +304,21 @@ class LLMEngine:
     def _stop_status(self, child: ChildState, token: int) -> RequestStatus | None:
         request, params = child.request, child.request.params
         past_min = request.num_output_tokens >= params.min_tokens
-        eos = token in request.eos_token_ids and not params.ignore_eos
-        token_stop = past_min and (eos or token in params.stop_token_ids)
-        stop_str = None
+        eos = past_min and token in request.eos_token_ids and not params.ignore_eos
+        stop_token = past_min and token in params.stop_token_ids
+        stop_str = None  # a stop string the text now holds (searched for only past min_tokens)
         # A stop token ends the text without its own text (EOS with skip_special_tokens=False included), unless
         # include_stop_str_in_output, as vLLM; its id stays in token_ids
-        if child.detokenizer and (not token_stop or params.include_stop_str_in_output):
-            stop_str = child.detokenizer.add_token(token, past_min and not token_stop)
-        if past_min:
-            if eos:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-            if stop_str is not None:
-                request.stop_reason = stop_str
-                return RequestStatus.FINISHED_STOPPED
+        if child.detokenizer and (not (eos or stop_token) or params.include_stop_str_in_output):
+            stop_str = child.detokenizer.add_token(token, past_min and not (eos or stop_token))
+        if eos:
+            return RequestStatus.FINISHED_STOPPED
+        if stop_token:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if stop_str is not None:
+            request.stop_reason = stop_str
+            return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.model_config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -29,7 +29,8 @@ router = APIRouter()
 
 
 def sampling_fields(req: SamplingFields) -> dict[str, Any]:
-    """The SamplingParams fields common to chat and text completions."""
+    """The SamplingParams fields common to chat and text completions (after the check they share: stream_options
+    needs stream)."""
     if req.stream_options is not None and not req.stream:
         raise ProtocolError("stream_options is only allowed when stream is true", param="stream_options")
     return dict(

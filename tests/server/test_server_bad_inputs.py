@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 
 import httpx
 import pytest
@@ -146,10 +147,19 @@ def test_malformed_json_is_400(server):
     assert "JSON" in error["message"]
 
 
-def test_deeply_nested_json_is_400(server):
-    content = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+@pytest.mark.parametrize("depth", [100_000, 200_000])  # 200 KB: checked on the event loop; 400 KB: off it
+def test_deeply_nested_json_is_400(server, depth):
+    content = b'{"messages": ' + b"[" * depth + b"]" * depth + b"}"
     error = check_bad(server, CHAT, 400, content=content, **{"content-type": "application/json"})
     assert "nesting depth" in error["message"]
+
+
+def test_unterminated_string_of_escaped_quotes_is_a_quick_400(server):
+    """The body the old quadratic depth check spent hours of the event loop on (2 MB)."""
+    content = b'{"prompt": "' + b'\\"' * 1_000_000
+    started = time.monotonic()
+    error = check_bad(server, "/v1/completions", 400, content=content, **{"content-type": "application/json"})
+    assert "JSON" in error["message"] and time.monotonic() - started < 10
 
 
 def test_100mb_body_is_413(server):
