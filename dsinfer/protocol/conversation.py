@@ -155,6 +155,6 @@ def anthropic_messages(req: an.CountTokensRequest) -> list[dict[str, Any]]:
 
 
 def anthropic_tools(req: an.CountTokensRequest) -> list[dict[str, Any]] | None:
-    if not req.tools or (req.tool_choice is not None and req.tool_choice.type == "none"):
+    if not req.tools:
         return None
     return [_function_tool(t.name, t.description, t.input_schema) for t in req.tools]

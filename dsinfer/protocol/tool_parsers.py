@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from dsinfer.protocol.streaming_text import split_at_marker
+from dsinfer.protocol.surrogates import without_surrogates
 
 
 @dataclass
@@ -99,7 +100,7 @@ class HermesToolParser(ToolCallParser):
     @staticmethod
     def _parse(body: str) -> ParsedToolCall | None:
         try:
-            obj = json.loads(body)
+            obj = without_surrogates(json.loads(body))  # (module doc of ``surrogates``)
         except ValueError:
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):

@@ -11,12 +11,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from dsinfer.engine.outputs import CompletionOutput, RequestOutput
 from dsinfer.protocol.anthropic_schemas import CountTokensRequest, MessagesRequest
-from dsinfer.protocol.chat_encoding import ends_with_prefill
+from dsinfer.protocol.chat_encoding import EncodedChat, ends_with_prefill
 from dsinfer.protocol.chat_output import ChatOutputParser, OutputDelta, parse_output
 from dsinfer.protocol.conversation import anthropic_messages, anthropic_tools
 from dsinfer.protocol.errors import ProtocolError
 from dsinfer.protocol.sampling import build_sampling_params, resolve_max_tokens
 from dsinfer.protocol.structured_request import validate_structured_outputs
+from dsinfer.protocol.surrogates import without_surrogates
 from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.generation import Generation, primed
@@ -26,17 +27,7 @@ from dsinfer.server.streaming_errors import anthropic_stream_error_payload
 router = APIRouter()
 
 
-def _encode(ctx: ServingContext, req: CountTokensRequest):
-    tools = anthropic_tools(req)
-    kwargs = {"enable_thinking": req.thinking.type != "disabled"} if req.thinking else None
-    messages = anthropic_messages(req)
-    # a final assistant turn with text is a prefill: the answer continues it
-    encoded = ctx.encode_chat(messages, tools, template_kwargs=kwargs,
-                              continue_final_message=ends_with_prefill(messages))
-    return encoded, tools is not None
-
-
-def _tool_choice_constraint(ctx: ServingContext, req: MessagesRequest) -> dict[str, Any] | None:
+def _tool_choice_constraint(ctx: ServingContext, req: CountTokensRequest) -> dict[str, Any] | None:
     """``tool_choice`` "any" / "tool" force one call, as OpenAI's "required" / a named function
     (``protocol.tool_constraints``)."""
     choice = req.tool_choice
@@ -49,12 +40,28 @@ def _tool_choice_constraint(ctx: ServingContext, req: MessagesRequest) -> dict[s
     return tool_call_constraint(tools, mode, ctx.tool_parser, choice.name)
 
 
+async def _prepare(ctx: ServingContext, req: CountTokensRequest) -> tuple[EncodedChat, bool, dict[str, Any] | None]:
+    """The prompt, whether the answer is parsed for tool calls, and the ``tool_choice`` constraint (validated).
+    count_tokens goes through this too, so it refuses every request /v1/messages refuses (``max_tokens`` aside,
+    which it does not take), with the same error, as Anthropic's count_tokens."""
+    choice_is_none = req.tool_choice is not None and req.tool_choice.type == "none"
+    tools = anthropic_tools(req) if ctx.prompt_has_tools(req.tools, choice_is_none) else None
+    kwargs = {"enable_thinking": req.thinking.type != "disabled"} if req.thinking else None
+    messages = anthropic_messages(req)
+    # a final assistant turn with text is a prefill: the answer continues it
+    encoded = ctx.encode_chat(messages, tools, template_kwargs=kwargs,
+                              continue_final_message=ends_with_prefill(messages))
+    constraint = _tool_choice_constraint(ctx, req)
+    await validate_structured_outputs(constraint, "tool_choice")
+    return encoded, bool(req.tools) and not choice_is_none, constraint
+
+
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request):
     ctx: ServingContext = request.app.state.ctx
     req = await parse_body(request, CountTokensRequest)
     ctx.check_model(req.model)
-    encoded, _ = _encode(ctx, req)
+    encoded, _, _ = await _prepare(ctx, req)
     return {"input_tokens": len(encoded.token_ids)}
 
 
@@ -63,19 +70,18 @@ async def messages(request: Request):
     ctx: ServingContext = request.app.state.ctx
     req = await parse_body(request, MessagesRequest)
     ctx.check_model(req.model)
-    encoded, use_tools = _encode(ctx, req)
+    encoded, use_tools, constraint = await _prepare(ctx, req)
     fields = dict(
         max_tokens=resolve_max_tokens(req.max_tokens, len(encoded.token_ids), ctx.max_model_len),
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=req.top_k,
         stop=req.stop_sequences,
-        structured_outputs=_tool_choice_constraint(ctx, req),
+        structured_outputs=constraint,
     )
     if use_tools and ctx.tool_markers_special:
         fields["skip_special_tokens"] = False
     params = build_sampling_params(fields, ctx.vocab_size, req.stream)
-    await validate_structured_outputs(fields["structured_outputs"], "tool_choice")
     gen = Generation(ctx, encoded.token_ids, params, new_id("msg_"))
     parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools)
     if req.stream:
@@ -127,7 +133,7 @@ def _blocks(parsed: OutputDelta) -> list[dict[str, Any]]:
                 "type": "tool_use",
                 "id": new_id("toolu_")[:30],
                 "name": call.name,
-                "input": json.loads(call.arguments),
+                "input": without_surrogates(json.loads(call.arguments)),
             }
         )
     return blocks

@@ -80,6 +80,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="accept a chat_template field in requests (it runs in a jinja2 sandbox)",
     )
+    srv.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='leave the tools out of the prompt when tool_choice is "none" (default: they stay, as vLLM)',
+    )
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -124,6 +129,7 @@ def settings_from_args(args: argparse.Namespace, engine: Any) -> Any:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         trust_request_chat_template=args.trust_request_chat_template,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
     )
 
 

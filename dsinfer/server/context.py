@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import uuid
 from typing import Any
 
@@ -13,6 +15,7 @@ from dsinfer.protocol.chat_encoding import ChatEncoder, EncodedChat
 from dsinfer.protocol.chat_formats import BUILTIN_TEMPLATES, default_format_for
 from dsinfer.protocol.errors import ProtocolError, describe_validation_errors
 from dsinfer.protocol.reasoning import THINK_START, prompt_opens_reasoning
+from dsinfer.protocol.surrogates import without_surrogates
 from dsinfer.protocol.tool_parsers import ToolCallParser, tool_parser_for
 from dsinfer.server.metrics import ServerMetrics
 from dsinfer.server.settings import ServerSettings
@@ -94,6 +97,11 @@ class ServingContext:
             raise ProtocolError("the conversation renders to an empty prompt", param="messages")
         return encoded
 
+    def prompt_has_tools(self, tools: Any, choice_is_none: bool) -> bool:
+        """Whether the request's tools go into the prompt: with ``tool_choice`` "none" too (the model sees them
+        but its answer is not parsed for calls, as vLLM), unless the server excludes them then."""
+        return bool(tools) and not (choice_is_none and self.settings.exclude_tools_when_tool_choice_none)
+
     def output_parser_kwargs(self, prompt_text: str, use_tools: bool) -> dict[str, Any]:
         in_reasoning = self.reasoning and prompt_opens_reasoning(prompt_text)
         return {
@@ -101,6 +109,24 @@ class ServingContext:
             "in_reasoning": in_reasoning,
             "tool_parser": self.tool_parser if use_tools else None,
         }
+
+
+# a \uD800-\uDFFF escape: a UTF-16 surrogate, lone unless its pair follows
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _replace_lone_surrogates(body: bytes) -> bytes | None:
+    """The body re-encoded with each lone surrogate escape (``"a\\ud800b"``) as U+FFFD, or None when that is not
+    why it failed to parse. OpenAI accepts such strings (JavaScript makes them); pydantic's parser refuses them,
+    and the text could not be encoded to UTF-8 for the tokenizer, the logs or an echo anyway. Python's parser
+    accepts them (it pairs the valid ones), so the body is parsed once more by it and the values cleaned."""
+    if not _SURROGATE_ESCAPE.search(body):
+        return None
+    try:
+        value = json.loads(body)
+    except ValueError:  # invalid for another reason too: the first error stands
+        return None
+    return json.dumps(without_surrogates(value), ensure_ascii=False).encode()
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
@@ -111,5 +137,12 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        message, param = describe_validation_errors(exc.errors(include_url=False))
-        raise ProtocolError(message, param=param) from None
+        errors = exc.errors(include_url=False)
+    cleaned = _replace_lone_surrogates(body) if errors[0]["type"] == "json_invalid" else None
+    if cleaned is not None:
+        try:
+            return model.model_validate_json(cleaned)
+        except ValidationError as exc:
+            errors = exc.errors(include_url=False)
+    message, param = describe_validation_errors(errors)
+    raise ProtocolError(message, param=param) from None

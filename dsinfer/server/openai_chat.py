@@ -16,7 +16,7 @@ from dsinfer.protocol.conversation import openai_chat_messages, openai_chat_tool
 from dsinfer.protocol.errors import ProtocolError
 from dsinfer.protocol.fields import stop_list
 from dsinfer.protocol.logprobs import chat_logprobs
-from dsinfer.protocol.openai_schemas import ChatCompletionRequest, SamplingFields
+from dsinfer.protocol.openai_schemas import ChatCompletionRequest, NamedToolChoice, SamplingFields
 from dsinfer.protocol.sampling import build_sampling_params, logit_bias_ids, resolve_max_tokens
 from dsinfer.protocol.structured_request import structured_outputs_of, validate_structured_outputs
 from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint
@@ -96,13 +96,13 @@ async def chat_completions(request: Request):
     ctx: ServingContext = request.app.state.ctx
     req = await parse_body(request, ChatCompletionRequest)
     ctx.check_model(req.model)
-    use_tools = bool(req.tools) and req.tool_choice != "none"
+    use_tools = bool(req.tools) and req.tool_choice != "none"  # the answer is parsed for tool calls
     if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
         raise ProtocolError("continue_final_message and add_generation_prompt cannot both be true",
                             param="continue_final_message")
     encoded = ctx.encode_chat(
         openai_chat_messages(req.messages),
-        openai_chat_tools(req.tools) if use_tools else None,
+        openai_chat_tools(req.tools) if ctx.prompt_has_tools(req.tools, req.tool_choice == "none") else None,
         req.chat_template,
         req.chat_template_kwargs,
         req.add_generation_prompt and not req.continue_final_message,
@@ -139,8 +139,10 @@ def _tool_calls(delta: OutputDelta, first_index: int) -> list[dict[str, Any]]:
     ]
 
 
-def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
-    if reason == "stop" and made_calls:
+def _finish_reason(reason: str | None, made_calls: bool, req: ChatCompletionRequest) -> str | None:
+    """The choice's finish_reason: "tool_calls" when the model chose to call (``auto``/``required``); a call forced
+    by a named ``tool_choice`` ends with "stop", as OpenAI and vLLM answer it."""
+    if reason == "stop" and made_calls and not isinstance(req.tool_choice, NamedToolChoice):
         return "tool_calls"
     return reason
 
@@ -173,7 +175,7 @@ def _response(
                 "index": c.index,
                 "message": message,
                 "logprobs": logprobs,
-                "finish_reason": _finish_reason(c.finish_reason, bool(parsed.tool_calls)),
+                "finish_reason": _finish_reason(c.finish_reason, bool(parsed.tool_calls), req),
             }
         )
     return {
@@ -233,7 +235,7 @@ async def _stream(
                     }
                 if not message and logprobs is None and c.finish_reason is None:
                     continue
-                finish = _finish_reason(c.finish_reason, num_calls[c.index] > 0)
+                finish = _finish_reason(c.finish_reason, num_calls[c.index] > 0, req)
                 choice = {"index": c.index, "delta": message, "logprobs": logprobs, "finish_reason": finish}
                 yield sse_data({**base, "choices": [choice], **usage_now(req, gen)})
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band

@@ -36,8 +36,9 @@ async def responses(request: Request):
             "previous_response_id is not supported: this server does not store responses",
             param="previous_response_id",
         )
-    use_tools = bool(req.tools) and req.tool_choice != "none"
-    encoded = ctx.encode_chat(responses_messages(req), responses_tools(req) if use_tools else None)
+    use_tools = bool(req.tools) and req.tool_choice != "none"  # the answer is parsed for tool calls
+    tools = responses_tools(req) if ctx.prompt_has_tools(req.tools, req.tool_choice == "none") else None
+    encoded = ctx.encode_chat(responses_messages(req), tools)
     structured = text_format_constraint(req.text.format if req.text is not None else None)
     field = "text.format" if structured is not None else None
     tool_constraint = _tool_choice_constraint(ctx, req)

@@ -20,6 +20,9 @@ class ServerSettings:
     tool_call_parser: str = "auto"  # auto | hermes | deepseek_v3
     reasoning_parser: str = "auto"  # auto (on when the vocabulary has <think>) | think | none
     trust_request_chat_template: bool = False  # allow the "chat_template" request field
+    # tool_choice "none" keeps the tools in the prompt (vLLM's default; the model is only not parsed for calls);
+    # True leaves them out, as vLLM's --exclude-tools-when-tool-choice-none
+    exclude_tools_when_tool_choice_none: bool = False
     version: str = "0.1.0"
 
     @property

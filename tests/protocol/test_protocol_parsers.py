@@ -56,6 +56,14 @@ def test_unfinished_tool_call_is_flushed_as_content():
     assert _stream(HermesToolParser, text, 4) == (text, [])
 
 
+def test_lone_surrogate_escapes_in_a_call_become_replacement_characters():
+    """A model may write ``\\ud800`` alone: the call must still encode to UTF-8 (U+FFFD, as request bodies)."""
+    text = '<tool_call>{"name": "f\\udc00", "arguments": {"city\\ud800": "Par\\ud800is"}}</tool_call>'
+    _, calls = _stream(HermesToolParser, text)
+    assert calls == [ParsedToolCall("f\ufffd", '{"city\ufffd": "Par\ufffdis"}')]
+    calls[0].arguments.encode()
+
+
 def test_text_without_tool_calls_passes_through_and_holds_back_only_a_marker_prefix():
     parser = HermesToolParser()
     assert parser.feed("hello <tool") == ("hello ", [])

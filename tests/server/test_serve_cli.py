@@ -40,3 +40,14 @@ def test_answers_carry_the_requested_served_name():
     assert [ctx.reported_model(n) for n in ("beta", "alpha", None)] == ["beta", "alpha", "alpha"]
     ctx.settings = ServerSettings()
     assert ctx.reported_model("anything") == "default"
+
+
+def test_exclude_tools_when_tool_choice_none_reaches_the_settings():
+    from types import SimpleNamespace
+
+    from dsinfer.server.cli import settings_from_args
+
+    engine = SimpleNamespace(model_config=SimpleNamespace())
+    assert not settings_from_args(_parse(), engine).exclude_tools_when_tool_choice_none  # vLLM's default: kept
+    settings = settings_from_args(_parse("--exclude-tools-when-tool-choice-none"), engine)
+    assert settings.exclude_tools_when_tool_choice_none

@@ -133,6 +133,39 @@ def test_tool_choice_any_without_tools_is_400(client):
         client.messages.create(model="SmolLM2-135M-Instruct", max_tokens=8, messages=ASK, tool_choice={"type": "any"})
 
 
+USER = {"role": "user", "content": "Hi"}
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": []},
+    {"messages": [{"role": "user", "content": ""}]},
+    {"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "hm", "signature": ""}]}]},
+    {"messages": [{"role": "system", "content": "Hi"}]},
+    {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
+    {"messages": [USER], "tool_choice": {"type": "any"}},
+    {"messages": [USER], "tools": [{"name": "f"}], "tool_choice": {"type": "tool"}},
+    {"messages": [USER], "tools": [{"name": "f"}], "tool_choice": {"type": "tool", "name": "g"}},
+    {"messages": [USER], "tools": [{"name": "f", "input_schema": {"type": "nope"}}], "tool_choice": {"type": "any"}},
+])
+def test_count_tokens_refuses_what_messages_refuses(server, body):
+    """count_tokens takes a /v1/messages request without max_tokens and refuses it with the same error."""
+    body = {"model": "SmolLM2-135M-Instruct", **body}
+    counted = server.post("/v1/messages/count_tokens", json=body)
+    assert counted.status_code == 400, counted.text
+    assert counted.json() == server.post("/v1/messages", json={**body, "max_tokens": 4}).json()
+    assert counted.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_count_tokens_counts_a_valid_request_without_max_tokens(server):
+    body = {"model": "SmolLM2-135M-Instruct", "messages": [USER, {"role": "assistant", "content": "Hel"}],
+            "system": "Be brief.", "tools": TOOLS, "tool_choice": {"type": "tool", "name": "get_time"}}
+    counted = server.post("/v1/messages/count_tokens", json=body)
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["input_tokens"] > server.post("/v1/messages/count_tokens",
+                                                        json={**body, "tools": None, "tool_choice": None}
+                                                        ).json()["input_tokens"]
+
+
 def test_stream_keeps_leading_whitespace(client):
     """After a prefill the answer starts with blank lines: the streamed text equals the non-streamed one."""
     messages = [{"role": "user", "content": "List three fruits."}, {"role": "assistant", "content": "Here is a list:"}]
@@ -163,6 +196,16 @@ def test_block_writer_holds_whitespace_until_text_or_drops_it_before_a_tool_call
     writer.write(OutputDelta(content="\n"))
     (delta,) = texts(writer.open_only_text())  # an answer of whitespace alone: one text block holding it
     assert '"\\n"' in delta
+
+
+def test_tool_use_input_with_a_lone_surrogate_escape_encodes():
+    """Arguments text may escape a lone surrogate (a DeepSeek call's, a string "arguments"): ``input`` has U+FFFD."""
+    from dsinfer.protocol.chat_output import OutputDelta
+    from dsinfer.protocol.tool_parsers import ParsedToolCall
+    from dsinfer.server.anthropic_messages import _blocks
+
+    (block,) = _blocks(OutputDelta(tool_calls=[ParsedToolCall("get_time", '{"zone": "U\\ud800TC"}')]))
+    assert block["input"] == {"zone": "U\ufffdTC"}
 
 
 def test_empty_message_content_is_400_except_a_final_assistant_prefill(client):

@@ -147,6 +147,44 @@ def test_malformed_json_is_400(server):
     assert "JSON" in error["message"]
 
 
+def _raw(server, path: str, body: str) -> httpx.Response:
+    """POST ``body`` as written: json= would re-escape its backslashes."""
+    return server.post(path, content=body.encode(), **{"content-type": "application/json"})
+
+
+def test_lone_surrogate_escapes_become_replacement_characters(server):
+    """As OpenAI: a JSON string may hold a lone UTF-16 surrogate escape (JavaScript strings can); it reads as U+FFFD,
+    so tokenizing, echoing, logging and error bodies never meet text that cannot be encoded."""
+    lone, pair, literal = r"a\ud800b\udfff", r"\ud83d\ude00", r"\\ud800"  # pair: one emoji; literal: backslash
+    tokens = _raw(server, "/tokenize", f'{{"prompt": "{lone}{pair}{literal}"}}')
+    assert tokens.status_code == 200, tokens.text
+    same = server.post("/tokenize", json={"prompt": "a\ufffdb\ufffd\U0001f600\\ud800"}).json()["tokens"]
+    assert tokens.json()["tokens"] == same
+    user = f'[{{"role": "user", "content": "{lone}"}}]'
+    answers = [
+        _raw(server, CHAT, f'{{"messages": {user}, "max_tokens": 2}}'),
+        _raw(server, CHAT, f'{{"messages": {user}, "max_tokens": 2, "stream": true}}'),
+        _raw(server, "/v1/completions", f'{{"prompt": "{lone}", "max_tokens": 2, "echo": true}}'),
+        _raw(server, "/v1/responses", f'{{"input": "{lone}", "instructions": "{lone}", "max_output_tokens": 2}}'),
+        _raw(server, "/v1/messages", f'{{"model": "SmolLM2-135M-Instruct", "messages": {user}, "max_tokens": 2, '
+                                     f'"system": "{lone}"}}'),
+        _raw(server, "/v1/messages/count_tokens", f'{{"model": "SmolLM2-135M-Instruct", "messages": {user}}}'),
+    ]
+    for r in answers:
+        assert r.status_code == 200, r.text
+    assert answers[2].json()["choices"][0]["text"].startswith("a\ufffdb\ufffd")
+    assert answers[3].json()["instructions"] == "a\ufffdb\ufffd"
+    # error bodies echo the cleaned value
+    error = _raw(server, CHAT, f'{{"messages": {user}, "max_tokens": 2, "temperature": "{lone}"}}')
+    assert error.status_code == 400 and "a\ufffdb" in error.json()["error"]["message"], error.text
+    block = f'[{{"role": "user", "content": [{{"type": "{lone}"}}]}}]'
+    error = _raw(server, "/v1/messages", f'{{"model": "SmolLM2-135M-Instruct", "messages": {block}, "max_tokens": 2}}')
+    assert error.status_code == 400 and error.json()["error"]["type"] == "invalid_request_error", error.text
+    # a body that is invalid for another reason keeps its JSON error
+    assert "JSON" in check_bad(server, CHAT, 400, content=f'{{"prompt": "{lone}",'.encode())["message"]
+    assert server.alive()
+
+
 @pytest.mark.parametrize("depth", [100_000, 200_000])  # 200 KB: checked on the event loop; 400 KB: off it
 def test_deeply_nested_json_is_400(server, depth):
     content = b'{"messages": ' + b"[" * depth + b"]" * depth + b"}"
