@@ -3,7 +3,7 @@ layer's output the next one's input) replayed from one CUDA graph, per tile conf
 expert bytes the routing touches. For choosing decode tiles (split-K among them) where the tuner's one-launch
 timings are dominated by launch latency.
 
-    python3 benchmarks/moe_decode_probe.py [--only v2-lite,v3] [--tokens 1 8]
+    python3 benchmarks/moe_decode_probe.py [--only v2-lite,v3] [--tokens 1 8] [--pairs 0 5]
 """
 
 from __future__ import annotations
@@ -32,10 +32,13 @@ PAIRS = [(_tma(128, 128, 8, 3), _tma(128, 128, 4, 4)), (_tma(128, 128, 8, 3), No
          (None, _tma(128, 128, 4, 4)), (_tma(64, 256, 4, 3), _tma(128, 128, 4, 4)),
          (_tma(128, 64, 8, 4), _tma(128, 128, 4, 4)), (_tma(128, 128, 4, 3), _tma(128, 128, 4, 4)),
          (_tma(256, 64, 8, 3), _tma(128, 128, 4, 4)), (_tma(128, 128, 8, 3), _tma(256, 128, 8, 3)),
-         (_tma(128, 128, 8, 4), _tma(128, 128, 8, 4))]
+         (_tma(128, 128, 8, 4), _tma(128, 128, 8, 4)),
+         # tiles that fit 64-row blocks' shared memory (a 64 x 128 x 128 gate/up tile at 3 stages does not)
+         (_tma(64, 128, 4, 4), _tma(128, 128, 4, 3)), (_tma(128, 64, 8, 3), _tma(256, 64, 8, 3)),
+         (_tma(64, 128, 4, 3), _tma(128, 128, 8, 3))]
 
 
-def _candidates(current: dict) -> list[tuple[str, dict]]:
+def _candidates(current: dict, pairs: list[int] | None = None) -> list[tuple[str, dict]]:
     """(label, config): the table's config first and again last (the spread of the two is the noise), between
     them the PAIRS (every key of both tiles given: a down tile does not inherit the gate/up's)."""
     from dsinfer.ops.triton.moe import down_config
@@ -43,7 +46,7 @@ def _candidates(current: dict) -> list[tuple[str, dict]]:
     table_up = {"tma": False, **{k: v for k, v in current.items() if k != "down"}}
     table_down = {"tma": False, "fuse_gu": False, **down_config(current)}
     out = [("table", current)]
-    for up, down in PAIRS:
+    for up, down in (PAIRS if pairs is None else [PAIRS[i] for i in pairs]):
         g = {**table_up, "fuse_gu": False, **up} if up else table_up
         d = {**table_down, **down} if down else table_down
         label = f"gate/up {up or 'table'}, down {down or 'table'}"
@@ -52,7 +55,8 @@ def _candidates(current: dict) -> list[tuple[str, dict]]:
     return out
 
 
-def run_model(model: str, token_counts: list[int], bw: float) -> None:
+def run_model(model: str, token_counts: list[int], bw: float, pairs: list[int] | None = None) -> None:
+    from dsinfer.models.deepseek.blocks import FUSED_SHARED_MAX_TOKENS
     from dsinfer.ops.moe import with_shared
     from dsinfer.ops.triton.moe import fused_moe_triton, moe_config
 
@@ -78,19 +82,22 @@ def run_model(model: str, token_counts: list[int], bw: float) -> None:
     wbytes = 1 if fp8 else 2
     for tokens in token_counts:
         x0 = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        # as the model runs it: the shared experts are slots of the grouped GEMM up to FUSED_SHARED_MAX_TOKENS,
+        # dense GEMMs beside it past that (not timed here: only the grouped GEMM's routed slots)
+        in_stack = shared if tokens <= FUSED_SHARED_MAX_TOKENS else 0
         routes = []
         for _ in range(num_layers):
             scores = torch.randn(tokens, routed, device="cuda", generator=gen).softmax(-1)
-            routes.append(with_shared(*scores.topk(top_k, dim=-1), routed, shared))
+            routes.append(with_shared(*scores.topk(top_k, dim=-1), routed, in_stack))
         touched = sum(int(ids.unique().numel()) for _, ids in routes)
         floor_us = touched * 3 * hidden * inter * wbytes / bw * 1e6 / num_layers
-        current = moe_config(key, tokens * (top_k + shared) / e, fp8, True)
+        current = moe_config(key, tokens * (top_k + in_stack) / e, fp8, True)
         print(f"\n{model} T={tokens}: {num_layers} layers, {touched / num_layers:.1f} experts per layer, floor "
               f"{floor_us:.2f} us per layer (copy {bw / 1e12:.2f} TB/s); table config {current}")
         print("| config | us per layer | of floor | max diff vs table |")
         print("| --- | --- | --- | --- |")
         ref = None
-        for label, cfg in _candidates(current):
+        for label, cfg in _candidates(current, pairs):
             def chain(cfg=cfg, x0=x0, routes=routes, layers=layers):
                 x = x0
                 for (w13, w2, s13, s2), (weights, ids) in zip(layers, routes):
@@ -116,10 +123,11 @@ def main() -> None:  # one model at a time: run_model's weights are freed when i
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default="v2-lite,v3")
     p.add_argument("--tokens", type=int, nargs="+", default=[1])
+    p.add_argument("--pairs", type=int, nargs="+", default=None, help="indices into PAIRS (default: all)")
     args = p.parse_args()
     bw = measure_bandwidth()
     for model in args.only.split(","):
-        run_model(model, args.tokens, bw)
+        run_model(model, args.tokens, bw, args.pairs)
 
 
 if __name__ == "__main__":
