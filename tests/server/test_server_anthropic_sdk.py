@@ -146,6 +146,9 @@ USER = {"role": "user", "content": "Hi"}
     {"messages": [USER], "tools": [{"name": "f"}], "tool_choice": {"type": "tool"}},
     {"messages": [USER], "tools": [{"name": "f"}], "tool_choice": {"type": "tool", "name": "g"}},
     {"messages": [USER], "tools": [{"name": "f", "input_schema": {"type": "nope"}}], "tool_choice": {"type": "any"}},
+    {"messages": [USER], "system": [{"type": "text", "text": ""}]},
+    {"messages": [USER], "thinking": {"type": "enabled"}},
+    {"messages": [USER], "thinking": {"type": "enabled", "budget_tokens": 1023}},
 ])
 def test_count_tokens_refuses_what_messages_refuses(server, body):
     """count_tokens takes a /v1/messages request without max_tokens and refuses it with the same error."""
@@ -154,6 +157,14 @@ def test_count_tokens_refuses_what_messages_refuses(server, body):
     assert counted.status_code == 400, counted.text
     assert counted.json() == server.post("/v1/messages", json={**body, "max_tokens": 4}).json()
     assert counted.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_thinking_budget_must_be_below_max_tokens(server):
+    body = {"model": "SmolLM2-135M-Instruct", "messages": [USER],
+            "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    r = server.post("/v1/messages", json={**body, "max_tokens": 1024})
+    assert r.status_code == 400 and "budget_tokens" in r.json()["error"]["message"], r.text
+    assert server.post("/v1/messages/count_tokens", json=body).status_code == 200  # no max_tokens to compare
 
 
 def test_count_tokens_counts_a_valid_request_without_max_tokens(server):
