@@ -79,6 +79,7 @@ class LLMEngine:
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._prompt_ids(prompt)
+        token_ids = self._truncate_prompt(token_ids, params)
         max_tokens = self._check_lengths(token_ids, params)
         params.validate_for_vocab(self.model_config.vocab_size)
         grammar = self._prepare_grammar(params)
@@ -172,6 +173,16 @@ class LLMEngine:
             return self._prompt_ids(prompt["prompt"])
         raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [...]}, got "
                          f"{type(prompt).__name__}")
+
+    def _truncate_prompt(self, token_ids: list[int], params: SamplingParams) -> list[int]:
+        """vLLM's truncate_prompt_tokens: keep the last k prompt tokens (the prompt text is reported as given).
+        -1 keeps as many as leave room for one output token (vLLM's max_model_len, which would leave none)."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        if keep == -1:
+            keep = self.model_config.max_model_len - 1
+        return token_ids[-keep:]
 
     def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
         limit = self.model_config.max_model_len
@@ -288,23 +299,19 @@ class LLMEngine:
             data = result.logprobs[rid]
             request.logprobs.append(self._logprob_decoder.position(data))
             request.cumulative_logprob += data.logprobs[0]
-        status = self._stop_status(child, token)
-        if status is None and request.grammar is not None:
-            status = self._grammar_status(request)
+        # A grammar ends on the EOS it lets through once complete (vLLM's way): that EOS stops the request as any
+        # EOS does, even before min_tokens or with ignore_eos (the grammar's end wins; see SamplingParams)
+        grammar_state = self._structured.advance(request) if request.grammar is not None else "continue"
+        status = self._stop_status(child, token, grammar_end=grammar_state == "complete")
+        if status is None and grammar_state == "rejected":
+            status = RequestStatus.FINISHED_ABORTED
         if status is not None:
             self.scheduler.finish(request, status)
 
-    def _grammar_status(self, request: Request) -> RequestStatus | None:
-        """Finish when the grammar is complete and allows nothing but a stop token (or was left)."""
-        state = self._structured.advance(request)
-        if state == "continue":
-            return None
-        return RequestStatus.FINISHED_STOPPED if state == "complete" else RequestStatus.FINISHED_ABORTED
-
-    def _stop_status(self, child: ChildState, token: int) -> RequestStatus | None:
+    def _stop_status(self, child: ChildState, token: int, grammar_end: bool = False) -> RequestStatus | None:
         request, params = child.request, child.request.params
         past_min = request.num_output_tokens >= params.min_tokens
-        eos = past_min and token in request.eos_token_ids and not params.ignore_eos
+        eos = grammar_end or (past_min and token in request.eos_token_ids and not params.ignore_eos)
         stop_token = past_min and token in params.stop_token_ids
         stop_str = None  # a stop string the text now holds (searched for only past min_tokens)
         # A stop token ends the text without its own text (EOS with skip_special_tokens=False included), unless

@@ -29,7 +29,14 @@ def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
 
 @dataclass
 class SamplingParams:
-    """Per-request decoding settings. Invalid values raise ``ValueError`` naming the field and its range."""
+    """Per-request decoding settings. Invalid values raise ``ValueError`` naming the field and its range.
+
+    ``structured_outputs`` ends as in vLLM: once the grammar is complete and allows nothing more, only EOS may be
+    sampled; the output ends with that EOS id in ``token_ids`` (with its logprob; its text is not in ``text``),
+    finish_reason "stop" and stop_reason None. While the grammar may go on, ``min_tokens`` holds EOS back as usual;
+    once EOS is the only token the grammar allows, the grammar's end wins over ``min_tokens`` (which would ban it)
+    and over ``ignore_eos``: such an output can be shorter than min_tokens.
+    """
 
     n: int = 1
     temperature: float = 1.0
@@ -49,6 +56,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token (the sampled token always included)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's field; its fast-tokenizer detokenizer (the one dsinfer has: tokenizers' DecodeStream) ignores it too
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: as many as leave room to answer
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # sample only these (vLLM)
     bad_words: list[str] | None = None  # never generate these words (vLLM: with and without a leading space)
@@ -65,7 +75,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a list, got {type(value).__name__}")
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
@@ -127,6 +138,10 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be non-empty strings, got {s!r}")
+        if self.truncate_prompt_tokens is not None:
+            _check_number("truncate_prompt_tokens", self.truncate_prompt_tokens, integer=True)
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                raise ValueError(f"truncate_prompt_tokens must be >= 1 or -1, got {self.truncate_prompt_tokens}")
 
     def _validate_logprobs_and_ids(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):

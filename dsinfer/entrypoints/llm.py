@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from dsinfer.config import EngineArgs
@@ -44,6 +44,9 @@ class LLM:
         """Run every prompt to completion; outputs come back in the order of the prompts."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise ValueError("prompts must be a prompt (str, {'prompt': str} or {'prompt_token_ids': [...]}) or a "
+                             f"list of them, got {type(prompts).__name__}")
         prompts = list(prompts)
         params_list = self._params_for(len(prompts), sampling_params)
         request_ids = []

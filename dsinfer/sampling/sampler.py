@@ -1,9 +1,10 @@
 """The sampler: logits of the rows that sample -> next tokens (+ logprobs), vectorized over the batch.
 
-Order, as in vLLM: logprobs of the raw logits are taken first; then logit bias, the min_tokens mask, penalties;
-greedy rows take the argmax; the others are scaled by temperature, filtered by top-k / top-p / min-p and sampled
-with the Gumbel-max trick using noise keyed by (seed, position) (``sampling/noise.py``), so a seeded request
-draws the same tokens whatever batch it runs in.
+Logprobs of the raw logits are taken first, as in vLLM; then come logit bias, penalties, the grammar's mask and the
+bans (min_tokens, allowed_token_ids, bad words; ``_ban`` says how they yield to a grammar). Greedy rows take the
+argmax; the others are scaled by temperature, filtered by top-k / top-p / min-p and sampled with the Gumbel-max
+trick using noise keyed by (seed, position) (``sampling/noise.py``), so a seeded request draws the same tokens
+whatever batch it runs in.
 """
 
 from __future__ import annotations
@@ -103,6 +104,18 @@ def _plain_greedy(batch: SamplingBatch) -> bool:
             and batch.allowed is None and batch.token_bitmask is None and batch.num_logprobs is None)
 
 
+def _ban(logits: torch.Tensor, banned: torch.Tensor, grammar: bool) -> torch.Tensor:
+    """Mask the banned tokens. In a batch with grammars, a row the bans would leave with no token keeps the
+    grammar's tokens: a grammar complete before min_tokens allows only EOS, which min_tokens bans, and its end
+    wins (as do its tokens over allowed_token_ids / bad_words that exclude them all): the request never samples
+    a token its grammar forbids. Without a grammar the engine checks at add_request that something is left."""
+    kept = logits.masked_fill(banned, float("-inf"))
+    if not grammar:
+        return kept
+    emptied = kept.isneginf().all(dim=-1, keepdim=True)
+    return torch.where(emptied, logits, kept)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """``logits`` [S, V]: float32, or 16-bit (the decode graphs' output), which a plain greedy batch takes the
@@ -114,12 +127,12 @@ class Sampler:
             logits = logits + batch.logit_bias
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
-        if batch.banned is not None:
-            logits = logits.masked_fill(batch.banned, float("-inf"))
         if batch.allowed is not None:
             logits = logits.masked_fill(~batch.allowed, float("-inf"))
         if batch.token_bitmask is not None:
             logits = ops.apply_token_bitmask(logits, batch.token_bitmask)
+        if batch.banned is not None:
+            logits = _ban(logits, batch.banned, grammar=batch.token_bitmask is not None)
         if batch.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:

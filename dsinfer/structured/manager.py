@@ -6,8 +6,10 @@
 - The scheduler leaves a request waiting while ``request.grammar.ready`` is false; others proceed.
 - ``bitmask(scheduled)``: one packed int32 row per scheduled item that samples (scheduled order), after syncing
   each matcher to its request's output tokens; None when no sampling row is constrained.
-- ``advance(request)`` after a token is appended: "continue", "complete" (the grammar accepts and allows no
-  continuation but a stop token: finish now) or "rejected".
+- ``advance(request)`` after a token is appended: "continue", "complete" (the token was a stop token the grammar
+  accepted: the output is finished) or "rejected". As in vLLM, a grammar that is complete does not end the request
+  itself: its mask then allows only the stop tokens (EOS), the model samples one, and that EOS id ends
+  ``token_ids`` (with its logprob) like any EOS.
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dsinfer-grammar")
         self._inflight: dict[str, Future] = {}
         self._compiling: list[Any] = []  # requests whose grammar was not compiled when they arrived
-        self._scratch = torch.zeros(1, bitmask_words(vocab_size), dtype=torch.int32)
 
     # ---- requests ----------
     def prepare(self, raw: dict[str, Any]) -> tuple[StructuredSpec, Future]:
@@ -107,7 +108,7 @@ class StructuredOutputManager:
         except GrammarRejected as exc:
             logger.warning("request %s: %s", request.request_id, exc)
             return "rejected"
-        if grammar.is_complete_and_closed(self._scratch, self.stop_token_ids):
+        if grammar.is_terminated:
             return "complete"
         return "continue"
 

@@ -70,22 +70,9 @@ class RequestGrammar:
         """The grammar accepted a stop token: nothing more may follow."""
         return self.matcher.is_terminated()
 
-    def is_complete_and_closed(self, scratch: torch.Tensor, stop_token_ids: frozenset[int]) -> bool:
-        """The output so far is complete and the grammar allows nothing but a stop token next."""
-        if self.matcher.is_terminated():
-            return True
-        if not self.matcher.is_completed():
-            return False
-        self.matcher.fill_next_token_bitmask(scratch, 0)
-        row = scratch[0].clone()
-        for tid in stop_token_ids:
-            if tid < row.numel() * 32:
-                row[tid // 32] &= ~(1 << (tid % 32))
-        return not bool(row.any())
-
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         if self.matcher.is_terminated():
-            bitmask[row].zero_()  # only reached with ignore_eos after a stop: no token is valid
+            bitmask[row].zero_()  # nothing may follow a stop token (the engine finishes the request on it)
             return
         self.matcher.fill_next_token_bitmask(bitmask, row)
 

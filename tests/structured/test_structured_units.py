@@ -87,8 +87,12 @@ def test_matcher_sync_rolls_back_and_checks_drafts(manager):
     assert grammar.fill_draft_bitmasks(mask, 0, ids[1:]) == len(ids)
     allowed = unpack_bitmask(mask, tok.vocab_size)
     assert all(allowed[i, t] for i, t in enumerate(ids[1:]))
-    grammar.sync(ids)
-    assert grammar.is_complete_and_closed(torch.zeros(1, mask.shape[1], dtype=torch.int32), mgr.stop_token_ids)
+    grammar.sync(ids)  # complete: the mask allows only the stop tokens, and only a stop token terminates it
+    grammar.fill_bitmask(mask, 0)
+    assert set(unpack_bitmask(mask[:1], tok.vocab_size)[0].nonzero().flatten().tolist()) == mgr.stop_token_ids
+    assert not grammar.is_terminated
+    grammar.sync(ids + [min(mgr.stop_token_ids)])
+    assert grammar.is_terminated
 
 
 def test_bitmask_op_masks_exactly_the_cleared_bits():
