@@ -24,7 +24,7 @@ from dsinfer.engine.detokenizer import IncrementalDetokenizer
 from dsinfer.engine.output_processor import ChildState, LogprobDecoder, ParentRequest
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.request import Request, RequestStatus
-from dsinfer.engine.sampling_params import SamplingParams
+from dsinfer.engine.sampling_params import SamplingParams, truncate_prompt
 from dsinfer.kvcache.manager import KVCacheManager
 from dsinfer.runner.model_runner import ModelRunner, RunnerOutput, StepHandle
 from dsinfer.scheduler.scheduler import Scheduler, SchedulerOutput
@@ -79,7 +79,7 @@ class LLMEngine:
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._prompt_ids(prompt)
-        token_ids = self._truncate_prompt(token_ids, params)
+        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.model_config.max_model_len)
         max_tokens = self._check_lengths(token_ids, params)
         params.validate_for_vocab(self.model_config.vocab_size)
         grammar = self._prepare_grammar(params)
@@ -173,16 +173,6 @@ class LLMEngine:
             return self._prompt_ids(prompt["prompt"])
         raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [...]}, got "
                          f"{type(prompt).__name__}")
-
-    def _truncate_prompt(self, token_ids: list[int], params: SamplingParams) -> list[int]:
-        """vLLM's truncate_prompt_tokens: keep the last k prompt tokens (the prompt text is reported as given).
-        -1 keeps as many as leave room for one output token (vLLM's max_model_len, which would leave none)."""
-        keep = params.truncate_prompt_tokens
-        if keep is None:
-            return token_ids
-        if keep == -1:
-            keep = self.model_config.max_model_len - 1
-        return token_ids[-keep:]
 
     def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
         limit = self.model_config.max_model_len

@@ -27,6 +27,14 @@ def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
         raise ValueError(f"{name} must not be NaN")
 
 
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens; -1 keeps as many as leave room for one
+    output token (vLLM keeps max_model_len, which would leave none); None keeps them all."""
+    if keep is None:
+        return token_ids
+    return token_ids[-(max_model_len - 1 if keep == -1 else keep):]
+
+
 @dataclass
 class SamplingParams:
     """Per-request decoding settings. Invalid values raise ``ValueError`` naming the field and its range.

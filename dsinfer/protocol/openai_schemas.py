@@ -118,6 +118,7 @@ class SamplingFields(WireModel):
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    truncate_prompt_tokens: Annotated[int, Field(strict=True, ge=-1, le=1 << 30)] | None = None  # vLLM's
     user: Annotated[str, Field(max_length=1024)] | None = None
     # vLLM-style structured outputs (at most one of these and response_format)
     structured_outputs: dict[str, Any] | None = None

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dsinfer.engine.outputs import RequestOutput
-from dsinfer.engine.sampling_params import SamplingParams
+from dsinfer.engine.sampling_params import SamplingParams, truncate_prompt
 from dsinfer.protocol.chat_output import ChatOutputParser, OutputDelta, parse_output
 from dsinfer.protocol.conversation import openai_chat_messages, openai_chat_tools
 from dsinfer.protocol.errors import ProtocolError
@@ -53,6 +53,13 @@ def sampling_fields(req: SamplingFields) -> dict[str, Any]:
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
     )
+
+
+def prompt_ids(ctx: ServingContext, req: SamplingFields, token_ids: list[int]) -> list[int]:
+    """The prompt the engine runs: ``truncate_prompt_tokens`` applied, so that max_tokens and usage count it."""
+    if req.truncate_prompt_tokens == 0:
+        raise ProtocolError("truncate_prompt_tokens must be >= 1 or -1, got 0", param="truncate_prompt_tokens")
+    return truncate_prompt(token_ids, req.truncate_prompt_tokens, ctx.max_model_len)
 
 
 def usage_now(req: SamplingFields, gen: Generation) -> dict[str, Any]:
@@ -115,9 +122,10 @@ async def chat_completions(request: Request):
             raise ProtocolError("a forced or strict tool choice cannot be combined with another structured-output "
                                 "constraint", param=field)
         structured, field = tool_constraint, "tools"
-    params = _params(ctx, req, len(encoded.token_ids), use_tools, structured)
+    ids = prompt_ids(ctx, req, encoded.token_ids)
+    params = _params(ctx, req, len(ids), use_tools, structured)
     await validate_structured_outputs(structured, field)
-    gen = Generation(ctx, encoded.token_ids, params, new_id("chatcmpl-"))
+    gen = Generation(ctx, ids, params, new_id("chatcmpl-"))
     parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools)
     if req.stream:
         outputs = await primed(request, gen.outputs())

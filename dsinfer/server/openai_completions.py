@@ -17,7 +17,7 @@ from dsinfer.protocol.sampling import build_sampling_params, check_prompt_ids, r
 from dsinfer.protocol.structured_request import structured_outputs_of, validate_structured_outputs
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.generation import Generation, primed
-from dsinfer.server.openai_chat import sampling_fields, usage_now
+from dsinfer.server.openai_chat import prompt_ids, sampling_fields, usage_now
 from dsinfer.server.sse import SSE_DONE, SSE_HEADERS, sse_data
 from dsinfer.server.streaming_errors import stream_error_payload
 
@@ -42,7 +42,7 @@ async def completions(request: Request):
         raise ProtocolError("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise ProtocolError(f"best_of must equal n ({req.n}), got {req.best_of}", param="best_of")
-    ids = _prompt_ids(ctx, req)
+    ids = prompt_ids(ctx, req, _prompt_ids(ctx, req))
     fields = sampling_fields(req)
     fields.update(
         max_tokens=resolve_max_tokens(req.max_tokens, len(ids), ctx.max_model_len, "max_tokens", "prompt",

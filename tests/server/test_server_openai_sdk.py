@@ -269,3 +269,20 @@ def test_wrong_api_key_is_401(server):
     bad = openai.OpenAI(base_url=server.v1, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_tail(client, server, model):
+    """vLLM's field: the engine runs the prompt's last k tokens, and usage counts those (chat and completions)."""
+    prompt = "one two three four five six seven eight nine ten"
+    full = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    cut = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 3})
+    assert full.usage.prompt_tokens > 3 and cut.usage.prompt_tokens == 3
+    tail = client.completions.create(model=model, prompt=" eight nine ten", max_tokens=2, temperature=0)
+    assert tail.usage.prompt_tokens == 3 and cut.choices[0].text == tail.choices[0].text
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, temperature=0,
+                                          extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+    for bad in (0, -2, "3"):
+        r = server.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "truncate_prompt_tokens": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
