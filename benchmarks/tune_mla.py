@@ -34,7 +34,8 @@ def tune_mla(budget: Budget, table: dict, shapes: list[tuple[int, int]] = SHAPES
     # slower), latent-chunked scores and keys-major tiles with the heads on the wgmma N side (session 4,
     # 0-30% slower), 64-row key tiles at 16 heads (session 6, B=256 1k at 16 programs per SM: 0.190-0.197 ms
     # against 0.153 for 32-row tiles), the TMA kernel holding the query in registers instead of re-reading it
-    # every tile (session 10, same shape: 0.185 ms against 0.152).
+    # every tile (session 10, same shape: 0.185 ms against 0.152), 2-warp tiles (session 10: 16-key 0.162 ms,
+    # 32-key 1.128 ms, 64-key 1.755 ms: the [16, 512] float32 accumulator no longer fits two warps' registers).
     tma = dict(tma=True)
     tiles = {16: [(16, 32, 4, 3, tma), (16, 32, 4, 2, tma), (16, 32, 4, 4, tma), (16, 16, 4, 3, tma),
                   (16, 32, 8, 3, tma), (16, 32, 4, 2, dict(reload_q=True))],
