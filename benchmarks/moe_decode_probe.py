@@ -3,7 +3,7 @@ layer's output the next one's input) replayed from one CUDA graph, per tile conf
 expert bytes the routing touches. For choosing decode tiles (split-K among them) where the tuner's one-launch
 timings are dominated by launch latency.
 
-    python3 benchmarks/moe_decode_probe.py [--only v2-lite,v3] [--tokens 1 8] [--pairs 0 5]
+    python3 benchmarks/moe_decode_probe.py [--only v2-lite,v3] [--tokens 1 8] [--pairs 0 5] [--buckets]
 """
 
 from __future__ import annotations
@@ -38,14 +38,17 @@ PAIRS = [(_tma(128, 128, 8, 3), _tma(128, 128, 4, 4)), (_tma(128, 128, 8, 3), No
          (_tma(64, 128, 4, 3), _tma(128, 128, 8, 3))]
 
 
-def _candidates(current: dict, pairs: list[int] | None = None) -> list[tuple[str, dict]]:
+def _candidates(current: dict, pairs: list[int] | None = None,
+                others: dict[str, dict] | None = None) -> list[tuple[str, dict]]:
     """(label, config): the table's config first and again last (the spread of the two is the noise), between
-    them the PAIRS (every key of both tiles given: a down tile does not inherit the gate/up's)."""
+    them the PAIRS (every key of both tiles given: a down tile does not inherit the gate/up's), then the
+    ``others`` (the table's configs of the other buckets: whether the bucket boundaries sit right)."""
     from dsinfer.ops.triton.moe import down_config
 
     table_up = {"tma": False, **{k: v for k, v in current.items() if k != "down"}}
     table_down = {"tma": False, "fuse_gu": False, **down_config(current)}
     out = [("table", current)]
+    out += [(f"bucket {name}", cfg) for name, cfg in (others or {}).items() if cfg != current]
     for up, down in (PAIRS if pairs is None else [PAIRS[i] for i in pairs]):
         g = {**table_up, "fuse_gu": False, **up} if up else table_up
         d = {**table_down, **down} if down else table_down
@@ -55,10 +58,11 @@ def _candidates(current: dict, pairs: list[int] | None = None) -> list[tuple[str
     return out
 
 
-def run_model(model: str, token_counts: list[int], bw: float, pairs: list[int] | None = None) -> None:
+def run_model(model: str, token_counts: list[int], bw: float, pairs: list[int] | None = None,
+              buckets: bool = False) -> None:
     from dsinfer.models.deepseek.blocks import FUSED_SHARED_MAX_TOKENS
     from dsinfer.ops.moe import with_shared
-    from dsinfer.ops.triton.moe import fused_moe_triton, moe_config
+    from dsinfer.ops.triton.moe import _config_table, fused_moe_triton, moe_config
 
     routed, shared, hidden, inter, top_k, fp8, num_layers = MODELS[model]
     e = routed + shared
@@ -97,7 +101,8 @@ def run_model(model: str, token_counts: list[int], bw: float, pairs: list[int] |
         print("| config | us per layer | of floor | max diff vs table |")
         print("| --- | --- | --- | --- |")
         ref = None
-        for label, cfg in _candidates(current, pairs):
+        others = _config_table().get(key, {}) if buckets else None
+        for label, cfg in _candidates(current, pairs, others):
             def chain(cfg=cfg, x0=x0, routes=routes, layers=layers):
                 x = x0
                 for (w13, w2, s13, s2), (weights, ids) in zip(layers, routes):
@@ -123,11 +128,12 @@ def main() -> None:  # one model at a time: run_model's weights are freed when i
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default="v2-lite,v3")
     p.add_argument("--tokens", type=int, nargs="+", default=[1])
-    p.add_argument("--pairs", type=int, nargs="+", default=None, help="indices into PAIRS (default: all)")
+    p.add_argument("--pairs", type=int, nargs="*", default=None, help="indices into PAIRS (default: all)")
+    p.add_argument("--buckets", action="store_true", help="also time the other buckets' configs of the table")
     args = p.parse_args()
     bw = measure_bandwidth()
     for model in args.only.split(","):
-        run_model(model, args.tokens, bw, args.pairs)
+        run_model(model, args.tokens, bw, args.pairs, args.buckets)
 
 
 if __name__ == "__main__":
