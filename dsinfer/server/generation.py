@@ -63,6 +63,7 @@ class Generation:
         self.first_token: float | None = None
         self.num_generated = 0
         self.num_cached = 0
+        self.choice_tokens = [0] * params.n  # tokens of each choice: the longest took the decode steps
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         gen = self.ctx.engine.generate({"prompt_token_ids": self.prompt_ids}, self.params, self.request_id)
@@ -73,7 +74,10 @@ class Generation:
                 self.num_cached = out.num_cached_tokens  # known from the first output on
                 if new and self.first_token is None:
                     self.first_token = time.monotonic()
-                self.num_generated += new if self.params.output_kind == 1 else 0
+                if self.params.output_kind == 1:  # DELTA
+                    self.num_generated += new
+                    for c in out.outputs:
+                        self.choice_tokens[c.index] += len(c.token_ids)
                 if out.finished:
                     finished = True
                     self._finish(out)
@@ -84,10 +88,13 @@ class Generation:
     def _finish(self, out: RequestOutput) -> None:
         if self.params.output_kind != 1:  # not DELTA: the final output holds every token
             self.num_generated = sum(len(c.token_ids) for c in out.outputs)
+            for c in out.outputs:
+                self.choice_tokens[c.index] = len(c.token_ids)
         self.num_cached = out.num_cached_tokens
         now = time.monotonic()
         ttft = None if self.first_token is None else self.first_token - self.start
-        self.ctx.metrics.record_request(len(self.prompt_ids), self.num_generated, ttft, now - self.start)
+        self.ctx.metrics.record_request(len(self.prompt_ids), self.num_generated, ttft, now - self.start,
+                                        max(self.choice_tokens, default=0))
 
     async def final(self, request: Request) -> RequestOutput:
         """The finished output (FINAL_ONLY params), aborting the request if the client leaves."""

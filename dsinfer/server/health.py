@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -42,8 +43,25 @@ async def version(request: Request) -> dict:
 
 
 def _model_card(ctx: ServingContext, name: str) -> dict:
-    return {"id": name, "object": "model", "created": _STARTED, "owned_by": "dsinfer",
-            "max_model_len": ctx.max_model_len}
+    """vLLM's model card: ``root`` is the model's own name (not its path on this machine), ``permission`` the
+    fixed one entry vLLM gives."""
+    root = getattr(ctx.engine.model_config, "served_model_name", None) or name
+    permission = {
+        "id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_URL, name).hex}",
+        "object": "model_permission",
+        "created": _STARTED,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+    return {"id": name, "object": "model", "created": _STARTED, "owned_by": "dsinfer", "root": root,
+            "parent": None, "max_model_len": ctx.max_model_len, "permission": [permission]}
 
 
 @router.get("/v1/models")

@@ -212,6 +212,7 @@ async def _stream(
     }
     parsers = [ChatOutputParser(**parser_kwargs) for _ in range(req.n)]
     num_calls = [0] * req.n
+    ended = [False] * req.n  # the engine keeps reporting a finished choice while its siblings run
     for i in range(req.n):
         choice = {
             "index": i,
@@ -223,6 +224,9 @@ async def _stream(
     try:
         async for out in outputs:
             for c in out.outputs:
+                if ended[c.index]:
+                    continue
+                ended[c.index] = c.finish_reason is not None
                 delta = parsers[c.index].feed(c.text)
                 if c.finish_reason is not None:
                     delta.extend(parsers[c.index].finish())

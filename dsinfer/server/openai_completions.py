@@ -115,11 +115,13 @@ async def _stream(
     }
     offsets = [len(echo)] * req.n
     echoed = [not echo] * req.n
+    ended = [False] * req.n  # the engine keeps reporting a finished choice while its siblings run
     try:
         async for out in outputs:
             for c in out.outputs:
-                if not c.text and not c.token_ids and c.finish_reason is None:
+                if ended[c.index] or (not c.text and not c.token_ids and c.finish_reason is None):
                     continue
+                ended[c.index] = c.finish_reason is not None
                 prefix = "" if echoed[c.index] else echo
                 echoed[c.index] = True
                 choice, offsets[c.index] = _choice(ctx, req, c, prefix, offsets[c.index], out)
