@@ -44,7 +44,7 @@ class LLM:
         """Run every prompt to completion; outputs come back in the order of the prompts."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        if not isinstance(prompts, Iterable):
+        if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray)):
             raise ValueError("prompts must be a prompt (str, {'prompt': str} or {'prompt_token_ids': [...]}) or a "
                              f"list of them, got {type(prompts).__name__}")
         prompts = list(prompts)

@@ -98,6 +98,7 @@ def responses_tools(req: rs.ResponsesRequest) -> list[dict[str, Any]] | None:
 
 
 _MIN_THINKING_BUDGET = 1024  # Anthropic's floor for thinking.budget_tokens
+_BLANK_TEXT = "text content blocks must contain non-whitespace text"  # Anthropic's message
 
 
 def _check_thinking(req: an.CountTokensRequest) -> None:
@@ -120,8 +121,8 @@ def anthropic_messages(req: an.CountTokensRequest) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if isinstance(req.system, list):
         for j, block in enumerate(req.system):
-            if not block.text:
-                raise ProtocolError("text content blocks must be non-empty", param=f"system.{j}.text")
+            if not block.text.strip():
+                raise ProtocolError(_BLANK_TEXT, param=f"system.{j}.text")
     system = (
         req.system
         if isinstance(req.system, str) or req.system is None
@@ -142,8 +143,8 @@ def anthropic_messages(req: an.CountTokensRequest) -> list[dict[str, Any]]:
         for j, block in enumerate(m.content):
             param = f"messages.{i}.content.{j}"
             if block.type == "text":
-                if not block.text:
-                    raise ProtocolError("text content blocks must be non-empty", param=f"{param}.text")
+                if not block.text.strip():
+                    raise ProtocolError(_BLANK_TEXT, param=f"{param}.text")
                 texts.append(block.text)
             elif block.type == "tool_use" and m.role == "assistant":
                 calls.append(

@@ -122,9 +122,9 @@ def _replace_lone_surrogates(body: bytes) -> bytes | None:
     accepts them (it pairs the valid ones), so the body is parsed once more by it and the values cleaned."""
     if not _SURROGATE_ESCAPE.search(body):
         return None
-    try:
-        value = json.loads(body)
-    except ValueError:  # invalid for another reason too: the first error stands
+    try:  # decoded first: json.loads(bytes) would also take a BOM or raw surrogate bytes, which pydantic refuses
+        value = json.loads(body.decode("utf-8"))
+    except ValueError:  # invalid for another reason too (UnicodeDecodeError included): the first error stands
         return None
     return json.dumps(without_surrogates(value), ensure_ascii=False).encode()
 

@@ -57,7 +57,7 @@ def test_completion_finished_is_a_method_as_in_vllm(smollm2_llm):
     assert out.finished and out.outputs[0].finished() is True
 
 
-@pytest.mark.parametrize("prompts", [5, None, 2.5])
+@pytest.mark.parametrize("prompts", [5, None, 2.5, b"Hello"])
 def test_prompts_of_the_wrong_type_are_value_errors(smollm2_llm, prompts):
     with pytest.raises(ValueError, match="prompts must be"):
         smollm2_llm.generate(prompts, SamplingParams(**GREEDY), use_tqdm=False)

@@ -147,6 +147,8 @@ USER = {"role": "user", "content": "Hi"}
     {"messages": [USER], "tools": [{"name": "f"}], "tool_choice": {"type": "tool", "name": "g"}},
     {"messages": [USER], "tools": [{"name": "f", "input_schema": {"type": "nope"}}], "tool_choice": {"type": "any"}},
     {"messages": [USER], "system": [{"type": "text", "text": ""}]},
+    {"messages": [USER], "system": [{"type": "text", "text": " \n"}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "  "}]}]},
     {"messages": [USER], "thinking": {"type": "enabled"}},
     {"messages": [USER], "thinking": {"type": "enabled", "budget_tokens": 1023}},
 ])

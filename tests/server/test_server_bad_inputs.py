@@ -182,6 +182,9 @@ def test_lone_surrogate_escapes_become_replacement_characters(server):
     assert error.status_code == 400 and error.json()["error"]["type"] == "invalid_request_error", error.text
     # a body that is invalid for another reason keeps its JSON error
     assert "JSON" in check_bad(server, CHAT, 400, content=f'{{"prompt": "{lone}",'.encode())["message"]
+    # the second parse takes no more than the first: a UTF-8 BOM is refused with a surrogate as without one
+    bom = b"\xef\xbb\xbf" + f'{{"messages": {user}, "max_tokens": 2}}'.encode()
+    assert check_bad(server, CHAT, 400, content=bom, **{"content-type": "application/json"})
     assert server.alive()
 
 
