@@ -1,7 +1,9 @@
 """Per-request output state: detokenized text, logprob objects, and the RequestOutput a user sees.
 
 A user request with ``n > 1`` runs as n engine requests (children); ``ParentRequest`` gathers them into one
-RequestOutput whose ``outputs[i]`` is child i.
+RequestOutput whose ``outputs[i]`` is child i. Streamed (DELTA) outputs carry only the children with something
+to say: a child that finished before its siblings is reported once, with its finish_reason, as in vLLM; each
+completion carries its ``index``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class ChildState:
     detokenizer: IncrementalDetokenizer | None
     text_sent_tokens: int = 0  # token ids already returned as deltas
     logprobs_sent: int = 0
+    finish_sent: bool = False  # DELTA: its finish was reported (it is left out of later outputs)
 
 
 @dataclass
@@ -71,7 +74,8 @@ class ParentRequest:
             return None
         self.mark_finished_time()  # the final output carries it (it is made before the parent is retired)
         first = self.children[0].request
-        completions = [self._completion(c, kind) for c in self.children]
+        live = self.children if kind != RequestOutputKind.DELTA else [c for c in self.children if not c.finish_sent]
+        completions = [self._completion(c, kind) for c in live]
         metrics = RequestMetrics(self.arrival_time, first.first_scheduled_time, first.first_token_time,
                                  self.finished_time, max(first.num_cached_tokens, 0))
         prompt_lp = first.prompt_logprobs if first.needs_prompt_logprobs else None
@@ -87,6 +91,7 @@ class ParentRequest:
             token_ids = req.output_token_ids[child.text_sent_tokens:]
             logprobs = req.logprobs[child.logprobs_sent:] if req.params.logprobs is not None else None
             child.text_sent_tokens, child.logprobs_sent = req.num_output_tokens, len(req.logprobs)
+            child.finish_sent = done
         else:
             text = child.detokenizer.visible_text(done) if child.detokenizer else ""
             token_ids = list(req.output_token_ids)

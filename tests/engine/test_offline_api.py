@@ -61,3 +61,25 @@ def test_completion_finished_is_a_method_as_in_vllm(smollm2_llm):
 def test_prompts_of_the_wrong_type_are_value_errors(smollm2_llm, prompts):
     with pytest.raises(ValueError, match="prompts must be"):
         smollm2_llm.generate(prompts, SamplingParams(**GREEDY), use_tqdm=False)
+
+
+def test_streamed_choices_report_their_finish_once(smollm2_llm):
+    """DELTA outputs of n > 1: a choice that stops before its siblings is in one output with its finish_reason and
+    in none after it (vLLM's streaming); the deltas add up to the whole answer."""
+    from dsinfer.engine.sampling_params import RequestOutputKind
+
+    engine = smollm2_llm.engine
+    params = dict(n=3, max_tokens=25, temperature=0.9, seed=1, stop=["."])  # choices end after 19, 7 and 25 tokens
+    (whole,) = smollm2_llm.generate("Once upon a time", SamplingParams(**params), use_tqdm=False)
+    engine.add_request("stream-n3", "Once upon a time", SamplingParams(**params, output_kind=RequestOutputKind.DELTA))
+    texts, ends, step = ["", "", ""], [[], [], []], 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for c in out.outputs:
+                assert not ends[c.index], f"choice {c.index} reported after its finish"
+                texts[c.index] += c.text
+                if c.finish_reason is not None:
+                    ends[c.index].append(step)
+        step += 1
+    assert all(len(e) == 1 for e in ends) and len({e[0] for e in ends}) > 1, ends
+    assert texts == [c.text for c in sorted(whole.outputs, key=lambda c: c.index)]
