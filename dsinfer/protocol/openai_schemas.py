@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictBool, StrictStr, field_validator, model_validator
+from pydantic import Field, StrictBool, StrictStr, ValidationInfo, field_validator, model_validator
 
 from dsinfer.protocol.fields import (
     Bias,
@@ -152,11 +152,13 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: StrictBool = False  # vLLM's: the last (assistant) message is continued, not closed
 
 
+# a batch is one engine request per prompt, each with n choices: their count, prompts x n, has n's cap
+MAX_BATCH_CHOICES = 128
 Prompt = (
     StrictStr
     | Annotated[list[TokenId], Field(min_length=1)]
-    | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
-    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)]
+    | Annotated[list[StrictStr], Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
 )
 
 
@@ -171,7 +173,15 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> Any:
-        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
-            raise ValueError(f"a batch of {len(prompt)} prompts is not supported: send one prompt per request")
+    def _batch(cls, prompt: Any, info: ValidationInfo) -> Any:
+        """A batch (a list of strings or of token-id lists) is checked before its items: its size first, so a
+        huge one is refused without parsing it, and a mix of both kinds gets a plain message, not a union's."""
+        if not isinstance(prompt, list) or not prompt or not isinstance(prompt[0], str | list):
+            return prompt
+        n = info.data.get("n", 1)  # n comes first; when it is invalid its own error is the one reported
+        if len(prompt) * n > MAX_BATCH_CHOICES:
+            raise ValueError(f"a batch of {len(prompt)} prompts with n={n} asks for {len(prompt) * n} choices; "
+                             f"at most {MAX_BATCH_CHOICES} (prompts x n) are allowed")
+        if not all(isinstance(p, type(prompt[0])) for p in prompt):
+            raise ValueError("a batch of prompts must be all strings or all lists of token ids")
         return prompt

@@ -1,10 +1,11 @@
-"""Running one request on the AsyncEngine for a route: disconnect-aware waiting and latency metrics."""
+"""Running requests on the AsyncEngine for a route: one, or a batch answered as one (a completions request with
+several prompts); disconnect-aware waiting and latency metrics."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -65,7 +66,7 @@ class Generation:
         self.num_cached = 0
         self.choice_tokens = [0] * params.n  # tokens of each choice: the longest took the decode steps
 
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
+    async def outputs(self) -> AsyncGenerator[RequestOutput, None]:
         gen = self.ctx.engine.generate({"prompt_token_ids": self.prompt_ids}, self.params, self.request_id)
         finished = False
         async with aclosing(gen):
@@ -98,16 +99,15 @@ class Generation:
 
     async def final(self, request: Request) -> RequestOutput:
         """The finished output (FINAL_ONLY params), aborting the request if the client leaves."""
+        return await until_disconnect(request, self.last())
 
-        async def last() -> RequestOutput:
-            result = None
-            async for out in self.outputs():
-                result = out
-            if result is None:
-                raise ProtocolError("the engine returned no output", status=500)
-            return result
-
-        return await until_disconnect(request, last())
+    async def last(self) -> RequestOutput:
+        result = None
+        async for out in self.outputs():
+            result = out
+        if result is None:
+            raise ProtocolError("the engine returned no output", status=500)
+        return result
 
     def usage(self) -> dict[str, Any]:
         return {
@@ -129,3 +129,99 @@ async def primed(request: Request, stream: AsyncIterator[T]) -> AsyncIterator[T]
                 yield item
 
     return rest()
+
+
+async def _all_of(coroutines: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Every result, run together. When one fails (or this is cancelled) the others are cancelled and waited for,
+    so that their cleanup (the engine aborts) has run before the error goes on."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()  # nothing to a finished one
+        await asyncio.wait(tasks)
+
+
+class Batch:
+    """Several generations answered as one (a completions request with several prompts: one engine request each,
+    each recording its own metrics); one failing, or the client leaving, aborts them all."""
+
+    def __init__(self, gens: list[Generation]):
+        self.gens = gens
+
+    async def finals(self, request: Request) -> list[RequestOutput]:
+        """Every generation's finished output (FINAL_ONLY params), in order."""
+
+        async def lasts() -> list[RequestOutput]:
+            return await _all_of([gen.last() for gen in self.gens])
+
+        return await until_disconnect(request, lasts())
+
+    async def outputs(self, request: Request) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every generation started and its first output awaited before answering, as ``primed`` (an early error
+        is a 4xx response and leaves nothing running); then the outputs of all as they come, each with the index
+        of its generation. An error in one ends the iterator with it; closing the iterator aborts them all."""
+        streams = [gen.outputs() for gen in self.gens]
+
+        async def first(stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+            return await anext(stream)
+
+        async def firsts() -> list[RequestOutput]:
+            try:
+                return await _all_of([first(stream) for stream in streams])
+            except BaseException:
+                for stream in streams:  # those that gave their first output wait there: closing them aborts
+                    await stream.aclose()
+                raise
+
+        return _merged(streams, await until_disconnect(request, firsts()))
+
+    def usage(self) -> dict[str, Any]:
+        """The generations' usage summed (the prompts' tokens and every choice's)."""
+        total: dict[str, Any] = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
+        for gen in self.gens:
+            usage = gen.usage()
+            for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+                total[key] += usage[key]
+            total["prompt_tokens_details"]["cached_tokens"] += usage["prompt_tokens_details"]["cached_tokens"]
+        return total
+
+
+async def _merged(streams: list[AsyncGenerator[T, None]], firsts: list[T]) -> AsyncIterator[tuple[int, T]]:
+    """``firsts`` (each stream's first item, already taken), then the streams' other items as they come, tagged
+    with their stream's index. A task per stream feeds one queue (bounded: a slow client holds the outputs back
+    in the engine's streams, as with one request); whatever ends the iterator (the last item, an error, the client
+    leaving) cancels the tasks and closes the streams: the engine aborts the requests still running."""
+    queue: asyncio.Queue[tuple[int, T | None, Exception | None]] = asyncio.Queue(maxsize=len(streams))
+
+    async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
+        try:
+            async with aclosing(stream):
+                async for item in stream:
+                    await queue.put((index, item, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((index, None, exc))
+            return
+        await queue.put((index, None, None))  # this stream is done
+
+    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
+    try:
+        for index, item in enumerate(firsts):
+            yield index, item
+        running = len(tasks)
+        while running:
+            index, item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is None:
+                running -= 1
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
+        for stream in streams:  # a task cancelled before it ran never opened its stream: close it here
+            await stream.aclose()

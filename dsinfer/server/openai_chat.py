@@ -212,7 +212,6 @@ async def _stream(
     }
     parsers = [ChatOutputParser(**parser_kwargs) for _ in range(req.n)]
     num_calls = [0] * req.n
-    ended = [False] * req.n  # the engine keeps reporting a finished choice while its siblings run
     for i in range(req.n):
         choice = {
             "index": i,
@@ -223,10 +222,7 @@ async def _stream(
         yield sse_data({**base, "choices": [choice], **usage_now(req, gen)})
     try:
         async for out in outputs:
-            for c in out.outputs:
-                if ended[c.index]:
-                    continue
-                ended[c.index] = c.finish_reason is not None
+            for c in out.outputs:  # a streamed output holds the choices with news; a finished one once
                 delta = parsers[c.index].feed(c.text)
                 if c.finish_reason is not None:
                     delta.extend(parsers[c.index].finish())

@@ -1,4 +1,4 @@
-"""POST /v1/completions (one prompt per request; streaming and not)."""
+"""POST /v1/completions (one prompt or a batch of them, n choices each; streaming and not)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dsinfer.engine.outputs import RequestOutput
+from dsinfer.engine.sampling_params import SamplingParams
 from dsinfer.protocol.errors import ProtocolError
 from dsinfer.protocol.logprobs import completion_logprobs, prompt_completion_logprobs
 from dsinfer.protocol.openai_schemas import CompletionRequest
 from dsinfer.protocol.sampling import build_sampling_params, check_prompt_ids, resolve_max_tokens
 from dsinfer.protocol.structured_request import structured_outputs_of, validate_structured_outputs
 from dsinfer.server.context import ServingContext, new_id, parse_body
-from dsinfer.server.generation import Generation, primed
+from dsinfer.server.generation import Batch, Generation
 from dsinfer.server.openai_chat import prompt_ids, sampling_fields, usage_now
 from dsinfer.server.sse import SSE_DONE, SSE_HEADERS, sse_data
 from dsinfer.server.streaming_errors import stream_error_payload
@@ -24,13 +25,45 @@ from dsinfer.server.streaming_errors import stream_error_payload
 router = APIRouter()
 
 
-def _prompt_ids(ctx: ServingContext, req: CompletionRequest) -> list[int]:
+def _prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts: one (a string or a token-id list), or a batch of either kind."""
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # the schema allows exactly one element
-    ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    check_prompt_ids(ids, ctx.vocab_size)
-    return ids
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def _prepared(ctx: ServingContext, req: CompletionRequest,
+              structured: dict[str, Any] | None) -> list[tuple[list[int], SamplingParams]]:
+    """Every prompt's token ids and params, all checked before any runs (a batch with one bad prompt runs none);
+    a batch's errors say which prompt."""
+    prompts = _prompts(req)
+    fields = sampling_fields(req)
+    fields["logprobs"] = req.logprobs
+    fields["structured_outputs"] = structured
+    # the params differ by max_tokens and prompt_logprobs only: built once per distinct pair, as their checks
+    # walk every id list (allowed_token_ids, logit_bias)
+    params: dict[tuple[int, int | None], SamplingParams] = {}
+    prepared = []
+    for k, prompt in enumerate(prompts):
+        try:
+            ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            check_prompt_ids(ids, ctx.vocab_size)
+            ids = prompt_ids(ctx, req, ids)
+            max_tokens = resolve_max_tokens(req.max_tokens, len(ids), ctx.max_model_len, "max_tokens", "prompt",
+                                            clamp="max_tokens" not in req.model_fields_set)
+        except ProtocolError as exc:
+            if len(prompts) > 1 and exc.param in ("prompt", "max_tokens"):
+                exc.message = f"prompt {k} of the batch: {exc.message}"
+            raise
+        # echo with logprobs scores the prompt too (its first token has none: a one-token prompt needs no scores)
+        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None and len(ids) > 1 else None
+        key = (max_tokens, prompt_logprobs)
+        if key not in params:
+            params[key] = build_sampling_params({**fields, "max_tokens": max_tokens,
+                                                 "prompt_logprobs": prompt_logprobs}, ctx.vocab_size, req.stream)
+        prepared.append((ids, params[key]))
+    return prepared
 
 
 @router.post("/v1/completions")
@@ -42,28 +75,20 @@ async def completions(request: Request):
         raise ProtocolError("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise ProtocolError(f"best_of must equal n ({req.n}), got {req.best_of}", param="best_of")
-    ids = prompt_ids(ctx, req, _prompt_ids(ctx, req))
-    fields = sampling_fields(req)
-    fields.update(
-        max_tokens=resolve_max_tokens(req.max_tokens, len(ids), ctx.max_model_len, "max_tokens", "prompt",
-                                      clamp="max_tokens" not in req.model_fields_set),
-        logprobs=req.logprobs,
-        # echo with logprobs scores the prompt too (its first token has none: a one-token prompt needs no scores)
-        prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None and len(ids) > 1 else None,
-    )
     structured, field = structured_outputs_of(req)
-    fields["structured_outputs"] = structured
-    params = build_sampling_params(fields, ctx.vocab_size, req.stream)
+    prepared = _prepared(ctx, req, structured)
     await validate_structured_outputs(structured, field)
-    gen = Generation(ctx, ids, params, new_id("cmpl-"))
-    echo = ctx.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else ""
+    request_id = new_id("cmpl-")
+    # one engine request per prompt (vLLM's ids: the answer's, then "-k"); a single prompt's is the answer's
+    ids_of = [request_id] if len(prepared) == 1 else [f"{request_id}-{k}" for k in range(len(prepared))]
+    batch = Batch([Generation(ctx, ids, params, rid) for (ids, params), rid in zip(prepared, ids_of)])
+    echoes = [ctx.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else "" for ids, _ in prepared]
     if req.stream:
-        outputs = await primed(request, gen.outputs())
-        return StreamingResponse(
-            _stream(ctx, req, gen, outputs, echo), media_type="text/event-stream", headers=SSE_HEADERS
-        )
-    out = await gen.final(request)
-    return JSONResponse(_response(ctx, req, gen, out, echo))
+        outputs = await batch.outputs(request)
+        body = _stream(ctx, req, request_id, batch, outputs, echoes)
+        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+    outs = await batch.finals(request)
+    return JSONResponse(_response(ctx, req, request_id, batch, outs, echoes))
 
 
 def _choice(ctx: ServingContext, req: CompletionRequest, c: Any, echo: str, offset: int,
@@ -85,17 +110,20 @@ def _choice(ctx: ServingContext, req: CompletionRequest, c: Any, echo: str, offs
     return choice, offset
 
 
-def _response(
-    ctx: ServingContext, req: CompletionRequest, gen: Generation, out: RequestOutput, echo: str
-) -> dict[str, Any]:
-    choices = [_choice(ctx, req, c, echo, len(echo), out)[0] for c in sorted(out.outputs, key=lambda c: c.index)]
+def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, batch: Batch,
+              outs: list[RequestOutput], echoes: list[str]) -> dict[str, Any]:
+    choices = []
+    for k, (out, echo) in enumerate(zip(outs, echoes)):
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            choice = _choice(ctx, req, c, echo, len(echo), out)[0]
+            choices.append({**choice, "index": k * req.n + c.index})  # prompt k's choices follow prompt k-1's
     return {
-        "id": gen.request_id,
+        "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": ctx.reported_model(req.model),
         "choices": choices,
-        "usage": gen.usage(),
+        "usage": batch.usage(),
         "system_fingerprint": None,
     }
 
@@ -103,32 +131,33 @@ def _response(
 async def _stream(
     ctx: ServingContext,
     req: CompletionRequest,
-    gen: Generation,
-    outputs: AsyncIterator[RequestOutput],
-    echo: str,
+    request_id: str,
+    batch: Batch,
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    echoes: list[str],
 ) -> AsyncIterator[str]:
     base = {
-        "id": gen.request_id,
+        "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": ctx.reported_model(req.model),
     }
-    offsets = [len(echo)] * req.n
-    echoed = [not echo] * req.n
-    ended = [False] * req.n  # the engine keeps reporting a finished choice while its siblings run
+    # per choice of the answer: prompt k's choice i is k * n + i
+    offsets = [len(echo) for echo in echoes for _ in range(req.n)]
+    echoed = [not echo for echo in echoes for _ in range(req.n)]
     try:
-        async for out in outputs:
-            for c in out.outputs:
-                if ended[c.index] or (not c.text and not c.token_ids and c.finish_reason is None):
+        async for k, out in outputs:
+            for c in out.outputs:  # the choices with news; a finished one once
+                index = k * req.n + c.index
+                if not c.text and not c.token_ids and c.finish_reason is None:
                     continue
-                ended[c.index] = c.finish_reason is not None
-                prefix = "" if echoed[c.index] else echo
-                echoed[c.index] = True
-                choice, offsets[c.index] = _choice(ctx, req, c, prefix, offsets[c.index], out)
-                yield sse_data({**base, "choices": [choice], **usage_now(req, gen)})
+                prefix = "" if echoed[index] else echoes[k]
+                echoed[index] = True
+                choice, offsets[index] = _choice(ctx, req, c, prefix, offsets[index], out)
+                yield sse_data({**base, "choices": [{**choice, "index": index}], **usage_now(req, batch)})
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
         yield sse_data(stream_error_payload(exc))
         return
     if req.stream_options is not None and req.stream_options.include_usage:
-        yield sse_data({**base, "choices": [], "usage": gen.usage()})
+        yield sse_data({**base, "choices": [], "usage": batch.usage()})
     yield SSE_DONE

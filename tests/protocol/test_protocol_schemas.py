@@ -68,10 +68,14 @@ def test_valid_request_maps_to_sampling_params():
     assert (params.max_tokens, params.n, params.seed, params.stop) == (8, 2, 3, ["x"])
 
 
-def test_completion_prompt_accepts_one_prompt_only():
-    CompletionRequest.model_validate_json('{"prompt": [1, 2, 3]}')
-    with pytest.raises(ValueError):
-        CompletionRequest.model_validate_json('{"prompt": ["a", "b"]}')
+def test_completion_prompt_takes_a_batch_of_strings_or_token_lists():
+    assert CompletionRequest.model_validate_json('{"prompt": [1, 2, 3]}').prompt == [1, 2, 3]
+    assert CompletionRequest.model_validate_json('{"prompt": ["a", "b"], "n": 2}').prompt == ["a", "b"]
+    assert CompletionRequest.model_validate_json('{"prompt": [[1], [2, 3]]}').prompt == [[1], [2, 3]]
+    assert len(CompletionRequest.model_validate({"prompt": ["a"] * 32, "n": 4}).prompt) == 32  # 128 choices
+    for body in ('{"prompt": []}', '{"prompt": [[1], []]}', '{"prompt": [[1], [-1]]}', '{"prompt": ["a", 3]}'):
+        with pytest.raises(ValueError):
+            CompletionRequest.model_validate_json(body)
 
 
 def test_out_of_vocab_logit_bias_is_a_400():
@@ -161,8 +165,14 @@ def test_validation_messages_name_the_field_plainly():
             schema.model_validate(body)
         return describe_validation_errors(err.value.errors(include_url=False))
 
-    assert message(CompletionRequest, {"model": "m", "prompt": ["a", "b"]}) == (
-        "prompt: a batch of 2 prompts is not supported: send one prompt per request (got list)", "prompt")
+    assert message(CompletionRequest, {"model": "m", "prompt": ["a", "b"], "n": 65}) == (
+        "prompt: a batch of 2 prompts with n=65 asks for 130 choices; at most 128 (prompts x n) are allowed "
+        "(got list)", "prompt")
+    assert message(CompletionRequest, {"model": "m", "prompt": ["a"] * 129}) == (
+        "prompt: a batch of 129 prompts with n=1 asks for 129 choices; at most 128 (prompts x n) are allowed "
+        "(got list)", "prompt")
+    assert message(CompletionRequest, {"model": "m", "prompt": [[1], "a"]}) == (
+        "prompt: a batch of prompts must be all strings or all lists of token ids (got list)", "prompt")
     assert message(ChatCompletionRequest, {"model": "m"}) == ("messages: Field required", "messages")
 
 
