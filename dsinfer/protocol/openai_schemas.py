@@ -118,7 +118,8 @@ class SamplingFields(WireModel):
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
-    truncate_prompt_tokens: Annotated[int, Field(strict=True, ge=-1, le=1 << 30)] | None = None  # vLLM's
+    # vLLM's: keep the prompt's last k tokens; -1 as many as leave room for one output token
+    truncate_prompt_tokens: Annotated[int, Field(strict=True, ge=-1, le=1 << 30)] | None = None
     user: Annotated[str, Field(max_length=1024)] | None = None
     # vLLM-style structured outputs (at most one of these and response_format)
     structured_outputs: dict[str, Any] | None = None
@@ -127,6 +128,13 @@ class SamplingFields(WireModel):
     guided_choice: Annotated[list[Annotated[str, Field(min_length=1, max_length=65536)]],
                              Field(min_length=1, max_length=1024)] | None = None
     guided_grammar: Annotated[str, Field(min_length=1, max_length=1 << 20)] | None = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _no_zero_truncation(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("must be >= 1 or -1")
+        return value
 
     @field_validator("logit_bias")
     @classmethod

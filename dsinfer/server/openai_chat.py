@@ -21,7 +21,7 @@ from dsinfer.protocol.sampling import build_sampling_params, logit_bias_ids, res
 from dsinfer.protocol.structured_request import structured_outputs_of, validate_structured_outputs
 from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint
 from dsinfer.server.context import ServingContext, new_id, parse_body
-from dsinfer.server.generation import Generation, primed
+from dsinfer.server.generation import Batch, Generation, primed
 from dsinfer.server.sse import SSE_DONE, SSE_HEADERS, sse_data
 from dsinfer.server.streaming_errors import stream_error_payload
 
@@ -57,12 +57,10 @@ def sampling_fields(req: SamplingFields) -> dict[str, Any]:
 
 def prompt_ids(ctx: ServingContext, req: SamplingFields, token_ids: list[int]) -> list[int]:
     """The prompt the engine runs: ``truncate_prompt_tokens`` applied, so that max_tokens and usage count it."""
-    if req.truncate_prompt_tokens == 0:
-        raise ProtocolError("truncate_prompt_tokens must be >= 1 or -1, got 0", param="truncate_prompt_tokens")
     return truncate_prompt(token_ids, req.truncate_prompt_tokens, ctx.max_model_len)
 
 
-def usage_now(req: SamplingFields, gen: Generation) -> dict[str, Any]:
+def usage_now(req: SamplingFields, gen: Generation | Batch) -> dict[str, Any]:
     """``{"usage": ...}`` for every streamed chunk when ``stream_options`` asks for continuous usage stats (with
     include_usage, as vLLM), else nothing."""
     options = req.stream_options
