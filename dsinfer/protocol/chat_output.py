@@ -24,16 +24,21 @@ class OutputDelta:
 
 
 class ChatOutputParser:
-    """``feed(delta_text)`` → OutputDelta; ``finish()`` → the rest. ``total`` accumulates everything."""
+    """``feed(delta_text)`` → OutputDelta; ``finish()`` → the rest. ``total`` accumulates everything.
+
+    ``max_calls``: the calls after that many are dropped, their markup with them, as vLLM answers
+    ``parallel_tool_calls`` false."""
 
     def __init__(
         self,
         reasoning: bool = False,
         in_reasoning: bool = False,
         tool_parser: type[ToolCallParser] | None = None,
+        max_calls: int | None = None,
     ):
         self._reasoning = ReasoningParser(in_reasoning) if reasoning or in_reasoning else None
         self._tools = tool_parser() if tool_parser else None
+        self._max_calls = max_calls
         self.total = OutputDelta()
 
     def feed(self, delta: str) -> OutputDelta:
@@ -54,6 +59,8 @@ class ChatOutputParser:
                 rest, calls = self._tools.finish()
                 out.content += rest
                 out.tool_calls.extend(calls)
+            if self._max_calls is not None:
+                out.tool_calls = out.tool_calls[: max(0, self._max_calls - len(self.total.tool_calls))]
         self.total.extend(out)
         return out
 

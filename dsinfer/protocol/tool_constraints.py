@@ -36,11 +36,12 @@ class ToolSpec:
 
 
 def tool_call_constraint(tools: list[ToolSpec], choice: str, parser: type[ToolCallParser] | None,
-                         name: str | None = None) -> dict[str, Any] | None:
+                         name: str | None = None, parallel: bool = True) -> dict[str, Any] | None:
     """The ``structured_outputs`` dict that enforces the request's tool choice, or None when nothing is forced.
 
     ``choice``: "auto", "none", "required" (a call to some tool; Anthropic's "any") or "named" (a call to the
-    tool ``name``; OpenAI's named function, Anthropic's "tool"). A forced choice without tools, or a name that is
+    tool ``name``; OpenAI's named function, Anthropic's "tool"); ``parallel`` false: the answer ends after a first
+    strict call under "auto" too (``parallel_tool_calls`` false). A forced choice without tools, or a name that is
     not among the tools, is a 400 whatever the model's tool format."""
     if choice in ("required", "named") and not tools:
         raise ProtocolError("tool_choice forces a tool call, but the request has no tools", param="tool_choice")
@@ -61,5 +62,6 @@ def tool_call_constraint(tools: list[ToolSpec], choice: str, parser: type[ToolCa
     if not chosen:
         return None
     fmt = {"type": "triggered_tags", "triggers": ["<tool_call>"],
-           "tags": [_tag(f.name, f.parameters) for f in chosen], "at_least_one": forced, "stop_after_first": forced}
+           "tags": [_tag(f.name, f.parameters) for f in chosen], "at_least_one": forced,
+           "stop_after_first": forced or not parallel}
     return {"structural_tag": {"type": "structural_tag", "format": fmt}}

@@ -83,7 +83,8 @@ async def messages(request: Request):
         fields["skip_special_tokens"] = False
     params = build_sampling_params(fields, ctx.vocab_size, req.stream)
     gen = Generation(ctx, encoded.token_ids, params, new_id("msg_"))
-    parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools)
+    single = req.tool_choice is not None and bool(req.tool_choice.disable_parallel_tool_use)
+    parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools, parallel_calls=not single)
     if req.stream:
         outputs = await primed(request, gen.outputs())
         return StreamingResponse(

@@ -93,7 +93,7 @@ def _tool_choice_constraint(ctx: ServingContext, req: ChatCompletionRequest) -> 
     choice = req.tool_choice
     if choice is not None and not isinstance(choice, str):  # a named function
         return tool_call_constraint(tools, "named", ctx.tool_parser, choice.function.name)
-    return tool_call_constraint(tools, choice or "auto", ctx.tool_parser)
+    return tool_call_constraint(tools, choice or "auto", ctx.tool_parser, parallel=req.parallel_tool_calls)
 
 
 @router.post("/v1/chat/completions")
@@ -116,7 +116,9 @@ async def chat_completions(request: Request):
     structured, field = structured_outputs_of(req)
     tool_constraint = _tool_choice_constraint(ctx, req)
     if tool_constraint is not None:
-        if structured is not None:
+        # a forced call leaves no text for response_format to shape: OpenAI takes both, vLLM lets the tool win
+        forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
+        if structured is not None and not (forced and field == "response_format"):
             raise ProtocolError("a forced or strict tool choice cannot be combined with another structured-output "
                                 "constraint", param=field)
         structured, field = tool_constraint, "tools"
@@ -124,7 +126,7 @@ async def chat_completions(request: Request):
     params = _params(ctx, req, len(ids), use_tools, structured)
     await validate_structured_outputs(structured, field)
     gen = Generation(ctx, ids, params, new_id("chatcmpl-"))
-    parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools)
+    parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools, req.parallel_tool_calls)
     if req.stream:
         outputs = await primed(request, gen.outputs())
         body = _stream(ctx, req, gen, outputs, parser_kwargs)

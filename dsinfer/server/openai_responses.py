@@ -43,7 +43,9 @@ async def responses(request: Request):
     field = "text.format" if structured is not None else None
     tool_constraint = _tool_choice_constraint(ctx, req)
     if tool_constraint is not None:
-        if structured is not None:
+        # a forced call leaves no text for text.format to shape: OpenAI takes both, vLLM lets the tool win
+        forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedFunction)
+        if structured is not None and not forced:
             raise ProtocolError("a forced or strict tool choice cannot be combined with text.format",
                                 param="text.format")
         structured, field = tool_constraint, "tools"
@@ -62,7 +64,7 @@ async def responses(request: Request):
     params = build_sampling_params(fields, ctx.vocab_size, req.stream)
     await validate_structured_outputs(structured, field)
     gen = Generation(ctx, encoded.token_ids, params, new_id("resp_"))
-    parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools)
+    parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools, req.parallel_tool_calls)
     if req.stream:
         outputs = await primed(request, gen.outputs())
         return StreamingResponse(
@@ -91,7 +93,7 @@ def _tool_choice_constraint(ctx: ServingContext, req: ResponsesRequest) -> dict[
     choice = req.tool_choice
     if choice is not None and not isinstance(choice, str):  # a named function
         return tool_call_constraint(tools, "named", ctx.tool_parser, choice.name)
-    return tool_call_constraint(tools, choice or "auto", ctx.tool_parser)
+    return tool_call_constraint(tools, choice or "auto", ctx.tool_parser, parallel=req.parallel_tool_calls)
 
 
 def _message_item(text: str, status: str = "completed", logprobs: list[dict[str, Any]] | None = None
@@ -178,36 +180,45 @@ def _response(
 
 
 class _EventWriter:
-    """Numbers events and tracks the output items opened so far."""
+    """Numbers events and tracks the output items opened so far: a reasoning item, a message item (each with one
+    content part, open while its text streams), function calls; in the order the final response lists them."""
 
     def __init__(self) -> None:
         self.seq = 0
         self.items: list[dict[str, Any]] = []
-        self.text: dict[str, Any] | None = None  # the open message item
+        self.text: dict[str, Any] | None = None  # the open message or reasoning item
         self.pending: list[dict[str, Any]] = []  # logprobs of tokens not yet carried by a text delta
+        # whitespace before any message text: it opens no message by itself (a call may follow, beside which the
+        # non-streamed answer drops whitespace-only text), but leads the text if text comes
+        self.space = ""
 
     def event(self, kind: str, **fields: Any) -> str:
         self.seq += 1
         return sse_event(kind, {"type": kind, "sequence_number": self.seq - 1, **fields})
 
-    def open_text(self) -> list[str]:
-        self.text = _message_item("", status="in_progress")
-        self.items.append(self.text)
-        idx, part = len(self.items) - 1, self.text["content"][0]
-        return [
-            self.event("response.output_item.added", output_index=idx, item=self.text),
-            self.event(
-                "response.content_part.added",
-                item_id=self.text["id"],
-                output_index=idx,
-                content_index=0,
-                part=part,
-            ),
+    def _open(self, item: dict[str, Any]) -> list[str]:
+        events = self.close_text()
+        self.text = item
+        self.items.append(item)
+        idx, part = len(self.items) - 1, item["content"][0]
+        return events + [  # the item is announced without its part (as OpenAI), which comes next
+            self.event("response.output_item.added", output_index=idx, item={**item, "content": []}),
+            self.event("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0,
+                       part=part),
         ]
+
+    def open_text(self) -> list[str]:
+        return self._open(_message_item("", status="in_progress"))
 
     def text_delta(self, delta: str) -> list[str]:
         """A text delta; it carries the logprobs of the tokens scored since the last one (``pending``)."""
-        events = [] if self.text is not None else self.open_text()
+        events = []
+        if self.text is None or self.text["type"] != "message":
+            if not (self.space + delta).strip():
+                self.space += delta
+                return []
+            delta, self.space = self.space + delta, ""
+            events = self.open_text()
         part = self.text["content"][0]
         part["text"] += delta
         part["logprobs"] += self.pending
@@ -224,26 +235,40 @@ class _EventWriter:
         self.pending = []
         return events
 
+    def reasoning_delta(self, delta: str) -> list[str]:
+        events = []
+        if self.text is None or self.text["type"] != "reasoning":
+            events = self._open({**_reasoning_item(""), "status": "in_progress"})
+        self.text["content"][0]["text"] += delta
+        return events + [self.event("response.reasoning_text.delta", item_id=self.text["id"],
+                                    output_index=len(self.items) - 1, content_index=0, delta=delta)]
+
+    def finish(self) -> list[str]:
+        """The open item closed; an answer with neither message nor call gets a message (empty, or the whitespace
+        held back), as the non-streamed one."""
+        events = []
+        if not any(item["type"] != "reasoning" for item in self.items):
+            events = self.open_text()
+            if self.space:
+                events += self.text_delta(self.space)
+        return events + self.close_text()
+
     def close_text(self) -> list[str]:
         if self.text is None:
             return []
         item, self.text = self.text, None
         item["status"] = "completed"
         idx, part = self.items.index(item), item["content"][0]
-        part["logprobs"] += self.pending  # tokens whose text never became a delta (held back, or markup)
-        self.pending = []
+        ids = dict(item_id=item["id"], output_index=idx, content_index=0)
+        if item["type"] == "reasoning":
+            done = self.event("response.reasoning_text.done", **ids, text=part["text"])
+        else:
+            part["logprobs"] += self.pending  # tokens whose text never became a delta (held back, or markup)
+            self.pending = []
+            done = self.event("response.output_text.done", **ids, text=part["text"], logprobs=part["logprobs"])
         return [
-            self.event(
-                "response.output_text.done",
-                item_id=item["id"],
-                output_index=idx,
-                content_index=0,
-                text=part["text"],
-                logprobs=part["logprobs"],
-            ),
-            self.event(
-                "response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part
-            ),
+            done,
+            self.event("response.content_part.done", **ids, part=part),
             self.event("response.output_item.done", output_index=idx, item=item),
         ]
 
@@ -284,7 +309,7 @@ async def _stream(
     w = _EventWriter()
     yield w.event("response.created", response=_response(ctx, req, gen, [], None, status="in_progress"))
     yield w.event("response.in_progress", response=_response(ctx, req, gen, [], None, status="in_progress"))
-    parser, reasoning, finish = ChatOutputParser(**parser_kwargs), "", None
+    parser, finish = ChatOutputParser(**parser_kwargs), None
     try:
         async for out in outputs:
             for c in out.outputs[:1]:
@@ -293,7 +318,8 @@ async def _stream(
                 if c.finish_reason is not None:
                     delta.extend(parser.finish())
                     finish = c.finish_reason
-                reasoning += delta.reasoning
+                for event in w.reasoning_delta(delta.reasoning) if delta.reasoning else []:
+                    yield event
                 for event in w.text_delta(delta.content) if delta.content else []:
                     yield event
                 for call in delta.tool_calls:
@@ -302,12 +328,8 @@ async def _stream(
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
         yield w.event("error", **stream_error_payload(exc)["error"])
         return
-    if not w.items:
-        for event in w.open_text():
-            yield event
-    for event in w.close_text():
+    for event in w.finish():
         yield event
-    items = ([_reasoning_item(reasoning)] if reasoning else []) + w.items
-    final = _response(ctx, req, gen, items, finish)
+    final = _response(ctx, req, gen, w.items, finish)
     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
     yield w.event(kind, response=final)
