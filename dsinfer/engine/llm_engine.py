@@ -76,8 +76,13 @@ class LLMEngine:
     # ----------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
-        if request_id in self._parents:
+        if request_id in self._parents or request_id in self._children:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n > 1:  # its samples run as "<id>#<index>": none may be the id of a request already running
+            clash = next((cid for i in range(params.n) if (cid := f"{request_id}#{i}") in self._children), None)
+            if clash is not None:
+                raise ValueError(f"request id {request_id!r} is already in use: its sample {clash!r} is a running "
+                                 "request's id")
         text, token_ids = self._prompt_ids(prompt)
         token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.model_config.max_model_len)
         max_tokens = self._check_lengths(token_ids, params)
@@ -207,14 +212,17 @@ class LLMEngine:
 
     def abort_all(self) -> None:
         """Abort every request and drop the step in flight and the outputs not yet returned: the state after a
-        step that raised (an interrupt, out of memory) is not trusted, so none of it is resumed. The engine then
-        takes new requests."""
+        step that raised (an interrupt, out of memory) is not trusted, so none of it is resumed, and the prefix
+        cache is emptied. The engine then takes new requests."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:  # let the device finish the step before its KV blocks are reused
             with contextlib.suppress(Exception):
                 in_flight[1].result()
         self.abort_request(list(self._parents))
         self._pending_outputs = []
+        # the failed step's blocks joined the prefix cache when it was scheduled, but their KV may never have been
+        # written: every block is free now, so forget every cached prefix rather than serve garbage KV later
+        self.kv_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents) or bool(self._pending_outputs) or self._in_flight is not None

@@ -75,6 +75,10 @@ class KVCacheManager:
         self.pool.release(list(reversed(request.blocks)))
         request.blocks = []
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (False, and nothing forgotten, while a request holds blocks)."""
+        return self.pool.reset_prefix_cache()
+
     @property
     def usage(self) -> float:
         return self.pool.usage

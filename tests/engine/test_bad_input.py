@@ -129,6 +129,24 @@ def test_duplicate_request_id_is_rejected(llm):
     assert serves_a_good_request(llm)
 
 
+def test_request_id_clashing_with_a_sample_of_n_is_rejected(llm):
+    """An n > 1 request runs its samples as "<id>#<index>": a request with such an id while they run, or an n > 1
+    request whose samples would take a running request's id, is a ValueError (the two used to share one engine
+    slot, and the engine spun forever)."""
+    engine = llm.engine
+    engine.add_request("a", {"prompt_token_ids": [1, 2]}, SamplingParams(n=2, max_tokens=2, seed=0))
+    with pytest.raises(ValueError, match="request id 'a#1' is already in use"):
+        engine.add_request("a#1", {"prompt_token_ids": [3]}, SamplingParams(max_tokens=2))
+    engine.add_request("b#0", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="request id 'b' is already in use: its sample 'b#0'"):
+        engine.add_request("b", {"prompt_token_ids": [3]}, SamplingParams(n=2, max_tokens=2, seed=0))
+    finished = set()
+    for _ in range(20):
+        finished |= {out.request_id for out in engine.step() if out.finished}
+    assert finished == {"a", "b#0"} and not engine.has_unfinished_requests()
+    assert serves_a_good_request(llm)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(block_size=0), ValueError, r"block_size must be an integer in \[1, 1024\], got 0"),
     (dict(block_size=12), ValueError, "block_size must be a power of two, got 12"),
@@ -231,3 +249,29 @@ def test_config_without_architectures_falls_back_to_model_type(tiny_llama_dir, t
     (model / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config.json is not valid JSON"):
         LLM(str(model))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_interrupted_step_leaves_no_unwritten_blocks_in_the_prefix_cache(tiny_llama_dir, monkeypatch,
+                                                                              async_scheduling):
+    """The blocks of a step join the prefix cache when it is scheduled; a step that raised before its forward
+    never wrote their KV. The same prompt again must be computed afresh, not read from those blocks (it used to
+    hit 3 blocks of garbage and give other tokens)."""
+    prompt = {"prompt_token_ids": list(range(10, 74))}  # 4 blocks of 16
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    (expected,) = LLM(str(tiny_llama_dir), enable_prefix_caching=False).generate(prompt, greedy, use_tqdm=False)
+    llm = LLM(str(tiny_llama_dir), async_scheduling=async_scheduling)
+    runner = llm.engine.runner
+    name = "launch" if async_scheduling else "execute"
+    step = getattr(runner, name)
+
+    def failing(sched):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, name, failing)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompt, greedy, use_tqdm=False)
+    monkeypatch.setattr(runner, name, step)
+    (again,) = llm.generate(prompt, greedy, use_tqdm=False)
+    assert again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == expected.outputs[0].token_ids
