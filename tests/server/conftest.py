@@ -1,10 +1,12 @@
-"""The live server fixture: one dsinfer server (default model) per test session."""
+"""The live server fixture: one dsinfer server (default model) per test session; an official openai client for it
+(``client``; a module may override it, as the Anthropic tests do with theirs) and the served ``model``."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 
-from .live_server import LiveServer, start_server, stop_server
+from .live_server import API_KEY, LiveServer, start_server, stop_server
 
 
 @pytest.fixture(scope="session")
@@ -12,3 +14,13 @@ def server(tmp_path_factory) -> LiveServer:
     live = start_server(tmp_path_factory.mktemp("server"))
     yield live
     stop_server(live)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id

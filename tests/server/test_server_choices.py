@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-import openai
 import pytest
 
 from dsinfer.engine.outputs import CompletionOutput, RequestOutput
@@ -13,20 +12,10 @@ from dsinfer.engine.sampling_params import RequestOutputKind, SamplingParams
 from dsinfer.server.generation import Generation
 from dsinfer.server.metrics import ServerMetrics
 
-from .live_server import API_KEY, MAX_MODEL_LEN
+from .live_server import MAX_MODEL_LEN
 
 # seeded so that the three choices stop (on a stop string or EOS) at different steps
 SAMPLING = dict(n=3, max_tokens=25, temperature=0.9, seed=7, stop=[", ", "\n", " "])
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def _text(choice, chat: bool) -> str:

@@ -9,7 +9,6 @@ import time
 from types import SimpleNamespace
 
 import httpx
-import openai
 import pytest
 
 from dsinfer.engine.outputs import CompletionOutput, RequestOutput
@@ -18,20 +17,10 @@ from dsinfer.protocol.errors import ProtocolError
 from dsinfer.server.generation import Batch, ClientDisconnected, Generation
 from dsinfer.server.metrics import ServerMetrics
 
-from .live_server import API_KEY, MAX_MODEL_LEN
+from .live_server import MAX_MODEL_LEN
 
 PROMPTS = ["The capital of France is", "My favourite fruit is the"]
 GREEDY = dict(max_tokens=5, temperature=0)
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="module")

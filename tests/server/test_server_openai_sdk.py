@@ -7,7 +7,7 @@ import json
 import openai
 import pytest
 
-from .live_server import API_KEY, MAX_MODEL_LEN
+from .live_server import MAX_MODEL_LEN
 
 MESSAGES = [{"role": "user", "content": "Name a color."}]
 TOOLS = [
@@ -24,16 +24,6 @@ TOOLS = [
         },
     }
 ]
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def test_models_lists_the_served_model(client):

@@ -21,15 +21,8 @@ from dsinfer.protocol.tool_parsers import HermesToolParser
 from dsinfer.server import openai_responses
 
 from .live_server import API_KEY
+from .weather_tools import ANTHROPIC_TOOLS, ASK, CHAT_TOOLS, MODEL, PARAMS, RESPONSES_TOOLS
 
-MODEL = "SmolLM2-135M-Instruct"
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
-CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                                "parameters": PARAMS}}]
-RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
-                    "parameters": PARAMS}]
-ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Weather of a city", "input_schema": PARAMS}]
 # two calls in the Hermes markup the server parses, forced as the answer's text (tool_choice "auto")
 TWO_CALLS = "\n".join(f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}\n</tool_call>'
                       for city in ("Paris", "Rome"))

@@ -9,16 +9,9 @@ import json
 import pytest
 
 from .live_server import start_server, stop_server
+from .weather_tools import ANTHROPIC_TOOLS, ASK, CHAT_TOOLS, MODEL, RESPONSES_TOOLS
 
 CHAT = "/v1/chat/completions"
-MODEL = "SmolLM2-135M-Instruct"
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
-CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                                "parameters": PARAMS}}]
-RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
-                    "parameters": PARAMS}]
-ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Weather of a city", "input_schema": PARAMS}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 # the Hermes call markup the server parses: forced as the answer's text, it would be a call if parsed
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
