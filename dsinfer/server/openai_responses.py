@@ -76,6 +76,8 @@ async def responses(request: Request):
     c = out.outputs[0]
     logprobs = _logprobs(ctx, req, c.token_ids, c.logprobs)
     items = _items(parse_output(c.text, **parser_kwargs), logprobs)
+    if c.finish_reason == "length":  # the item whose text was cut by max_output_tokens is "incomplete" (OpenAI)
+        [item for item in items if item["type"] in ("message", "reasoning")][-1]["status"] = "incomplete"
     return JSONResponse(_response(ctx, req, gen, items, c.finish_reason))
 
 
@@ -243,21 +245,21 @@ class _EventWriter:
         return events + [self.event("response.reasoning_text.delta", item_id=self.text["id"],
                                     output_index=len(self.items) - 1, content_index=0, delta=delta)]
 
-    def finish(self) -> list[str]:
-        """The open item closed; an answer with neither message nor call gets a message (empty, or the whitespace
-        held back), as the non-streamed one."""
+    def finish(self, cut: bool) -> list[str]:
+        """The open item closed ("incomplete" when ``cut`` by max_output_tokens, as OpenAI); an answer with neither
+        message nor call gets a message (empty, or the whitespace held back), as the non-streamed one."""
         events = []
         if not any(item["type"] != "reasoning" for item in self.items):
             events = self.open_text()
             if self.space:
                 events += self.text_delta(self.space)
-        return events + self.close_text()
+        return events + self.close_text("incomplete" if cut else "completed")
 
-    def close_text(self) -> list[str]:
+    def close_text(self, status: str = "completed") -> list[str]:
         if self.text is None:
             return []
         item, self.text = self.text, None
-        item["status"] = "completed"
+        item["status"] = status
         idx, part = self.items.index(item), item["content"][0]
         ids = dict(item_id=item["id"], output_index=idx, content_index=0)
         if item["type"] == "reasoning":
@@ -328,7 +330,7 @@ async def _stream(
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
         yield w.event("error", **stream_error_payload(exc)["error"])
         return
-    for event in w.finish():
+    for event in w.finish(cut=finish == "length"):
         yield event
     final = _response(ctx, req, gen, w.items, finish)
     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"

@@ -137,6 +137,9 @@ def test_responses_max_output_tokens_is_incomplete_streamed_and_not(oai):
     assert full.status == events[-1].response.status == "incomplete"
     assert full.incomplete_details.reason == events[-1].response.incomplete_details.reason == "max_output_tokens"
     assert events[-1].type == "response.incomplete"  # as OpenAI: the event is named after the status
+    # the message cut off is "incomplete" too, in the answer and in the stream's item events
+    assert full.output[-1].status == events[-1].response.output[-1].status == "incomplete"
+    assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["incomplete"]
 
 
 @pytest.mark.parametrize("text_format", [None, {"type": "json_schema", "name": "c", "schema": COLOR, "strict": True}])
