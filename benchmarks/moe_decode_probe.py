@@ -40,9 +40,9 @@ PAIRS = [(_tma(128, 128, 8, 3), _tma(128, 128, 4, 4)), (_tma(128, 128, 8, 3), No
 
 def _candidates(current: dict, pairs: list[int] | None = None,
                 others: dict[str, dict] | None = None) -> list[tuple[str, dict]]:
-    """(label, config): the table's config first and again last (the spread of the two is the noise), between
-    them the PAIRS (every key of both tiles given: a down tile does not inherit the gate/up's), then the
-    ``others`` (the table's configs of the other buckets: whether the bucket boundaries sit right)."""
+    """(label, config): the table's config first and again last (the spread of the two is the noise); between
+    them the ``others`` (the table's configs of the other buckets: whether the bucket boundaries sit right), then
+    the PAIRS (every key of both tiles given: a down tile does not inherit the gate/up's)."""
     from dsinfer.ops.triton.moe import down_config
 
     table_up = {"tma": False, **{k: v for k, v in current.items() if k != "down"}}
@@ -84,6 +84,7 @@ def run_model(model: str, token_counts: list[int], bw: float, pairs: list[int] |
         layers.append((w13, w2, *scales))
     key = f"{e},{inter},{hidden},{'fp8' if fp8 else 'bfloat16'}"
     wbytes = 1 if fp8 else 2
+    others = _config_table().get(key, {}) if buckets else None
     for tokens in token_counts:
         x0 = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
         # as the model runs it: the shared experts are slots of the grouped GEMM up to FUSED_SHARED_MAX_TOKENS,
@@ -101,7 +102,6 @@ def run_model(model: str, token_counts: list[int], bw: float, pairs: list[int] |
         print("| config | us per layer | of floor | max diff vs table |")
         print("| --- | --- | --- | --- |")
         ref = None
-        others = _config_table().get(key, {}) if buckets else None
         for label, cfg in _candidates(current, pairs, others):
             def chain(cfg=cfg, x0=x0, routes=routes, layers=layers):
                 x = x0

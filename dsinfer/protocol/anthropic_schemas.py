@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, Strict, StrictBool, StrictStr
+from pydantic import Field, Strict, StrictBool, StrictStr, ValidationInfo, field_validator, model_validator
 
 from dsinfer.protocol.fields import MaxTokens, ShortStr, StopStr, TopK, TopP, WireModel
 from dsinfer.protocol.openai_schemas import ToolName
@@ -48,9 +48,18 @@ class ToolChoice(WireModel):
     disable_parallel_tool_use: StrictBool | None = None
 
 
+MIN_THINKING_BUDGET = 1024  # Anthropic's floor for thinking.budget_tokens
+
+
 class Thinking(WireModel):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Annotated[int, Field(strict=True, ge=0, le=1 << 30)] | None = None
+
+    @model_validator(mode="after")
+    def _enabled_has_a_budget(self) -> Thinking:
+        if self.type == "enabled" and (self.budget_tokens is None or self.budget_tokens < MIN_THINKING_BUDGET):
+            raise ValueError(f"budget_tokens of at least {MIN_THINKING_BUDGET} is required when thinking is enabled")
+        return self
 
 
 class CountTokensRequest(WireModel):
@@ -70,3 +79,11 @@ class MessagesRequest(CountTokensRequest):
     top_k: TopK | None = None
     stream: StrictBool = False
     metadata: dict[str, Any] | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _above_thinking_budget(cls, value: int, info: ValidationInfo) -> int:
+        thinking = info.data.get("thinking")  # validated before max_tokens (a field of the base class)
+        if thinking is not None and thinking.type == "enabled" and value <= thinking.budget_tokens:
+            raise ValueError(f"must be greater than thinking.budget_tokens ({thinking.budget_tokens})")
+        return value

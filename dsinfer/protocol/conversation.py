@@ -97,27 +97,10 @@ def responses_tools(req: rs.ResponsesRequest) -> list[dict[str, Any]] | None:
     return [_function_tool(t.name, t.description, t.parameters) for t in req.tools]
 
 
-_MIN_THINKING_BUDGET = 1024  # Anthropic's floor for thinking.budget_tokens
 _BLANK_TEXT = "text content blocks must contain non-whitespace text"  # Anthropic's message
 
 
-def _check_thinking(req: an.CountTokensRequest) -> None:
-    """Anthropic's rules for extended thinking: an "enabled" budget of at least 1,024 tokens, below max_tokens."""
-    thinking = req.thinking
-    if thinking is None or thinking.type != "enabled":
-        return
-    if thinking.budget_tokens is None:
-        raise ProtocolError("thinking.budget_tokens: Field required", param="thinking.budget_tokens")
-    if thinking.budget_tokens < _MIN_THINKING_BUDGET:
-        raise ProtocolError(f"thinking.budget_tokens: Input should be greater than or equal to {_MIN_THINKING_BUDGET}",
-                            param="thinking.budget_tokens")
-    max_tokens = getattr(req, "max_tokens", None)  # count_tokens does not take one
-    if max_tokens is not None and max_tokens <= thinking.budget_tokens:
-        raise ProtocolError("`max_tokens` must be greater than `thinking.budget_tokens`", param="max_tokens")
-
-
 def anthropic_messages(req: an.CountTokensRequest) -> list[dict[str, Any]]:
-    _check_thinking(req)
     out: list[dict[str, Any]] = []
     if isinstance(req.system, list):
         for j, block in enumerate(req.system):

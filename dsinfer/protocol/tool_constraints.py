@@ -65,3 +65,16 @@ def tool_call_constraint(tools: list[ToolSpec], choice: str, parser: type[ToolCa
            "tags": [_tag(f.name, f.parameters) for f in chosen], "at_least_one": forced,
            "stop_after_first": forced or not parallel}
     return {"structural_tag": {"type": "structural_tag", "format": fmt}}
+
+
+def with_tool_constraint(structured: dict[str, Any] | None, field: str | None, tool: dict[str, Any] | None,
+                         forced: bool, text_format: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(constraint, its request field) once the tool choice's constraint ``tool`` is applied. A forced call
+    (``forced``: "required" or a named function) wins over the API's own output format ``text_format``
+    (response_format, text.format): the call leaves no text to shape; OpenAI takes both, vLLM lets the tool win.
+    Any other pair of constraints is a 400."""
+    if tool is None:
+        return structured, field
+    if structured is not None and not (forced and field == text_format):
+        raise ProtocolError(f"a forced or strict tool choice cannot be combined with {field}", param=field)
+    return tool, "tools"

@@ -94,8 +94,8 @@ class Generation:
         self.num_cached = out.num_cached_tokens
         now = time.monotonic()
         ttft = None if self.first_token is None else self.first_token - self.start
-        self.ctx.metrics.record_request(len(self.prompt_ids), self.num_generated, ttft, now - self.start,
-                                        max(self.choice_tokens, default=0))
+        self.ctx.metrics.record_request(len(self.prompt_ids), self.num_generated, max(self.choice_tokens, default=0),
+                                        ttft, now - self.start)
 
     async def final(self, request: Request) -> RequestOutput:
         """The finished output (FINAL_ONLY params), aborting the request if the client leaves."""

@@ -60,18 +60,17 @@ class ServerMetrics:
             "dsinfer_prefix_cache_hit_rate", "Prefix cache hits / queries (tokens)", registry=r
         )
 
-    def record_request(self, num_prompt: int, num_generated: int, ttft: float | None, e2e: float,
-                       num_steps: int | None = None) -> None:
-        """``num_steps``: the tokens of the longest choice (the decode steps), when there are several choices;
-        the time per output token is over those steps, not over every choice's tokens together."""
+    def record_request(self, num_prompt: int, num_generated: int, num_steps: int, ttft: float | None,
+                       e2e: float) -> None:
+        """``num_generated``: every choice's tokens; ``num_steps``: the longest choice's (the decode steps), over
+        which the time per output token is taken."""
         self.prompt_tokens.inc(num_prompt)
         self.generation_tokens.inc(num_generated)
         self.e2e.observe(e2e)
-        steps = num_generated if num_steps is None else num_steps
         if ttft is not None:
             self.ttft.observe(ttft)
-            if steps > 1:
-                self.tpot.observe((e2e - ttft) / (steps - 1))
+            if num_steps > 1:
+                self.tpot.observe((e2e - ttft) / (num_steps - 1))
 
     def render(self, stats: dict[str, Any]) -> bytes:
         self.running.set(stats.get("num_running", 0))

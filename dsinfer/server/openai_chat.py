@@ -19,7 +19,7 @@ from dsinfer.protocol.logprobs import chat_logprobs
 from dsinfer.protocol.openai_schemas import ChatCompletionRequest, NamedToolChoice, SamplingFields
 from dsinfer.protocol.sampling import build_sampling_params, logit_bias_ids, resolve_max_tokens
 from dsinfer.protocol.structured_request import structured_outputs_of, validate_structured_outputs
-from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint
+from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint, with_tool_constraint
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.generation import Batch, Generation, primed
 from dsinfer.server.sse import SSE_DONE, SSE_HEADERS, sse_data
@@ -113,15 +113,9 @@ async def chat_completions(request: Request):
         req.add_generation_prompt and not req.continue_final_message,
         req.continue_final_message,
     )
-    structured, field = structured_outputs_of(req)
-    tool_constraint = _tool_choice_constraint(ctx, req)
-    if tool_constraint is not None:
-        # a forced call leaves no text for response_format to shape: OpenAI takes both, vLLM lets the tool win
-        forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
-        if structured is not None and not (forced and field == "response_format"):
-            raise ProtocolError("a forced or strict tool choice cannot be combined with another structured-output "
-                                "constraint", param=field)
-        structured, field = tool_constraint, "tools"
+    forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
+    structured, field = with_tool_constraint(*structured_outputs_of(req), _tool_choice_constraint(ctx, req), forced,
+                                             "response_format")
     ids = prompt_ids(ctx, req, encoded.token_ids)
     params = _params(ctx, req, len(ids), use_tools, structured)
     await validate_structured_outputs(structured, field)

@@ -17,7 +17,7 @@ from dsinfer.protocol.logprobs import chat_logprobs
 from dsinfer.protocol.responses_schemas import NamedFunction, ResponsesRequest
 from dsinfer.protocol.sampling import build_sampling_params, resolve_max_tokens
 from dsinfer.protocol.structured_request import text_format_constraint, validate_structured_outputs
-from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint
+from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint, with_tool_constraint
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.generation import Generation, primed
 from dsinfer.server.sse import SSE_HEADERS, sse_event
@@ -40,15 +40,9 @@ async def responses(request: Request):
     tools = responses_tools(req) if ctx.prompt_has_tools(req.tools, req.tool_choice == "none") else None
     encoded = ctx.encode_chat(responses_messages(req), tools)
     structured = text_format_constraint(req.text.format if req.text is not None else None)
-    field = "text.format" if structured is not None else None
-    tool_constraint = _tool_choice_constraint(ctx, req)
-    if tool_constraint is not None:
-        # a forced call leaves no text for text.format to shape: OpenAI takes both, vLLM lets the tool win
-        forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedFunction)
-        if structured is not None and not forced:
-            raise ProtocolError("a forced or strict tool choice cannot be combined with text.format",
-                                param="text.format")
-        structured, field = tool_constraint, "tools"
+    forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedFunction)
+    structured, field = with_tool_constraint(structured, "text.format" if structured is not None else None,
+                                             _tool_choice_constraint(ctx, req), forced, "text.format")
     fields = dict(
         max_tokens=resolve_max_tokens(
             req.max_output_tokens, len(encoded.token_ids), ctx.max_model_len, "max_output_tokens", "input"
@@ -77,7 +71,7 @@ async def responses(request: Request):
     logprobs = _logprobs(ctx, req, c.token_ids, c.logprobs)
     items = _items(parse_output(c.text, **parser_kwargs), logprobs)
     if c.finish_reason == "length":  # the item whose text was cut by max_output_tokens is "incomplete" (OpenAI)
-        [item for item in items if item["type"] in ("message", "reasoning")][-1]["status"] = "incomplete"
+        next(item for item in reversed(items) if item["type"] in ("message", "reasoning"))["status"] = "incomplete"
     return JSONResponse(_response(ctx, req, gen, items, c.finish_reason))
 
 
