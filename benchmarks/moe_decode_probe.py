@@ -60,7 +60,8 @@ def _candidates(current: dict, pairs: list[int] | None = None,
 
 def run_model(model: str, token_counts: list[int], bw: float, pairs: list[int] | None = None,
               buckets: bool = False) -> None:
-    from dsinfer.models.deepseek.blocks import FUSED_SHARED_MAX_TOKENS
+    from dsinfer import envs
+    from dsinfer.models.deepseek.blocks import FUSED_SHARED_MAX_TOKENS, FUSED_SHARED_MAX_TOKENS_BESIDE
     from dsinfer.ops.moe import with_shared
     from dsinfer.ops.triton.moe import _config_table, fused_moe_triton, moe_config
 
@@ -89,7 +90,8 @@ def run_model(model: str, token_counts: list[int], bw: float, pairs: list[int] |
         x0 = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
         # as the model runs it: the shared experts are slots of the grouped GEMM up to FUSED_SHARED_MAX_TOKENS,
         # dense GEMMs beside it past that (not timed here: only the grouped GEMM's routed slots)
-        in_stack = shared if tokens <= FUSED_SHARED_MAX_TOKENS else 0
+        fused_max = FUSED_SHARED_MAX_TOKENS_BESIDE if envs.SHARED_EXPERTS_STREAM.get() else FUSED_SHARED_MAX_TOKENS
+        in_stack = shared if tokens <= fused_max else 0
         routes = []
         for _ in range(num_layers):
             scores = torch.randn(tokens, routed, device="cuda", generator=gen).softmax(-1)

@@ -131,6 +131,12 @@ FUSE_SHARED_EXPERTS = _declare(
     "DeepSeek MoE: run the shared experts as extra experts of the routed grouped GEMM (off: a separate MLP).",
     _parse_bool,
 )
+SHARED_EXPERTS_STREAM = _declare(
+    "DSINFER_SHARED_EXPERTS_STREAM", "bool", True,
+    "DeepSeek MoE in CUDA graphs: run separate shared experts on a second stream, beside the router and the "
+    "routed experts (off: one stream, in sequence).",
+    _parse_bool,
+)
 USE_TRITON = _declare(
     "DSINFER_USE_TRITON", "str", "auto",
     "Use Triton kernels: auto (on CUDA), always (also TRITON_INTERPRET on CPU) or never.",

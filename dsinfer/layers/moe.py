@@ -16,6 +16,7 @@ shared ones (``w13 [E + S, 2I, H]``), which the router gives every token with we
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -242,28 +243,35 @@ class FusedExperts(nn.Module):
             )
 
     def forward(
-        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+        addend: Callable[[], torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """The routed (and stacked shared) experts' weighted sum, plus ``addend()`` (see ``ops.moe.fused_moe``)."""
         if self.dense is not None:
-            return fused_moe(hidden, *self.dense, topk_weights, topk_ids)
+            return fused_moe(hidden, *self.dense, topk_weights, topk_ids, addend=addend)
         if self.quant:
             return fused_moe(
                 hidden, self.w13, self.w2, topk_weights, topk_ids, w13_scale_inv=self.w13_scale_inv,
-                w2_scale_inv=self.w2_scale_inv, block_size=self.quant.block_size,
+                w2_scale_inv=self.w2_scale_inv, block_size=self.quant.block_size, addend=addend,
             )
-        return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids)
+        return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids, addend=addend)
 
-    def add_shared(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out`` + the shared experts (slots E..E+S-1) as dense MLPs beside the grouped GEMM, for the batches
-        where their rows in it would cost more than separate GEMMs (``DeepseekMoE``): one batched gate/up GEMM
-        over the S slots, SiLU-mul, and the down GEMMs accumulated into ``out`` in place."""
+    def shared(self, hidden: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
+        """The shared experts (slots E..E+S-1) as dense MLPs beside the grouped GEMM, for the batches where their
+        rows in it would cost more than separate GEMMs (``DeepseekMoE``): one batched gate/up GEMM over the S
+        slots, SiLU-mul, and the down GEMMs summed, into ``add_to`` in place when given (the sum is the GEMMs'
+        epilogue)."""
         first = self.num_routed
         if self.quant and self.dense is None:  # FP8 slots: the block-scaled GEMM, slot by slot
             block = self.quant.block_size
+            out = add_to
             for e in range(first, self.num_experts):
                 h = silu_and_mul(fp8_block_linear(hidden, self.w13[e], self.w13_scale_inv[e], block))
-                out = out + fp8_block_linear(h, self.w2[e], self.w2_scale_inv[e], block)
+                down = fp8_block_linear(h, self.w2[e], self.w2_scale_inv[e], block)
+                out = down if out is None else out + down
             return out
         w13, w2 = (w[first:] for w in (self.dense or (self.w13, self.w2)))
         h = silu_and_mul(torch.matmul(hidden, w13.transpose(1, 2)))  # [S, T, I]
-        return out.addbmm_(h, w2.transpose(1, 2))
+        if add_to is None:  # beta=0: the empty tensor's contents are ignored
+            return hidden.new_empty(hidden.shape[0], w2.shape[1]).addbmm_(h, w2.transpose(1, 2), beta=0)
+        return add_to.addbmm_(h, w2.transpose(1, 2))

@@ -188,23 +188,30 @@ def fused_moe(
     w13_scale_inv: torch.Tensor | None = None,
     w2_scale_inv: torch.Tensor | None = None,
     block_size: tuple[int, int] | None = None,
+    addend: Callable[[], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """See ``fused_moe_ref``. FP8 experts (e4m3 ``w13``/``w2``) come with their block scales
     (``[E, rows / bn, cols / bk]``) and ``block_size``; the Triton path multiplies them as FP8 (w8a8,
-    activations quantized per token and group of bk), the torch path dequantizes first."""
+    activations quantized per token and group of bk), the torch path dequantizes first.
+
+    ``addend``: called once, after the expert GEMMs are issued and before their sum, for a [T, H] tensor added to
+    the result (the shared experts, computed on a side stream meanwhile: ``runner.side_stream``). The Triton
+    path adds it inside the top-k sum (float32, last, one rounding)."""
     if batch_invariant.is_enabled():  # deterministic mode: fixed tiles, top-k pairs summed in a fixed order
         from dsinfer.batch_invariant.moe import fused_moe_invariant
 
-        return fused_moe_invariant(hidden, w13, w2, topk_weights, topk_ids, w13_scale_inv=w13_scale_inv,
-                                   w2_scale_inv=w2_scale_inv, block_size=block_size, use_triton=use_triton(hidden))
+        out = fused_moe_invariant(hidden, w13, w2, topk_weights, topk_ids, w13_scale_inv=w13_scale_inv,
+                                  w2_scale_inv=w2_scale_inv, block_size=block_size, use_triton=use_triton(hidden))
+        return out if addend is None else out + addend()
     if use_triton(hidden):
         from dsinfer.ops.triton.moe import fused_moe_triton
 
         return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, w13_scale_inv=w13_scale_inv,
-                                w2_scale_inv=w2_scale_inv, block_size=block_size)
+                                w2_scale_inv=w2_scale_inv, block_size=block_size, addend=addend)
     if w13.dtype == torch.float8_e4m3fn:
         from dsinfer.ops.fp8 import block_dequantize
 
         w13 = block_dequantize(w13, w13_scale_inv, block_size, hidden.dtype)
         w2 = block_dequantize(w2, w2_scale_inv, block_size, hidden.dtype)
-    return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)
+    out = fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)
+    return out if addend is None else out + addend()

@@ -23,6 +23,7 @@ from torch import nn
 
 from dsinfer.runner.forward_batch import ForwardBatch
 from dsinfer.runner.input_batch import HostInputs, to_device_packed
+from dsinfer.runner.side_stream import graph_warmup
 
 logger = logging.getLogger("dsinfer")
 
@@ -78,7 +79,8 @@ class DecodeGraphs:
         self.seq_lens.zero_()
         try:
             for size in reversed(self.sizes):
-                self._forward(size)  # warm-up: compiles kernels and sets up cuBLAS outside the capture
+                with graph_warmup():  # compiles kernels and sets up cuBLAS outside the capture
+                    self._forward(size)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self.logits[size] = self._forward(size)

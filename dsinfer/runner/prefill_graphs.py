@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from dsinfer.runner.forward_batch import ForwardBatch
+from dsinfer.runner.side_stream import graph_warmup
 from dsinfer.runner.warmup import SEQUENCE_TOKENS, dummy_prefill_batch
 
 logger = logging.getLogger("dsinfer")
@@ -202,7 +203,8 @@ class PrefillGraphs:
             with torch.cuda.stream(stream):
                 for size in reversed(self.sizes):
                     # warm-up: compiles this size's kernels, sets up cuBLAS and allocates the static buffers
-                    self._forward(size, _Recorder(self._buffers, rows, capture=False))
+                    with graph_warmup():
+                        self._forward(size, _Recorder(self._buffers, rows, capture=False))
                     torch.cuda.synchronize(self.device)
                     recorder = _Recorder(self._buffers, rows, capture=True, pool=pool)
                     recorder.result.hidden = self._forward(size, recorder)

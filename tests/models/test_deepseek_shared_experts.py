@@ -124,14 +124,15 @@ def test_fused_shared_experts_fp8_on_the_scale_grid(arch, shared):
 
 @pytest.mark.parametrize("arch, shared, block", [("v3", 1, None), ("v2", 2, None), ("v2", 2, (16, 16))])
 def test_large_batches_run_the_shared_slots_beside_the_grouped_gemm(arch, shared, block, monkeypatch):
-    """Past FUSED_SHARED_MAX_TOKENS the router leaves the shared columns out and ``add_shared`` runs the same
+    """Past FUSED_SHARED_MAX_TOKENS the router leaves the shared columns out and ``shared`` runs the same
     slots as dense MLPs: the same output."""
     from dsinfer.layers.moe import FusedExperts
     from dsinfer.models.deepseek import blocks
 
     monkeypatch.setattr(blocks, "FUSED_SHARED_MAX_TOKENS", 12)  # the layer gets 13 tokens
-    calls, add_shared = [], FusedExperts.add_shared
-    monkeypatch.setattr(FusedExperts, "add_shared", lambda self, *a: calls.append(1) or add_shared(self, *a))
+    monkeypatch.setattr(blocks, "FUSED_SHARED_MAX_TOKENS_BESIDE", 12)
+    calls, run_shared = [], FusedExperts.shared
+    monkeypatch.setattr(FusedExperts, "shared", lambda self, *a, **k: calls.append(1) or run_shared(self, *a, **k))
     widths, select = [], blocks.Router.forward
     monkeypatch.setattr(blocks.Router, "forward", lambda self, *a, **k: widths.append(select(self, *a, **k)[1].shape[1])
                         or select(self, *a, **k))

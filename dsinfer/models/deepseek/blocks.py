@@ -17,6 +17,7 @@ from dsinfer.layers.moe import FusedExperts, Router, RouterConfig
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.ops.moe import Routing
 from dsinfer.runner.forward_batch import ForwardBatch
+from dsinfer.runner.side_stream import in_graphs, run_beside
 
 REQUIRED = (
     "hidden_size",
@@ -30,7 +31,12 @@ REQUIRED = (
     "v_head_dim",
 )
 MOE_REQUIRED = ("moe_intermediate_size", "num_experts_per_tok")
-FUSED_SHARED_MAX_TOKENS = 64  # batches up to this many tokens run the shared experts inside the grouped GEMM
+# batches up to this many tokens run the shared experts inside the grouped GEMM; larger ones run them as dense
+# GEMMs, on a side stream beside the router and the routed experts where that is on (V2-Lite on the H200, µs per
+# MoE layer, fused / after / beside: 1 token 55.0 / 68.2 / 57.5, 32 tokens 257.7 / 267.2 / 256.8, 64 tokens
+# 284.5 / 288.5 / 277.5, 256 tokens 337.2 / 325.2 / 320.0: ``benchmarks/moe_layer_probe.py``)
+FUSED_SHARED_MAX_TOKENS = 64
+FUSED_SHARED_MAX_TOKENS_BESIDE = 32
 
 
 def check_config(cfg: dict[str, Any]) -> None:
@@ -142,18 +148,29 @@ class DeepseekMoE(nn.Module):
         self.experts = FusedExperts(router.num_experts, hidden, inter, quant, num_shared=router.num_shared)
         shared = 0 if router.num_shared else cfg.get("n_shared_experts") or 0
         self.shared_experts = DeepseekMLP(hidden, inter * shared, quant) if shared else None
+        self.overlap_shared = envs.SHARED_EXPERTS_STREAM.get()  # separate shared experts beside, in CUDA graphs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         has_slots = self.experts.num_shared > 0  # shared experts stacked with the routed ones
         # Past a few dozen tokens the shared experts' rows in the grouped GEMM (every token, tiles of a decode
-        # config) cost more than two dense GEMMs (V2-Lite on the H200: fused 0.09 ms faster per step at 64
-        # tokens, 0.66 ms slower at 256). The deterministic mode always fuses: its sums must not depend on the
-        # batch size.
-        fuse = has_slots and (x.shape[0] <= FUSED_SHARED_MAX_TOKENS or batch_invariant.is_enabled())
+        # config) cost more than dense GEMMs (see FUSED_SHARED_MAX_TOKENS). The deterministic mode always fuses:
+        # its sums must not depend on the batch size.
+        # Only in CUDA graphs: run eagerly, the fork and join of the side stream cost more host time per layer
+        # than the overlap saves (a 512-token eager prefill step of V2-Lite: 46 ms of wall time against 38, for
+        # the same 12 ms of GPU time)
+        beside = self.overlap_shared and x.is_cuda and x.shape[0] > 0 and in_graphs()
+        limit = FUSED_SHARED_MAX_TOKENS_BESIDE if beside else FUSED_SHARED_MAX_TOKENS
+        fuse = has_slots and (x.shape[0] <= limit or batch_invariant.is_enabled())
+        if beside and not fuse and (has_slots or self.shared_experts is not None):
+            # the shared MLP on the side stream while this one routes and runs the routed experts; the top-k
+            # sum waits for it and adds it (no add kernel)
+            shared = self.experts.shared if has_slots else self.shared_experts
+            topk_weights, topk_ids = self.gate(x, with_shared=False)
+            return self.experts(x, topk_weights, topk_ids, addend=run_beside(shared, x))
         topk_weights, topk_ids = self.gate(x, with_shared=fuse)
         out = self.experts(x, topk_weights, topk_ids)
         if has_slots and not fuse:
-            out = self.experts.add_shared(x, out)
+            out = self.experts.shared(x, add_to=out)
         if self.shared_experts is not None:
             out = self.shared_experts(x, add_to=out)
         return out

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -399,25 +400,32 @@ def _sorted_pair_outputs(hidden, w13, w2, weights, align, top_k, cfg, cfg2, w13_
 
 
 @triton.jit
-def _topk_sum_kernel(x_ptr, out_ptr, hidden_size, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = sum_j x[t * TOP_K + j] in float32, j in order, rounded once."""
+def _topk_sum_kernel(x_ptr, add_ptr, out_ptr, hidden_size, TOP_K: tl.constexpr, HAS_ADD: tl.constexpr,
+                     BLOCK_H: tl.constexpr):
+    """out[t] = sum_j x[t * TOP_K + j] (+ add[t]) in float32, j in order, the addend last, rounded once."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     valid = offs < hidden_size
     acc = tl.zeros((BLOCK_H,), tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(x_ptr + (t * TOP_K + j) * hidden_size + offs, mask=valid, other=0.0).to(tl.float32)
+    if HAS_ADD:
+        acc += tl.load(add_ptr + t * hidden_size + offs, mask=valid, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * hidden_size + offs, acc.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-def topk_sum(pair_rows: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
-    """[T * k, H] (token-major) -> [T, H]: each token's k rows summed in float32. One pass at the copy rate
-    (``torch.sum`` over the middle dim of [T, k, H] ran at ~30% of it)."""
+def topk_sum(pair_rows: torch.Tensor, num_tokens: int, top_k: int, add: torch.Tensor | None = None) -> torch.Tensor:
+    """[T * k, H] (token-major) -> [T, H]: each token's k rows summed in float32, plus ``add`` [T, H] when given
+    (the shared experts' output: no separate add kernel). One pass at the copy rate (``torch.sum`` over the
+    middle dim of [T, k, H] ran at ~30% of it)."""
     hidden_size = pair_rows.shape[1]
     out = pair_rows.new_empty(num_tokens, hidden_size)
+    if add is not None and (add.shape != out.shape or not add.is_contiguous()):
+        raise ValueError(f"topk_sum: add must be a contiguous {tuple(out.shape)} tensor, got {tuple(add.shape)}")
     block_h = min(1024, triton.next_power_of_2(hidden_size))
     _topk_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
-        pair_rows, out, hidden_size, TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+        pair_rows, pair_rows if add is None else add, out, hidden_size, TOP_K=top_k, HAS_ADD=add is not None,
+        BLOCK_H=block_h, num_warps=4,
     )
     return out
 
@@ -433,6 +441,7 @@ def fused_moe_triton(
     w2_scale_inv: torch.Tensor | None = None,
     block_size: tuple[int, int] | None = None,
     config: dict | None = None,
+    addend: Callable[[], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """See ``ops.moe.fused_moe``; FP8 experts (e4m3 ``w13``/``w2``) take their block scales."""
     num_tokens, hidden_size = hidden.shape
@@ -440,11 +449,14 @@ def fused_moe_triton(
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     if num_tokens == 0:
-        return hidden.new_zeros(0, hidden_size)
+        return hidden.new_zeros(0, hidden_size) + (addend() if addend is not None else 0)
     fp8 = w13.dtype == torch.float8_e4m3fn
     dtype = "fp8" if fp8 else str(w13.dtype).removeprefix("torch.")
     cfg = config or moe_config(f"{num_experts},{inter},{hidden_size},{dtype}", num_pairs / num_experts, fp8,
                                hidden.is_cuda)
     down = expert_pair_outputs(hidden, w13, w2, topk_weights, topk_ids, cfg, down_config(cfg),
                                w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv, block_size=block_size)
-    return down if top_k == 1 else topk_sum(down, num_tokens, top_k)
+    add = addend() if addend is not None else None  # called only now: its producer may run beside the experts
+    if top_k == 1:
+        return down if add is None else down.add_(add)
+    return topk_sum(down, num_tokens, top_k, add)

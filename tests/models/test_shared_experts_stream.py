@@ -1,0 +1,89 @@
+"""Shared experts on a side stream beside the router and the routed experts (``DSINFER_SHARED_EXPERTS_STREAM``,
+``runner.side_stream``), taken in CUDA graphs and their warm-up forwards only: the same output as one stream,
+eagerly and replayed from a graph, with the shared experts stacked as slots (``FusedExperts.shared``) or as their
+own MLP (``DSINFER_FUSE_SHARED_EXPERTS=0``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsinfer.models.deepseek import blocks
+from dsinfer.runner.side_stream import graph_warmup, in_graphs
+from tests.models.test_deepseek_shared_experts import load_moe, moe_tensors, tiny_config, unfused_reference
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _moe(stacked: bool, monkeypatch, device: str = "cuda"):
+    """V2's tiny MoE layer whose shared experts run apart from the grouped GEMM at every batch size, with the
+    side-stream forks counted (``calls``)."""
+    monkeypatch.setenv("DSINFER_FUSE_SHARED_EXPERTS", "1" if stacked else "0")
+    monkeypatch.setattr(blocks, "FUSED_SHARED_MAX_TOKENS", 0)
+    monkeypatch.setattr(blocks, "FUSED_SHARED_MAX_TOKENS_BESIDE", 0)
+    calls, fork = [], blocks.run_beside
+    monkeypatch.setattr(blocks, "run_beside", lambda *a: calls.append(1) or fork(*a))
+    cfg = tiny_config("v2", 2)
+    tensors = moe_tensors(cfg)
+    _, moe = load_moe(cfg, tensors)
+    assert (moe.shared_experts is None) == stacked and moe.overlap_shared
+    return cfg, tensors, moe.to(device), calls
+
+
+def test_graph_warmup_marks_the_forward_and_cpu_never_forks(monkeypatch):
+    assert not in_graphs()
+    with graph_warmup():
+        assert in_graphs()
+        with graph_warmup():
+            assert in_graphs()
+        assert in_graphs()
+    assert not in_graphs()
+    cfg, tensors, moe, calls = _moe(True, monkeypatch, "cpu")
+    x = torch.randn(5, cfg["hidden_size"], generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), graph_warmup():
+        out = moe(x)
+    assert calls == []
+    torch.testing.assert_close(out, unfused_reference(cfg, tensors, moe.gate.cfg.routing, x), rtol=1e-5, atol=1e-5)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("tokens", [1, 100])
+def test_side_stream_matches_one_stream_and_the_reference(stacked, tokens, monkeypatch):
+    cfg, tensors, moe, calls = _moe(stacked, monkeypatch)
+    x = torch.randn(tokens, cfg["hidden_size"], generator=torch.Generator().manual_seed(2)).cuda()
+    with torch.no_grad():
+        one_stream = moe(x)
+        assert calls == []  # eager: no fork
+        with graph_warmup():
+            beside = moe(x)
+        assert calls == [1]
+        ref = unfused_reference(cfg, tensors, moe.gate.cfg.routing, x.cpu())
+    torch.testing.assert_close(beside, one_stream, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(beside.cpu(), ref, rtol=2e-3, atol=2e-3)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("stacked", [True, False])
+def test_side_stream_in_a_cuda_graph(stacked, monkeypatch):
+    """The fork and join are captured: replays on fresh inputs give the eager (one-stream) outputs."""
+    cfg, _, moe, calls = _moe(stacked, monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    static_x = torch.zeros(64, cfg["hidden_size"], device="cuda")
+    with torch.no_grad():
+        side = torch.cuda.Stream()  # warm-up off the default stream, as graph capture wants
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), graph_warmup():
+            moe(static_x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = moe(static_x)
+        assert calls == [1, 1]
+        for _ in range(3):
+            x = torch.randn(64, cfg["hidden_size"], generator=gen).cuda()
+            static_x.copy_(x)
+            graph.replay()
+            torch.testing.assert_close(static_out, moe(x), rtol=1e-5, atol=1e-5)
