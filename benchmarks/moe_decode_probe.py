@@ -90,7 +90,7 @@ def run_model(model: str, token_counts: list[int], bw: float, pairs: list[int] |
         x0 = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
         # as the model runs it: the shared experts are slots of the grouped GEMM up to FUSED_SHARED_MAX_TOKENS,
         # dense GEMMs beside it past that (not timed here: only the grouped GEMM's routed slots)
-        fused_max = FUSED_SHARED_MAX_TOKENS_BESIDE if envs.SHARED_EXPERTS_STREAM.get() else FUSED_SHARED_MAX_TOKENS
+        fused_max = FUSED_SHARED_MAX_TOKENS_BESIDE if envs.SIDE_STREAM.get() else FUSED_SHARED_MAX_TOKENS
         in_stack = shared if tokens <= fused_max else 0
         routes = []
         for _ in range(num_layers):

@@ -1,7 +1,7 @@
 """Whole DeepSeek MoE blocks as a decode step runs them (router, routed experts, shared experts), a chain of layers
 with distinct dummy weights replayed from one CUDA graph, in each way the shared experts can run: inside the
 grouped GEMM ("fused"), as dense GEMMs after it on the same stream ("after"), or as dense GEMMs on a side stream
-beside the router and the routed experts ("beside", ``DSINFER_SHARED_EXPERTS_STREAM``).
+beside the router and the routed experts ("beside", ``DSINFER_SIDE_STREAM``).
 
     python3 benchmarks/moe_layer_probe.py [--model benchmarks/configs/deepseek-v2-lite] [--tokens 1 64 256]
 """

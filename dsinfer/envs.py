@@ -131,10 +131,11 @@ FUSE_SHARED_EXPERTS = _declare(
     "DeepSeek MoE: run the shared experts as extra experts of the routed grouped GEMM (off: a separate MLP).",
     _parse_bool,
 )
-SHARED_EXPERTS_STREAM = _declare(
-    "DSINFER_SHARED_EXPERTS_STREAM", "bool", True,
-    "DeepSeek MoE in CUDA graphs: run separate shared experts on a second stream, beside the router and the "
-    "routed experts (off: one stream, in sequence).",
+SIDE_STREAM = _declare(
+    "DSINFER_SIDE_STREAM", "bool", True,
+    "In CUDA graphs, overlap independent work on a second stream: DeepSeek's separate shared experts beside the "
+    "router and the routed experts, MLA's rope and latent-cache store beside the query absorption (off: one "
+    "stream, in sequence).",
     _parse_bool,
 )
 USE_TRITON = _declare(

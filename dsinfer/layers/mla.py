@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsinfer import batch_invariant
+from dsinfer import batch_invariant, envs
 from dsinfer.kvcache.spec import MLASpec
 from dsinfer.layers.fp8_linear import Fp8BlockLinear, Fp8Config, make_linear
 from dsinfer.layers.norm import RMSNorm
@@ -30,6 +30,7 @@ from dsinfer.layers.rotary import RotaryEmbedding, rope_parameters_of
 from dsinfer.ops.mla import mla_decode, mla_prefill, rope_norm_store_mla
 from dsinfer.runner.forward_batch import ForwardBatch
 from dsinfer.runner.prefill_graphs import attention_piece
+from dsinfer.runner.side_stream import in_graphs, run_beside
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
 
@@ -138,6 +139,7 @@ class MLAAttention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
         self._kv_b_dense: torch.Tensor | None = None  # an FP8 kv_b_proj dequantized once (see below)
         self._kv_b_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see _split_kv_b
+        self.overlap_store = envs.SIDE_STREAM.get()  # rope + cache store beside the query absorption, in graphs
 
     def process_weights_after_loading(self) -> None:
         """Attention multiplies by kv_b_proj's weight directly (absorbed into the query, expanding the latent),
@@ -188,13 +190,39 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         norm, rotary = self.kv_a_layernorm, self.rotary
-        q_pe = rope_norm_store_mla(positions, q_pe, k_pe, kv_c, norm.weight, norm.eps, rotary.cos_sin_cache,
-                                   rotary.is_neox, self.kv_cache, batch.slot_mapping)
-        return self.attend(q_nope, q_pe, MLAMetadata.of(batch)).flatten(1)
+
+        def rope_and_store(q_pe: torch.Tensor) -> torch.Tensor:
+            return rope_norm_store_mla(positions, q_pe, k_pe, kv_c, norm.weight, norm.eps, rotary.cos_sin_cache,
+                                       rotary.is_neox, self.kv_cache, batch.slot_mapping)
+
+        meta = MLAMetadata.of(batch)
+        if (self.overlap_store and meta.decode is not None and meta.decode.rows is None and q.is_cuda
+                and in_graphs()):
+            # a decode step in a CUDA graph: rope, the latent norm and the cache store on the side stream while
+            # this one absorbs W_UK into the query; the decode kernel waits for both
+            join = run_beside(rope_and_store, q_pe)
+            q_absorbed = self._absorb(q_nope)
+            out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
+            return self._decode(q_absorbed, join(), meta.decode, meta.max_seq_len, out).flatten(1)
+        return self.attend(q_nope, rope_and_store(q_pe), meta).flatten(1)
+
+    def _absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [T, H, N] -> [T, H, R]: per head [H, T, N] @ W_UK [H, N, R], read as [T, H, R] through
+        strides (no copy)."""
+        return torch.bmm(q_nope.transpose(0, 1), self._kv_b()[1]).transpose(0, 1)
+
+    def _decode(self, q_absorbed: torch.Tensor, q_pe: torch.Tensor, d: MLARows, max_seq_len: int | None,
+                out: torch.Tensor) -> torch.Tensor:
+        """Attention of one-token rows over the latent cache, then W_UV, written into ``out`` [T, H, V]."""
+        latent = mla_decode(q_absorbed, q_pe, self.kv_cache, d.block_tables, d.query_start_loc, d.seq_lens,
+                            self.scale, max_seq_len=max_seq_len)
+        # [H, T, R] @ [H, R, V], written through a transposed view straight into [T, H, V]
+        torch.bmm(latent.transpose(0, 1), self._kv_b()[2], out=out.transpose(0, 1))
+        return out
 
     def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
         """q_nope [T, H, N], q_pe [T, H, P] (roped) -> [T, H, V] (contiguous)."""
-        w_kv_b, w_uk, w_uv_t = self._kv_b()
+        w_kv_b = self._kv_b()[0]
         if meta.invariant is not None:
             from dsinfer.batch_invariant.mla import mla_attention_invariant
 
@@ -205,15 +233,8 @@ class MLAAttention(nn.Module):
         if meta.decode is not None:
             d = meta.decode
             qn, qp = (q_nope, q_pe) if d.rows is None else (q_nope[d.rows], q_pe[d.rows])
-            # per head: [H, T, N] @ [H, N, R]; the result is read as [T, H, R] through strides (no copy)
-            q_absorbed = torch.bmm(qn.transpose(0, 1), w_uk).transpose(0, 1)
-            latent = mla_decode(
-                q_absorbed, qp, self.kv_cache, d.block_tables, d.query_start_loc, d.seq_lens, self.scale,
-                max_seq_len=meta.max_seq_len,
-            )
-            # [H, T, R] @ [H, R, V], written through a transposed view straight into [T, H, V]
             o = out if d.rows is None else out.new_empty(qn.shape[0], self.num_heads, self.v_dim)
-            torch.bmm(latent.transpose(0, 1), w_uv_t, out=o.transpose(0, 1))
+            self._decode(self._absorb(qn), qp, d, meta.max_seq_len, o)
             if d.rows is None:
                 return out
             out[d.rows] = o

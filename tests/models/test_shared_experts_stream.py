@@ -1,4 +1,4 @@
-"""Shared experts on a side stream beside the router and the routed experts (``DSINFER_SHARED_EXPERTS_STREAM``,
+"""Shared experts on a side stream beside the router and the routed experts (``DSINFER_SIDE_STREAM``,
 ``runner.side_stream``), taken in CUDA graphs and their warm-up forwards only: the same output as one stream,
 eagerly and replayed from a graph, with the shared experts stacked as slots (``FusedExperts.shared``) or as their
 own MLP (``DSINFER_FUSE_SHARED_EXPERTS=0``)."""

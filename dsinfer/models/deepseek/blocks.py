@@ -148,7 +148,7 @@ class DeepseekMoE(nn.Module):
         self.experts = FusedExperts(router.num_experts, hidden, inter, quant, num_shared=router.num_shared)
         shared = 0 if router.num_shared else cfg.get("n_shared_experts") or 0
         self.shared_experts = DeepseekMLP(hidden, inter * shared, quant) if shared else None
-        self.overlap_shared = envs.SHARED_EXPERTS_STREAM.get()  # separate shared experts beside, in CUDA graphs
+        self.overlap_shared = envs.SIDE_STREAM.get()  # separate shared experts beside, in CUDA graphs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         has_slots = self.experts.num_shared > 0  # shared experts stacked with the routed ones
