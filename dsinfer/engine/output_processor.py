@@ -79,6 +79,8 @@ class ParentRequest:
         metrics = RequestMetrics(self.arrival_time, first.first_scheduled_time, first.first_token_time,
                                  self.finished_time, max(first.num_cached_tokens, 0))
         prompt_lp = first.prompt_logprobs if first.needs_prompt_logprobs else None
+        if prompt_lp is not None and not self.params.detokenize:
+            prompt_lp = _undecoded(prompt_lp)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, prompt_lp, completions,
                              finished, metrics, max(first.num_cached_tokens, 0))
 
@@ -96,9 +98,18 @@ class ParentRequest:
             text = child.detokenizer.visible_text(done) if child.detokenizer else ""
             token_ids = list(req.output_token_ids)
             logprobs = list(req.logprobs) if req.params.logprobs is not None else None
+        if not req.params.detokenize:  # vLLM: ids only; the detokenizer still runs, but nothing of it is shown
+            text = ""
+            logprobs = _undecoded(logprobs) if logprobs is not None else None
         cumulative = req.cumulative_logprob if req.params.logprobs is not None else None
         return CompletionOutput(req.index, text, token_ids, cumulative, logprobs, status, req.stop_reason)
 
     def mark_finished_time(self) -> None:
         if self.finished and self.finished_time is None:
             self.finished_time = time.monotonic()
+
+
+def _undecoded(positions: list[PositionLogprobs | None]) -> list[PositionLogprobs | None]:
+    """Copies without decoded_token (the engine decodes every candidate for all requests alike)."""
+    return [None if pos is None else {tid: Logprob(lp.logprob, lp.rank) for tid, lp in pos.items()}
+            for pos in positions]

@@ -63,6 +63,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token (the sampled token always included)
     prompt_logprobs: int | None = None
+    # False: the output has token ids only (text "", logprobs without decoded_token); stop strings need text
+    detokenize: bool = True
     skip_special_tokens: bool = True
     # vLLM's field; its fast-tokenizer detokenizer (the one dsinfer has: tokenizers' DecodeStream) ignores it too
     spaces_between_special_tokens: bool = True
@@ -75,6 +77,13 @@ class SamplingParams:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # vLLM's spellings: seed -1 is "no seed"; logprobs=True asks for one top token (True is an int, so this
+        # comes before the check that rejects other bools)
+        if type(self.seed) is int and self.seed == -1:
+            self.seed = None
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:
+                setattr(self, name, 1)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
@@ -83,7 +92,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a list, got {type(value).__name__}")
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+        for name in ("ignore_eos", "include_stop_str_in_output", "detokenize", "skip_special_tokens",
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -117,8 +126,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not 0.0 < self.repetition_penalty <= 100.0:
-            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        # no upper bound, as vLLM's SamplingParams (the server's request schema has its own)
+        if not math.isfinite(self.repetition_penalty):
+            raise ValueError(f"repetition_penalty must be finite, got {self.repetition_penalty}")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -146,6 +158,8 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be non-empty strings, got {s!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True: they are matched in the output text")
         if self.truncate_prompt_tokens is not None:
             _check_number("truncate_prompt_tokens", self.truncate_prompt_tokens, integer=True)
             if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
@@ -176,8 +190,11 @@ class SamplingParams:
         for tid, bias in (self.logit_bias or {}).items():
             _check_number("logit_bias key", tid, integer=True)
             _check_number("logit_bias value", bias)
-            if tid < 0 or not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias must map token ids >= 0 to values in [-100, 100], got {tid}: {bias}")
+            # any finite bias, as vLLM's SamplingParams (the OpenAI server's schema keeps [-100, 100])
+            if not math.isfinite(bias):
+                raise ValueError(f"logit_bias value must be finite, got {tid}: {bias}")
+            if tid < 0:
+                raise ValueError(f"logit_bias must map token ids >= 0 to finite values, got {tid}: {bias}")
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Token ids given in the params must exist in the model's vocabulary."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from dsinfer.config import EngineArgs
@@ -17,6 +17,11 @@ logger = logging.getLogger("dsinfer")
 
 PromptType = str | dict[str, Any]
 Messages = list[dict[str, Any]]
+
+# vLLM takes from generation_config.json only the values that differ from transformers' GenerationConfig defaults
+# (so an explicit top_k of 50 there is not applied); max_new_tokens becomes max_tokens
+_GENERATION_CONFIG_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None,
+                               "repetition_penalty": 1.0, "max_new_tokens": None}
 
 
 class LLM:
@@ -35,13 +40,24 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate``/``chat`` use when given no SamplingParams: vLLM's defaults with the sampling values the
+        model's generation_config.json recommends (vLLM's ``generation_config="auto"``)."""
+        config = self.engine.model_config.generation_config
+        overrides = {key: config[key] for key, default in _GENERATION_CONFIG_DEFAULTS.items()
+                     if config.get(key) is not None and config[key] != default}
+        if "max_new_tokens" in overrides:
+            overrides["max_tokens"] = overrides.pop("max_new_tokens")
+        return SamplingParams(**overrides)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        """Run every prompt to completion; outputs come back in the order of the prompts. ``use_tqdm`` may be a
+        tqdm class (or a function making one) to draw the progress bar with, as in vLLM."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray)):
@@ -66,7 +82,7 @@ class LLM:
         self,
         messages: Messages | Sequence[Messages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
@@ -115,7 +131,7 @@ class LLM:
 
     def _params_for(self, count: int, params: SamplingParams | Sequence[SamplingParams] | None):
         if params is None:
-            params = SamplingParams()
+            params = self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             return [params] * count
         params = list(params)
@@ -123,13 +139,14 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; pass one or one per prompt")
         return params
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+            make_bar = use_tqdm if callable(use_tqdm) else tqdm
+            bar = make_bar(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
         try:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
