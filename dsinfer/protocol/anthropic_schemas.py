@@ -5,14 +5,21 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, Strict, StrictBool, StrictStr, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from dsinfer.protocol.fields import MaxTokens, ShortStr, StopStr, TopK, TopP, WireModel
-from dsinfer.protocol.openai_schemas import ToolName
+
+# Anthropic takes longer tool names than OpenAI's 64 characters (MCP clients prefix server names to them); the dot
+# stays allowed, as on the OpenAI routes
+ToolName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
 
 
 class TextBlock(WireModel):
     type: Literal["text"]
     text: StrictStr
+
+
+_REQUIRED_BLOCK_FIELDS = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",)}
 
 
 class ContentBlock(WireModel):
@@ -29,6 +36,15 @@ class ContentBlock(WireModel):
     thinking: StrictStr | None = None
     signature: StrictStr | None = None
 
+    @model_validator(mode="after")
+    def _has_its_required_fields(self) -> ContentBlock:
+        # one flat model for every block type: the fields Anthropic requires of a type are checked here, so the
+        # converter never reads a None (a text block without text was a 500)
+        for name in _REQUIRED_BLOCK_FIELDS.get(self.type, ()):
+            if getattr(self, name) is None:
+                raise PydanticCustomError("missing", f"{self.type} block: '{name}' is required")
+        return self
+
 
 class Message(WireModel):
     role: Literal["user", "assistant"]
@@ -38,8 +54,25 @@ class Message(WireModel):
 class Tool(WireModel):
     name: ToolName
     description: Annotated[str, Field(max_length=65536)] | None = None
-    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
-    type: ShortStr | None = None
+    type: ShortStr | None = None  # before input_schema, whose validator reads it
+    input_schema: dict[str, Any] | None = Field(default=None, validate_default=True)
+
+    @field_validator("input_schema")
+    @classmethod
+    def _custom_tools_take_an_object(cls, value: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any]:
+        """A custom tool (no ``type``, or "custom") needs an object schema, as Anthropic's API; the versioned
+        tools Anthropic defines (``bash_20250124``...) come without one."""
+        if info.data.get("type", "custom") not in (None, "custom"):
+            return value or {"type": "object"}
+        if value is None:
+            raise PydanticCustomError("missing", "Field required")
+        if value.get("type") != "object":
+            raise ValueError("the input schema's type must be 'object'")
+        return value
+
+
+class Metadata(WireModel):
+    user_id: Annotated[StrictStr, Field(max_length=256)] | None = None
 
 
 class ToolChoice(WireModel):
@@ -70,6 +103,13 @@ class CountTokensRequest(WireModel):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
 
+    @field_validator("tools")
+    @classmethod
+    def _names_are_unique(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        if tools and len({t.name for t in tools}) < len(tools):
+            raise ValueError("Tool names must be unique.")  # Anthropic's message
+        return tools
+
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: MaxTokens
@@ -78,7 +118,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: TopP | None = None
     top_k: TopK | None = None
     stream: StrictBool = False
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
 
     @field_validator("max_tokens")
     @classmethod

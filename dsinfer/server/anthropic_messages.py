@@ -19,6 +19,7 @@ from dsinfer.protocol.sampling import build_sampling_params, resolve_max_tokens
 from dsinfer.protocol.structured_request import validate_structured_outputs
 from dsinfer.protocol.surrogates import without_surrogates
 from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint
+from dsinfer.protocol.tool_parsers import ParsedToolCall
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.generation import Generation, primed
 from dsinfer.server.sse import SSE_HEADERS, sse_event
@@ -40,6 +41,47 @@ def _tool_choice_constraint(ctx: ServingContext, req: CountTokensRequest) -> dic
     return tool_call_constraint(tools, mode, ctx.tool_parser, choice.name)
 
 
+def _check_tool_turns(req: CountTokensRequest) -> None:
+    """Anthropic's pairing of tool calls and results (400s of its API): the turn after an assistant turn with
+    tool_use blocks answers each id with a tool_result, results answer ids of the turn just before, and they lead
+    their turn (text after them). Consecutive messages of a role are one turn, as Anthropic joins them."""
+    turns: list[tuple[str, list[tuple[str, Any]]]] = []  # (role, [(path, block)])
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, str):
+            blocks: list[tuple[str, Any]] = [(f"messages.{i}.content", None)]  # text
+        else:
+            blocks = [(f"messages.{i}.content.{j}", b) for j, b in enumerate(m.content)]
+        if turns and turns[-1][0] == m.role:
+            turns[-1][1].extend(blocks)
+        else:
+            turns.append((m.role, blocks))
+    calls: dict[str, str] = {}  # tool_use id -> where it is, of the assistant turn before
+    for role, blocks in turns:
+        if role == "user":
+            answered, other = set(), False
+            for path, block in blocks:
+                if block is None or block.type != "tool_result":
+                    other = True
+                    continue
+                if block.tool_use_id not in calls:
+                    raise ProtocolError(f"{path}: unexpected `tool_use_id` found in `tool_result` blocks: "
+                                        f"{block.tool_use_id}. Each `tool_result` block must have a corresponding "
+                                        f"`tool_use` block in the previous message.", param=path)
+                if other:
+                    raise ProtocolError(f"{path}: `tool_result` blocks must come before any other content of their "
+                                        f"turn", param=path)
+                answered.add(block.tool_use_id)
+            unanswered = [tid for tid in calls if tid not in answered]
+            if unanswered:
+                where = calls[unanswered[0]]
+                raise ProtocolError(f"{where}: `tool_use` ids were found without `tool_result` blocks immediately "
+                                    f"after: {', '.join(unanswered)}. Each `tool_use` block must have a "
+                                    f"corresponding `tool_result` block in the next message.", param=where)
+            calls = {}
+        else:
+            calls = {b.id: p.rsplit(".content", 1)[0] for p, b in blocks if b is not None and b.type == "tool_use"}
+
+
 async def _prepare(ctx: ServingContext, req: CountTokensRequest) -> tuple[EncodedChat, bool, dict[str, Any] | None]:
     """The prompt, whether the answer is parsed for tool calls, and the ``tool_choice`` constraint (validated).
     count_tokens goes through this too, so it refuses every request /v1/messages refuses (``max_tokens`` aside,
@@ -48,6 +90,7 @@ async def _prepare(ctx: ServingContext, req: CountTokensRequest) -> tuple[Encode
     tools = anthropic_tools(req) if ctx.prompt_has_tools(req.tools, choice_is_none) else None
     kwargs = {"enable_thinking": req.thinking.type != "disabled"} if req.thinking else None
     messages = anthropic_messages(req)
+    _check_tool_turns(req)
     # a final assistant turn with text is a prefill: the answer continues it
     encoded = ctx.encode_chat(messages, tools, template_kwargs=kwargs,
                               continue_final_message=ends_with_prefill(messages))
@@ -129,15 +172,14 @@ def _blocks(parsed: OutputDelta) -> list[dict[str, Any]]:
     if parsed.content.strip() or not (parsed.tool_calls or blocks):
         blocks.append({"type": "text", "text": parsed.content})
     for call in parsed.tool_calls:
-        blocks.append(
-            {
-                "type": "tool_use",
-                "id": new_id("toolu_")[:30],
-                "name": call.name,
-                "input": without_surrogates(json.loads(call.arguments)),
-            }
-        )
+        blocks.append({"type": "tool_use", "id": new_id("toolu_")[:30], "name": call.name, "input": _input(call)})
     return blocks
+
+
+def _input(call: ParsedToolCall) -> dict[str, Any]:
+    """A call's arguments as ``input``: its text may escape a lone surrogate (string "arguments"), which is
+    U+FFFD here, as in the request bodies (``surrogates``)."""
+    return without_surrogates(json.loads(call.arguments))
 
 
 def _stop_reason(c: CompletionOutput, req: MessagesRequest, made_calls: bool) -> tuple[str, str | None]:
@@ -206,7 +248,9 @@ class _BlockWriter:
         for call in delta.tool_calls:
             block = {"type": "tool_use", "id": new_id("toolu_")[:30], "name": call.name, "input": {}}
             events += self._start("tool_use", block)
-            events.append(self._delta({"type": "input_json_delta", "partial_json": call.arguments}))
+            # re-encoded as the non-streamed input: the SDK's stream helper cannot parse a lone surrogate escape
+            partial = json.dumps(_input(call), ensure_ascii=False)
+            events.append(self._delta({"type": "input_json_delta", "partial_json": partial}))
         return events
 
 
