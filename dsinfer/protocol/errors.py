@@ -47,7 +47,9 @@ def error_body(
     family: str, status: int, message: str, param: str | None = None, code: str | None = None
 ) -> dict:
     """The envelope of route family ``family`` ("openai" or "anthropic")."""
-    if family == "anthropic":
+    if family == "anthropic":  # no param field in its envelope: the message names the field, as Anthropic's do
+        if param and not message.startswith(param):
+            message = f"{param}: {message}"
         return anthropic_error_body(status, message)
     return openai_error_body(status, message, param, code)
 

@@ -189,3 +189,12 @@ def test_tool_names_of_up_to_128_characters_are_accepted(client):
     tools = [{"name": name, "input_schema": SCHEMA}]
     _accepted(client, tools=tools, tool_choice={"type": "tool", "name": name}, messages=[USER])
     _refused(client, "tools.0.name", tools=[{"name": name + "x", "input_schema": SCHEMA}], messages=[USER])
+
+
+def test_a_refusal_of_the_message_converter_names_the_block(client):
+    """Anthropic's envelope has no ``param``: the message leads with the path of the offending block, as the
+    schema's own refusals do."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    message = _refused(client, "not supported", messages=[
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, image]}])
+    assert message.startswith("messages.0.content.1: "), message
