@@ -1,5 +1,5 @@
-"""A second CUDA stream for work that overlaps the main stream's (DeepSeek's shared experts beside the router
-and the routed experts).
+"""A second CUDA stream for work that overlaps the main stream's: DeepSeek's shared experts beside the router and
+the routed experts, MLA's rope and latent-cache store beside the query absorption (``DSINFER_SIDE_STREAM``).
 
 ``run_beside(fn, x)`` forks: the side stream waits for the main stream's work so far, then runs ``fn(x)``; the
 main stream goes on at once. The returned ``join()`` makes the main stream wait for the side stream and gives
