@@ -33,8 +33,14 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     served_model_name: str
-    generation_config: dict[str, Any] = field(default_factory=dict)
+    generation_config: dict[str, Any] = field(default_factory=dict)  # the model's generation_config.json
     trust_chat_template: bool = True
+    # The SamplingParams values that requests (and LLM.generate without params) leave unset take (vLLM's
+    # ModelConfig.get_diff_sampling_param): EngineArgs.generation_config's file, then override_generation_config
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # A ceiling on every server request's max_tokens (vLLM's override_max_tokens): the max_new_tokens of a
+    # generation_config folder or of override_generation_config; the model's own file gives only a default
+    max_tokens_limit: int | None = None
 
     @property
     def architecture(self) -> str:
@@ -118,6 +124,11 @@ class EngineArgs:
     async_scheduling: bool | None = None
     enforce_eager: bool = False
     max_prefill_graph_tokens: int = 2048
+    # where the default sampling values come from, as vLLM's --generation-config: "auto" (the model's
+    # generation_config.json), "vllm" (none: SamplingParams' own defaults) or a folder holding a generation_config.json
+    generation_config: str = "auto"
+    # sampling values over the file's (vLLM's --override-generation-config), e.g. {"temperature": 0.5}
+    override_generation_config: dict[str, Any] | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -139,11 +150,14 @@ class EngineArgs:
             raise ValueError(f"{config_path} must hold a JSON object, got {type(hf_config).__name__}")
         hf_config.update(self.hf_overrides or {})
         hf_config["architectures"] = _architectures(hf_config, config_path)
+        generation_config = _read_json(model_dir / "generation_config.json")
+        sampling_defaults, max_tokens_limit = self._sampling_defaults(generation_config)
         model = ModelConfig(
             path=model_dir, hf_config=hf_config, dtype=_resolve_dtype(self.dtype, hf_config, device),
             max_model_len=_resolve_max_model_len(self.max_model_len, hf_config),
             served_model_name=self.served_model_name or self.model or "SmolLM2-135M-Instruct",
-            generation_config=_read_json(model_dir / "generation_config.json"),
+            generation_config=generation_config, sampling_defaults=sampling_defaults,
+            max_tokens_limit=max_tokens_limit,
         )
         batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
         if not self.enable_chunked_prefill:
@@ -167,6 +181,35 @@ class EngineArgs:
                                 self.max_prefill_graph_tokens),
         )
 
+    def _sampling_defaults(self, model_generation_config: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+        """(ModelConfig.sampling_defaults, ModelConfig.max_tokens_limit), checked as SamplingParams values so that
+        a bad file or override fails at startup rather than in every request."""
+        from dsinfer.engine.sampling_params import SamplingParams, generation_config_sampling_defaults
+
+        overrides = self.override_generation_config or {}
+        if self.generation_config == "auto":
+            source, where = model_generation_config, "the model's generation_config.json"
+        elif self.generation_config == "vllm":
+            source, where = {}, "override_generation_config"
+        else:
+            path = Path(self.generation_config).expanduser() / "generation_config.json"
+            source, where = _read_json(path), str(path)
+        if not isinstance(source, dict):
+            raise ValueError(f"{where} must hold a JSON object, got {type(source).__name__}")
+        defaults = generation_config_sampling_defaults(source, overrides)
+        try:
+            SamplingParams(**defaults)
+        except ValueError as exc:
+            raise ValueError(f"the default sampling values from {where} (with override_generation_config "
+                             f"{overrides}) are invalid: {exc}") from None
+        # vLLM: a folder's max_new_tokens caps every request (it was chosen for this server); the model's own
+        # only fills in an unset max_tokens, unless override_generation_config sets it
+        if self.generation_config in ("auto", "vllm"):
+            limit = overrides.get("max_new_tokens")
+        else:
+            limit = defaults.get("max_tokens")
+        return defaults, limit
+
     def _validate(self) -> None:
         if self.block_size is not None:
             _check_int("block_size", self.block_size, 1, 1024)
@@ -189,6 +232,18 @@ class EngineArgs:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         _check_int("seed", self.seed, -(1 << 63), (1 << 63) - 1)
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder path, got "
+                             f"{self.generation_config!r}")
+        if self.generation_config not in ("auto", "vllm"):
+            # vLLM falls back to no defaults when the folder has no file; a typo'd path should not pass silently
+            folder = Path(self.generation_config).expanduser()
+            if not (folder / "generation_config.json").is_file():
+                raise ValueError(f"generation_config={self.generation_config!r}: expected 'auto', 'vllm' or a "
+                                 f"folder holding a generation_config.json, and {folder} holds none")
+        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
+            raise ValueError(f"override_generation_config must be a dict, got "
+                             f"{type(self.override_generation_config).__name__}")
 
 
 def _check_int(name: str, value: Any, low: int, high: int) -> None:

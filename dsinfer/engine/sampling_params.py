@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -25,6 +26,33 @@ def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
         raise ValueError(f"{name} must be {kind}, got {value!r}")
     if not integer and math.isnan(value):
         raise ValueError(f"{name} must not be NaN")
+
+
+# The sampling fields vLLM takes from a generation_config.json, with transformers' GenerationConfig defaults: vLLM
+# reads the file through GenerationConfig.to_diff_dict(), so a value equal to transformers' default is not applied
+# (a file's explicit top_k 50 leaves SamplingParams' top_k off, its temperature 1.0 changes nothing)
+GENERATION_CONFIG_SAMPLING_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0, "max_new_tokens": None,
+}
+
+
+def generation_config_sampling_defaults(
+    generation_config: Mapping[str, Any], overrides: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The SamplingParams keyword arguments a generation_config.json recommends (vLLM's
+    ``ModelConfig.get_diff_sampling_param``): temperature, top_p, top_k, min_p and repetition_penalty where they
+    differ from transformers' defaults, and max_new_tokens as ``max_tokens``. ``overrides`` (vLLM's
+    ``override_generation_config``) apply after that comparison, so they count even at transformers' default
+    value, and an override of None drops the file's value. Other keys (eos_token_id, do_sample, ...) are not
+    sampling defaults and are left out."""
+    known = GENERATION_CONFIG_SAMPLING_DEFAULTS
+    values = {key: generation_config[key] for key, default in known.items()
+              if key in generation_config and generation_config[key] != default}
+    values.update((key, value) for key, value in (overrides or {}).items() if key in known)
+    defaults = {key: value for key, value in values.items() if value is not None}
+    if "max_new_tokens" in defaults:
+        defaults["max_tokens"] = defaults.pop("max_new_tokens")
+    return defaults
 
 
 def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

@@ -23,9 +23,21 @@ def resolve_max_tokens(
     param: str = "max_tokens",
     prompt_param: str = "messages",
     clamp: bool = False,
+    default: int | None = None,
+    limit: int | None = None,
 ) -> int:
     """The number of tokens to generate; 400 when prompt + completion exceed the context, unless ``clamp`` (a
-    default the client did not ask for, like the completions' 16): then the room left."""
+    default the client did not ask for, like the completions' 16): then the room left.
+
+    As vLLM's ``get_max_tokens``: an unset ``max_tokens`` takes ``default`` (the model's generation_config
+    max_new_tokens), clamped to the room like any default; ``limit`` (a server-wide max_new_tokens, vLLM's
+    ``override_max_tokens``) caps the result whatever the request asked."""
+    resolved = _max_tokens_in_room(max_tokens, prompt_len, max_model_len, param, prompt_param, clamp, default)
+    return resolved if limit is None else min(resolved, limit)
+
+
+def _max_tokens_in_room(max_tokens: int | None, prompt_len: int, max_model_len: int, param: str, prompt_param: str,
+                        clamp: bool, default: int | None) -> int:
     room = max_model_len - prompt_len
     if room < 1:
         raise ProtocolError(
@@ -35,7 +47,9 @@ def resolve_max_tokens(
             code="context_length_exceeded",
         )
     if max_tokens is None:
-        return room
+        if default is None:
+            return room
+        max_tokens, clamp = default, True
     if clamp:
         return min(max_tokens, room)
     if max_tokens > room:
@@ -48,9 +62,11 @@ def resolve_max_tokens(
     return max_tokens
 
 
-def build_sampling_params(fields: dict[str, Any], vocab_size: int, stream: bool) -> SamplingParams:
-    """``fields`` uses SamplingParams names; None values take the defaults."""
-    kwargs = {k: v for k, v in fields.items() if v is not None}
+def build_sampling_params(fields: dict[str, Any], vocab_size: int, stream: bool,
+                          defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """``fields`` uses SamplingParams names; None values (and fields the endpoint has not) take ``defaults`` (the
+    server's, from the model's generation_config: vLLM's ``default_sampling_params``), then SamplingParams'."""
+    kwargs = {**(defaults or {}), **{k: v for k, v in fields.items() if v is not None}}
     kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     try:
         params = SamplingParams(**kwargs)

@@ -15,7 +15,7 @@ from dsinfer.protocol.chat_encoding import EncodedChat, ends_with_prefill
 from dsinfer.protocol.chat_output import ChatOutputParser, OutputDelta, parse_output
 from dsinfer.protocol.conversation import anthropic_messages, anthropic_tools
 from dsinfer.protocol.errors import ProtocolError
-from dsinfer.protocol.sampling import build_sampling_params, resolve_max_tokens
+from dsinfer.protocol.sampling import build_sampling_params
 from dsinfer.protocol.structured_request import validate_structured_outputs
 from dsinfer.protocol.surrogates import without_surrogates
 from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint
@@ -115,7 +115,7 @@ async def messages(request: Request):
     ctx.check_model(req.model)
     encoded, use_tools, constraint = await _prepare(ctx, req)
     fields = dict(
-        max_tokens=resolve_max_tokens(req.max_tokens, len(encoded.token_ids), ctx.max_model_len),
+        max_tokens=ctx.max_tokens(req.max_tokens, len(encoded.token_ids)),
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=req.top_k,
@@ -124,7 +124,7 @@ async def messages(request: Request):
     )
     if use_tools and ctx.tool_markers_special:
         fields["skip_special_tokens"] = False
-    params = build_sampling_params(fields, ctx.vocab_size, req.stream)
+    params = build_sampling_params(fields, ctx.vocab_size, req.stream, ctx.sampling_defaults)
     gen = Generation(ctx, encoded.token_ids, params, new_id("msg_"))
     single = req.tool_choice is not None and bool(req.tool_choice.disable_parallel_tool_use)
     parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools, parallel_calls=not single)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,8 @@ _ENGINE_ARGS = (
     "device",
     "enforce_eager",
     "max_prefill_graph_tokens",
+    "generation_config",
+    "override_generation_config",
 )
 
 
@@ -54,6 +57,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     eng.add_argument("--load-format", default=None, help="auto | safetensors | gguf | dummy")
     eng.add_argument("--deterministic", action="store_true", default=None,
                      help="batch-invariant mode: a request's output does not depend on its batch")
+    eng.add_argument("--generation-config", default=None,
+                     help="where the sampling fields a request leaves unset take their values, as vLLM's: 'auto' "
+                          "(default: the model's generation_config.json), 'vllm' (none of it), or a folder holding "
+                          "a generation_config.json (whose max_new_tokens then caps every request)")
+    eng.add_argument("--override-generation-config", type=_json_object, default=None,
+                     help='JSON sampling values over the generation config\'s, e.g. \'{"temperature": 0.5}\' '
+                          "(temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps max_tokens)")
     srv = parser.add_argument_group("server")
     srv.add_argument("--max-waiting-requests", type=int, default=256, help="queued requests before 429")
     srv.add_argument("--max-body-mb", type=float, default=8.0, help="request bodies above this get 413")
@@ -87,6 +97,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _template_text(value: str | None) -> str | None:

@@ -15,6 +15,7 @@ from dsinfer.protocol.chat_encoding import ChatEncoder, EncodedChat
 from dsinfer.protocol.chat_formats import BUILTIN_TEMPLATES, default_format_for
 from dsinfer.protocol.errors import ProtocolError, describe_validation_errors
 from dsinfer.protocol.reasoning import THINK_START, prompt_opens_reasoning
+from dsinfer.protocol.sampling import resolve_max_tokens
 from dsinfer.protocol.surrogates import without_surrogates
 from dsinfer.protocol.tool_parsers import ToolCallParser, tool_parser_for
 from dsinfer.server.metrics import ServerMetrics
@@ -34,6 +35,12 @@ class ServingContext:
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.model_config.max_model_len
         self.vocab_size: int = min(self.tokenizer.vocab_size, engine.model_config.vocab_size or 1 << 31)
+        # vLLM's default_sampling_params (--generation-config, --override-generation-config): what the sampling
+        # fields a request leaves unset take; max_tokens goes through max_tokens() instead, as it meets the room left
+        defaults = dict(engine.model_config.sampling_defaults)
+        self.default_max_tokens: int | None = defaults.pop("max_tokens", None)
+        self.sampling_defaults: dict[str, Any] = defaults
+        self.max_tokens_limit: int | None = engine.model_config.max_tokens_limit
         special = frozenset(self.tokenizer.special_tokens)
         template = settings.chat_template or self.tokenizer.chat_template
         if template is None or settings.chat_format != "auto":
@@ -69,6 +76,12 @@ class ServingContext:
             raise ProtocolError(
                 f"The model `{name}` does not exist.", status=404, param="model", code="model_not_found"
             )
+
+    def max_tokens(self, requested: int | None, prompt_len: int, param: str = "max_tokens",
+                   prompt_param: str = "messages", clamp: bool = False) -> int:
+        """``resolve_max_tokens`` with this server's generation-config default and limit."""
+        return resolve_max_tokens(requested, prompt_len, self.max_model_len, param, prompt_param, clamp,
+                                  default=self.default_max_tokens, limit=self.max_tokens_limit)
 
     def encode_chat(
         self,

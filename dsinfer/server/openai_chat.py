@@ -17,7 +17,7 @@ from dsinfer.protocol.errors import ProtocolError
 from dsinfer.protocol.fields import stop_list
 from dsinfer.protocol.logprobs import chat_logprobs
 from dsinfer.protocol.openai_schemas import ChatCompletionRequest, NamedToolChoice, SamplingFields
-from dsinfer.protocol.sampling import build_sampling_params, logit_bias_ids, resolve_max_tokens
+from dsinfer.protocol.sampling import build_sampling_params, logit_bias_ids
 from dsinfer.protocol.structured_request import structured_outputs_of, validate_structured_outputs
 from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint, with_tool_constraint
 from dsinfer.server.context import ServingContext, new_id, parse_body
@@ -79,13 +79,13 @@ def _params(
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     fields = sampling_fields(req)
     fields.update(
-        max_tokens=resolve_max_tokens(requested, prompt_len, ctx.max_model_len, param),
+        max_tokens=ctx.max_tokens(requested, prompt_len, param),
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         structured_outputs=structured,
     )
     if use_tools and ctx.tool_markers_special:
         fields["skip_special_tokens"] = False
-    return build_sampling_params(fields, ctx.vocab_size, req.stream)
+    return build_sampling_params(fields, ctx.vocab_size, req.stream, ctx.sampling_defaults)
 
 
 def _tool_choice_constraint(ctx: ServingContext, req: ChatCompletionRequest) -> dict[str, Any] | None:

@@ -14,7 +14,7 @@ from dsinfer.engine.sampling_params import SamplingParams
 from dsinfer.protocol.errors import ProtocolError
 from dsinfer.protocol.logprobs import completion_logprobs, prompt_completion_logprobs
 from dsinfer.protocol.openai_schemas import CompletionRequest
-from dsinfer.protocol.sampling import build_sampling_params, check_prompt_ids, resolve_max_tokens
+from dsinfer.protocol.sampling import build_sampling_params, check_prompt_ids
 from dsinfer.protocol.structured_request import structured_outputs_of, validate_structured_outputs
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.generation import Batch, Generation
@@ -50,8 +50,10 @@ def _prepared(ctx: ServingContext, req: CompletionRequest,
             ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             check_prompt_ids(ids, ctx.vocab_size)
             ids = prompt_ids(ctx, req, ids)
-            max_tokens = resolve_max_tokens(req.max_tokens, len(ids), ctx.max_model_len, "max_tokens", "prompt",
-                                            clamp="max_tokens" not in req.model_fields_set)
+            # an unset max_tokens is the completions' 16 (vLLM's too): the model's max_new_tokens fills in only
+            # an explicit null
+            max_tokens = ctx.max_tokens(req.max_tokens, len(ids), "max_tokens", "prompt",
+                                        clamp="max_tokens" not in req.model_fields_set)
         except ProtocolError as exc:
             if len(prompts) > 1 and exc.param in ("prompt", "max_tokens"):
                 exc.message = f"prompt {k} of the batch: {exc.message}"
@@ -61,7 +63,8 @@ def _prepared(ctx: ServingContext, req: CompletionRequest,
         key = (max_tokens, prompt_logprobs)
         if key not in params:
             params[key] = build_sampling_params({**fields, "max_tokens": max_tokens,
-                                                 "prompt_logprobs": prompt_logprobs}, ctx.vocab_size, req.stream)
+                                                 "prompt_logprobs": prompt_logprobs}, ctx.vocab_size, req.stream,
+                                                ctx.sampling_defaults)
         prepared.append((ids, params[key]))
     return prepared
 

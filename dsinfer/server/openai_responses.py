@@ -15,7 +15,7 @@ from dsinfer.protocol.conversation import responses_messages, responses_tools
 from dsinfer.protocol.errors import ProtocolError
 from dsinfer.protocol.logprobs import chat_logprobs
 from dsinfer.protocol.responses_schemas import NamedFunction, ResponsesRequest
-from dsinfer.protocol.sampling import build_sampling_params, resolve_max_tokens
+from dsinfer.protocol.sampling import build_sampling_params
 from dsinfer.protocol.structured_request import text_format_constraint, validate_structured_outputs
 from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint, with_tool_constraint
 from dsinfer.server.context import ServingContext, new_id, parse_body
@@ -44,9 +44,7 @@ async def responses(request: Request):
     structured, field = with_tool_constraint(structured, "text.format" if structured is not None else None,
                                              _tool_choice_constraint(ctx, req), forced, "text.format")
     fields = dict(
-        max_tokens=resolve_max_tokens(
-            req.max_output_tokens, len(encoded.token_ids), ctx.max_model_len, "max_output_tokens", "input"
-        ),
+        max_tokens=ctx.max_tokens(req.max_output_tokens, len(encoded.token_ids), "max_output_tokens", "input"),
         temperature=req.temperature,
         top_p=req.top_p,
         seed=req.seed,
@@ -55,7 +53,7 @@ async def responses(request: Request):
     )
     if use_tools and ctx.tool_markers_special:
         fields["skip_special_tokens"] = False
-    params = build_sampling_params(fields, ctx.vocab_size, req.stream)
+    params = build_sampling_params(fields, ctx.vocab_size, req.stream, ctx.sampling_defaults)
     await validate_structured_outputs(structured, field)
     gen = Generation(ctx, encoded.token_ids, params, new_id("resp_"))
     parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools, req.parallel_tool_calls)
