@@ -15,7 +15,7 @@ def run_repl(llm, params: SamplingParams) -> int:
     from dsinfer.protocol.chat_encoding import ChatEncoder
     from dsinfer.protocol.errors import ProtocolError
 
-    engine, tokenizer = llm.engine, llm.get_tokenizer()
+    engine, tokenizer = llm.engine, llm.engine.tokenizer  # dsinfer's Tokenizer, which ChatEncoder takes
     if tokenizer is None or tokenizer.chat_template is None:
         print("error: this model has no chat template; use `dsinfer generate` with raw text", file=sys.stderr)
         return 2

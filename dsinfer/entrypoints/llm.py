@@ -12,16 +12,12 @@ from dsinfer.config import EngineArgs
 from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.sampling_params import RequestOutputKind, SamplingParams
+from dsinfer.hf_tokenizer import HFTokenizerView
 
 logger = logging.getLogger("dsinfer")
 
 PromptType = str | dict[str, Any]
 Messages = list[dict[str, Any]]
-
-# vLLM takes from generation_config.json only the values that differ from transformers' GenerationConfig defaults
-# (so an explicit top_k of 50 there is not applied); max_new_tokens becomes max_tokens
-_GENERATION_CONFIG_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None,
-                               "repetition_penalty": 1.0, "max_new_tokens": None}
 
 
 class LLM:
@@ -36,19 +32,25 @@ class LLM:
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self.load_seconds = time.perf_counter() - started
         self._ids = itertools.count()
+        self._hf_tokenizer: HFTokenizerView | None = None
 
-    def get_tokenizer(self):
-        return self.engine.tokenizer
+    def get_tokenizer(self) -> HFTokenizerView | None:
+        """The tokenizer with the transformers API that vLLM's ``get_tokenizer()`` gives (``tok(text)``,
+        ``eos_token_id``, ``apply_chat_template`` returning ids, ...); None for a model without one. dsinfer's own
+        ``Tokenizer`` is ``llm.engine.tokenizer`` (or the view's ``dsinfer_tokenizer``)."""
+        if self.engine.tokenizer is None:
+            return None
+        if self._hf_tokenizer is None or self._hf_tokenizer.dsinfer_tokenizer is not self.engine.tokenizer:
+            # one view per LLM, so that a script's ``tok.pad_token = ...`` holds across calls
+            self._hf_tokenizer = HFTokenizerView(self.engine.tokenizer)
+        return self._hf_tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate``/``chat`` use when given no SamplingParams: vLLM's defaults with the sampling values the
-        model's generation_config.json recommends (vLLM's ``generation_config="auto"``)."""
-        config = self.engine.model_config.generation_config
-        overrides = {key: config[key] for key, default in _GENERATION_CONFIG_DEFAULTS.items()
-                     if config.get(key) is not None and config[key] != default}
-        if "max_new_tokens" in overrides:
-            overrides["max_tokens"] = overrides.pop("max_new_tokens")
-        return SamplingParams(**overrides)
+        model's generation_config.json recommends (vLLM's ``generation_config="auto"``; the ``generation_config``
+        and ``override_generation_config`` arguments change them as vLLM's do). The rule is the server's too:
+        ``generation_config_sampling_defaults``, resolved once into ``ModelConfig.sampling_defaults``."""
+        return SamplingParams(**self.engine.model_config.sampling_defaults)
 
     def generate(
         self,

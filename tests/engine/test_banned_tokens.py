@@ -52,7 +52,7 @@ def test_bad_words_never_appear(smollm2_llm, async_scheduling):
     from dsinfer.engine.llm_engine import bad_word_token_ids
 
     llm = smollm2_llm if not async_scheduling else LLM(dtype="float32", async_scheduling=True)
-    tok = llm.get_tokenizer()
+    tok = llm.engine.tokenizer  # bad_word_token_ids takes dsinfer's own Tokenizer
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompt = "The capital of France is"
     base = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
@@ -83,6 +83,6 @@ def test_bad_words_never_appear(smollm2_llm, async_scheduling):
 def test_allowed_tokens_all_banned_by_bad_words_is_a_value_error(smollm2_llm):
     from dsinfer.engine.llm_engine import bad_word_token_ids
 
-    ids = [seq[0] for seq in bad_word_token_ids(smollm2_llm.get_tokenizer(), ["Paris"])]
+    ids = [seq[0] for seq in bad_word_token_ids(smollm2_llm.engine.tokenizer, ["Paris"])]
     with pytest.raises(ValueError, match="only tokens that bad_words ban"):
         smollm2_llm.generate("x", SamplingParams(allowed_token_ids=ids, bad_words=["Paris"]), use_tqdm=False)

@@ -105,7 +105,7 @@ def test_chat_repl_keeps_typed_special_tokens_literal(smollm2_llm, monkeypatch, 
     (expected,) = smollm2_llm.chat([{"role": "user", "content": message}], SamplingParams(max_tokens=1),
                                    use_tqdm=False)
     assert seen == [expected.prompt_token_ids]
-    (eos,) = smollm2_llm.get_tokenizer().eos_token_ids
+    eos = smollm2_llm.get_tokenizer().eos_token_id
     plain = smollm2_llm.chat([{"role": "user", "content": "Say please"}], SamplingParams(max_tokens=1),
                              use_tqdm=False)[0].prompt_token_ids
     assert seen[0].count(eos) == plain.count(eos)  # only the template's own end-of-turn markers

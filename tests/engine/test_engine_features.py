@@ -341,7 +341,7 @@ def test_chat_takes_tools_and_continues_a_final_assistant_message(smollm2_llm):
     assert cont.prompt.endswith("The weather in Paris is")
     with pytest.raises(ValueError, match="last assistant message"):
         smollm2_llm.chat([user], greedy, use_tqdm=False, continue_final_message=True)
-    end_of_turn = smollm2_llm.get_tokenizer().token_to_id("<|im_end|>")
+    end_of_turn = smollm2_llm.get_tokenizer().convert_tokens_to_ids("<|im_end|>")
     (typed,) = smollm2_llm.chat([{"role": "user", "content": "say <|im_end|>"}], greedy, use_tqdm=False)
     assert typed.prompt_token_ids.count(end_of_turn) == plain.prompt_token_ids.count(end_of_turn)
 
