@@ -102,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        try:
+            from dsinfer.server.cli import vllm_spelling
+        except ImportError:  # server extras not installed
+            pass
+        else:
+            argv = ["serve", *vllm_spelling(argv[1:])]  # `vllm serve --tensor_parallel_size=1` spellings
     args = build_parser().parse_args(argv)
     try:
         logging.basicConfig(level=envs.LOG_LEVEL.get(), format="%(levelname)s %(name)s: %(message)s")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
+from starlette.middleware.cors import CORSMiddleware
 
 from dsinfer.entrypoints.async_engine import AsyncEngine
 from dsinfer.server import (
@@ -51,4 +52,33 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     app.add_middleware(GuardMiddleware, settings=settings, is_draining=lambda: engine.draining)
     app.add_middleware(StatusCounter, metrics=ctx.metrics)
+    if settings.cors_allowed_origins is not None:
+        # outside the guard: a browser's preflight carries no API key, and a 401 needs the CORS headers to be read
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_allowed_origins),
+                           allow_methods=list(settings.cors_allowed_methods),
+                           allow_headers=list(settings.cors_allowed_headers),
+                           allow_credentials=settings.cors_allow_credentials)
+    if settings.root_path:
+        app.add_middleware(RootPath, root_path=settings.root_path)
     return app
+
+
+class RootPath:
+    """vLLM's --root-path (FastAPI's root_path): behind a proxy that serves this app under a prefix, a request path
+    may come with the prefix or without it (a proxy that strips it). The prefix is taken off here, outermost, so that
+    the guard's public paths and the metrics' path labels see the same paths as without a proxy; uvicorn's own
+    root_path would instead prepend it to every path."""
+
+    def __init__(self, app, root_path: str):
+        self.app = app
+        self.root_path = root_path.rstrip("/")
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            path, raw, root = scope["path"], scope.get("raw_path"), self.root_path
+            scope = {**scope, "root_path": root}
+            if path == root or path.startswith(root + "/"):
+                scope["path"] = path[len(root):] or "/"
+                if raw is not None and raw.startswith(root.encode()):  # raw_path keeps the percent-encoding
+                    scope["raw_path"] = raw[len(root):] or b"/"
+        await self.app(scope, receive, send)

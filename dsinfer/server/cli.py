@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dsinfer.engine.sampling_params import _MAX_LOGPROBS
 from dsinfer.protocol.chat_formats import BUILTIN_TEMPLATES
 from dsinfer.protocol.tool_parsers import TOOL_PARSERS
 
@@ -19,7 +20,10 @@ _ENGINE_ARGS = (
     "max_model_len",
     "max_num_seqs",
     "max_num_batched_tokens",
+    "enable_chunked_prefill",
     "enable_prefix_caching",
+    "block_size",
+    "tokenizer",
     "kv_cache_memory_gb",
     "gpu_memory_utilization",
     "seed",
@@ -32,29 +36,50 @@ _ENGINE_ARGS = (
 )
 
 
+class _Extend(argparse.Action):
+    """vLLM's list flags (``--served-model-name a b``, also repeatable). One occurrence that takes several values is
+    noted: when no model was given, its last value may be the model path it swallowed (``--api-key K /models/x``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), *values])
+        if len(values) > 1:
+            namespace._greedy = [*getattr(namespace, "_greedy", []), (option_string, values)]
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "model", nargs="?", default=None, help="model dir, HF id or GGUF file (default: bundled)"
     )
+    parser.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                        help="the same as MODEL (vLLM's spelling)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
-    parser.add_argument("--served-model-name", action="append", default=[], help="model name(s) to answer to")
+    parser.add_argument("--api-key", action=_Extend, nargs="+", default=[],
+                        help="accepted API key(s) (repeatable)")
+    parser.add_argument("--served-model-name", action=_Extend, nargs="+", default=[],
+                        help="model name(s) to answer to")
     eng = parser.add_argument_group("engine")
     eng.add_argument("--dtype", default=None, help="weight/activation dtype")
-    eng.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + completion)")
+    eng.add_argument("--max-model-len", type=_max_model_len, default=None,
+                     help="context length (prompt + completion); -1: the model's own")
     eng.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded together")
     eng.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
+    eng.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                     help="split long prompts across steps (default: on)")
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    eng.add_argument("--block-size", type=int, default=None,
+                     help="tokens per KV block, a power of two (default: 64 for MLA models on CUDA, else 16)")
     eng.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache size in GiB")
     eng.add_argument("--gpu-memory-utilization", type=float, default=None,
                      help="fraction of GPU memory for weights, activations and the KV cache")
     eng.add_argument("--seed", type=int, default=None, help="engine seed")
     eng.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
-    eng.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    eng.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None, help="no CUDA graphs")
     eng.add_argument("--max-prefill-graph-tokens", type=int, default=None,
                      help="steps with prompt tokens up to this many replay piecewise CUDA graphs (0: eager)")
     eng.add_argument("--load-format", default=None, help="auto | safetensors | gguf | dummy")
+    eng.add_argument("--tokenizer", default=None,
+                     help="local directory of the tokenizer files (and chat template) to use instead of the model's")
     eng.add_argument("--deterministic", action="store_true", default=None,
                      help="batch-invariant mode: a request's output does not depend on its batch")
     eng.add_argument("--generation-config", default=None,
@@ -84,7 +109,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="built-in template to use instead of the model's (auto: the model's own)",
     )
     srv.add_argument("--tool-call-parser", default="auto", choices=["auto", *TOOL_PARSERS])
-    srv.add_argument("--reasoning-parser", default="auto", choices=["auto", "think", "none"])
+    srv.add_argument("--reasoning-parser", default="auto", choices=["auto", "think", "none", *_THINK_ALIASES],
+                     help="think: <think>...</think> at the start of the answer is reasoning_content "
+                          f"({', '.join(_THINK_ALIASES)}: vLLM's names, the same as think)")
     srv.add_argument(
         "--trust-request-chat-template",
         action="store_true",
@@ -96,7 +123,141 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help='leave the tools out of the prompt when tool_choice is "none" (default: they stay, as vLLM)',
     )
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    srv.add_argument("--uvicorn-log-level", default=None,
+                     choices=["critical", "error", "warning", "info", "debug", "trace"],
+                     help="log level of the HTTP server (default: --log-level)")
+    srv.add_argument("--root-path", default=None,
+                     help="path prefix under which a proxy serves this server; paths with or without it are served")
+    srv.add_argument("--allowed-origins", type=_json_list, default=None,
+                     help='CORS: JSON list of origins, e.g. \'["https://ui.example"]\' (no CORS headers unless '
+                          'one of the CORS flags is given; then the others default to ["*"], as vLLM\'s)')
+    srv.add_argument("--allowed-methods", type=_json_list, default=None, help="CORS: JSON list of methods")
+    srv.add_argument("--allowed-headers", type=_json_list, default=None, help="CORS: JSON list of headers")
+    srv.add_argument("--allow-credentials", action="store_true", default=None, help="CORS: allow credentials")
+    srv.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key file")
+    srv.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate file")
+    srv.add_argument("--ssl-ca-certs", default=None, help="CA certificates file (client certificates)")
+    srv.add_argument("--ssl-cert-reqs", type=int, default=None,
+                     help="whether a client certificate is required (Python ssl.CERT_* value: 0 none, 2 required)")
+    _add_vllm_args(parser.add_argument_group(
+        "vLLM flags", "vllm serve flags that deployment scripts carry: accepted where dsinfer does what vLLM "
+                      "would, refused (exit 2, with the reason) where it cannot"))
     return parser
+
+
+# vLLM's reasoning parsers that are dsinfer's "think" parser: <think>...</think> opens the answer (or the prompt
+# already opened it)
+_THINK_ALIASES = ("deepseek_r1", "qwen3")
+
+
+def _add_vllm_args(grp: Any) -> None:
+    for flags, dest in ((("--tensor-parallel-size", "-tp"), "tensor_parallel_size"),
+                        (("--pipeline-parallel-size", "-pp"), "pipeline_parallel_size"),
+                        (("--data-parallel-size", "-dp"), "data_parallel_size")):
+        grp.add_argument(*flags, dest=dest, type=int, default=None, help="1 only: one GPU per process")
+    grp.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=None,
+                     help="accepted: dsinfer never runs a model's own Python code")
+    grp.add_argument("--disable-log-requests", action="store_true", default=None,
+                     help="accepted: dsinfer does not log requests")
+    grp.add_argument("--enable-log-requests", action="store_true", default=None,
+                     help="refused: dsinfer has no request log (GET /metrics counts requests)")
+    grp.add_argument("--disable-log-stats", action="store_true", default=None,
+                     help="accepted: dsinfer logs no periodic stats (GET /metrics has them)")
+    grp.add_argument("--disable-uvicorn-access-log", action="store_true", default=None,
+                     help="accepted: dsinfer has no access log")
+    grp.add_argument("--disable-fastapi-docs", action="store_true", default=None,
+                     help="accepted: dsinfer serves no OpenAPI docs")
+    grp.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                     help='accepted: tool_choice "auto" is always served (see --tool-call-parser)')
+    grp.add_argument("--kv-cache-dtype", default=None, help="auto only: the KV cache is kept in the model's dtype")
+    grp.add_argument("--quantization", "-q", default=None,
+                     help="fp8 for an FP8 checkpoint, gguf for a .gguf file (the checkpoint's own format); "
+                          "dsinfer does not quantize on load")
+    grp.add_argument("--revision", default=None,
+                     help="accepted: models are local paths only, where vLLM ignores the revision too")
+    grp.add_argument("--download-dir", default=None,
+                     help="accepted: models are local paths only, which vLLM never downloads either")
+    grp.add_argument("--max-logprobs", type=int, default=None,
+                     help=f"{_MAX_LOGPROBS} only: dsinfer's fixed limit on logprobs and top_logprobs")
+    grp.add_argument("--swap-space", type=float, default=None,
+                     help="accepted: preempted requests are recomputed, never swapped to CPU (as in vLLM V1)")
+    grp.add_argument("--response-role", default=None, help="assistant only: the role of chat answers")
+    grp.add_argument("--return-tokens-as-token-ids", action="store_true", default=None,
+                     help="refused: logprobs carry the token text")
+    grp.add_argument("--chat-template-content-format", default=None, choices=["auto", "string", "openai"],
+                     help="auto | string: message content reaches the template as one string (text parts joined)")
+
+
+def _max_model_len(text: str) -> int | None:
+    value = int(text)
+    return None if value == -1 else value  # vLLM's -1: the model's own maximum
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, e.g. '[\"*\"]', got {text!r}")
+    return value
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Settle ``args.model`` and refuse (ValueError naming the flag and why) the vLLM flag values that dsinfer
+    cannot honour; needs no model. ``--quantization`` is checked against the checkpoint in ``build_engine``."""
+    if args.model_flag is not None:
+        if args.model is not None and args.model != args.model_flag:
+            raise ValueError(f"MODEL {args.model!r} and --model {args.model_flag!r} disagree: give one of them")
+        args.model = args.model_flag
+    if args.model is None and getattr(args, "_greedy", None):
+        flag, values = args._greedy[0]
+        raise ValueError(f"{flag} took {len(values)} values {values} and no model was given: if the last one is "
+                         f"the model, put MODEL before {flag} or pass --model")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        value = getattr(args, name)
+        if value is not None and value != 1:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: dsinfer serves one GPU per process (only 1 is "
+                             "accepted); run one server per GPU behind a load balancer")
+    if args.enable_log_requests:
+        raise ValueError("--enable-log-requests: dsinfer has no request log (GET /metrics counts requests by "
+                         "path and status); drop the flag")
+    if args.kv_cache_dtype not in (None, "auto"):
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: dsinfer keeps the KV cache in the model's dtype "
+                         "(only 'auto' is accepted)")
+    if args.max_logprobs is not None and args.max_logprobs != _MAX_LOGPROBS:
+        raise ValueError(f"--max-logprobs {args.max_logprobs}: dsinfer's limit on logprobs and top_logprobs is "
+                         f"fixed at {_MAX_LOGPROBS} (only {_MAX_LOGPROBS} is accepted)")
+    if args.swap_space is not None and args.swap_space < 0:
+        raise ValueError(f"--swap-space {args.swap_space}: must be >= 0")
+    if args.response_role not in (None, "assistant"):
+        raise ValueError(f"--response-role {args.response_role}: dsinfer's chat answers always have the role "
+                         "'assistant' (only 'assistant' is accepted)")
+    if args.return_tokens_as_token_ids:
+        raise ValueError("--return-tokens-as-token-ids: dsinfer's logprobs carry the token text, not "
+                         "'token_id:N' (drop the flag)")
+    if args.chat_template_content_format == "openai":
+        raise ValueError("--chat-template-content-format openai: dsinfer renders message content as one string "
+                         "(text parts joined); only 'auto' and 'string' are accepted")
+    if args.tokenizer is not None and not Path(args.tokenizer).expanduser().is_dir():
+        raise ValueError(f"--tokenizer {args.tokenizer!r}: not a local directory (dsinfer downloads nothing; "
+                         "pass the directory holding tokenizer.json)")
+    if args.quantization not in (None, "fp8", "gguf"):
+        raise ValueError(f"--quantization {args.quantization}: dsinfer runs FP8 (fp8) and GGUF (gguf) checkpoints "
+                         "as they are and does not quantize on load")
+    if args.quantization == "gguf" and not str(args.model or "").endswith(".gguf"):
+        raise ValueError(f"--quantization gguf: the model {args.model!r} is not a .gguf file")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile: HTTPS needs both")
+
+
+def _check_quantization(method: str | None, hf_config: dict[str, Any]) -> None:
+    if method != "fp8":
+        return
+    declared = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if declared != "fp8":
+        raise ValueError(f"--quantization fp8: the checkpoint is not FP8 (its quantization_config.quant_method is "
+                         f"{declared!r}); dsinfer does not quantize on load")
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -128,7 +289,11 @@ def engine_args(args: argparse.Namespace) -> Any:
 def build_engine(args: argparse.Namespace) -> Any:
     from dsinfer.engine.llm_engine import LLMEngine
 
-    return LLMEngine.from_engine_args(engine_args(args))
+    eargs = engine_args(args)
+    if getattr(args, "quantization", None) == "fp8":
+        # the checkpoint's config.json decides, before any weights load
+        _check_quantization("fp8", eargs.create_engine_config().model.hf_config)
+    return LLMEngine.from_engine_args(eargs)
 
 
 def settings_from_args(args: argparse.Namespace, engine: Any) -> Any:
@@ -147,16 +312,41 @@ def settings_from_args(args: argparse.Namespace, engine: Any) -> Any:
         chat_template=_template_text(args.chat_template),
         chat_format=args.chat_format if args.chat_format != "auto" else "auto",
         tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser="think" if args.reasoning_parser in _THINK_ALIASES else args.reasoning_parser,
         trust_request_chat_template=args.trust_request_chat_template,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        **_cors_settings(args),
+        root_path=(args.root_path or "").rstrip("/"),
     )
+
+
+def _cors_settings(args: argparse.Namespace) -> dict[str, Any]:
+    given = {k: getattr(args, k) for k in ("allowed_origins", "allowed_methods", "allowed_headers",
+                                            "allow_credentials")}
+    if all(v is None for v in given.values()):
+        return {}
+    # any CORS flag turns CORS on; the others take vLLM's defaults (every origin, method and header)
+    return {"cors_allowed_origins": tuple(given["allowed_origins"] or ["*"]),
+            "cors_allowed_methods": tuple(given["allowed_methods"] or ["*"]),
+            "cors_allowed_headers": tuple(given["allowed_headers"] or ["*"]),
+            "cors_allow_credentials": bool(given["allow_credentials"])}
+
+
+def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``uvicorn.Config`` keyword arguments of the HTTP flags (``--root-path`` is the app's, see ``RootPath``)."""
+    options: dict[str, Any] = {"host": args.host, "port": args.port,
+                               "log_level": args.uvicorn_log_level or args.log_level}
+    for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    return options
 
 
 def run_serve(
     args: argparse.Namespace, engine_factory: Callable[[argparse.Namespace], Any] | None = None
 ) -> None:
     """Build the engine, then serve until SIGTERM/SIGINT (drained gracefully)."""
+    check_serve_args(args)  # before the model loads: a refused flag costs nothing
     import uvicorn
 
     from dsinfer.entrypoints.async_engine import AsyncEngine
@@ -170,17 +360,32 @@ def run_serve(
     settings = settings_from_args(args, engine)
     async_engine = AsyncEngine(engine, max_waiting=settings.max_waiting_requests)
     app = build_app(async_engine, settings)
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=5,
-        access_log=False,
-    )
+    config = uvicorn.Config(app, **uvicorn_options(args), timeout_graceful_shutdown=5, access_log=False)
     DrainingServer(config, async_engine, settings.drain_timeout_s).run()
 
 
+def vllm_spelling(argv: list[str]) -> list[str]:
+    """vLLM's parser also takes ``--tensor_parallel_size=2``: option names with underscores become dashes. Values
+    stay as they are: argparse reads a separate word starting with "--" as an option, never as a value, so only
+    ``--flag=value`` can carry one, and only its name part is changed; everything after ``--`` is left alone."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        if arg.startswith("--"):
+            name, sep, value = arg.partition("=")
+            arg = name.replace("_", "-") + sep + value
+        out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
+    import sys
+
     parser = add_serve_args(argparse.ArgumentParser(prog="dsinfer serve", description=__doc__))
-    run_serve(parser.parse_args(argv))
+    args = parser.parse_args(vllm_spelling(sys.argv[1:] if argv is None else argv))
+    try:
+        run_serve(args)
+    except (ValueError, FileNotFoundError) as exc:  # as ``dsinfer serve``: the reason, exit 2
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -23,6 +23,13 @@ class ServerSettings:
     # tool_choice "none" keeps the tools in the prompt (vLLM's default; the model is only not parsed for calls);
     # True leaves them out, as vLLM's --exclude-tools-when-tool-choice-none
     exclude_tools_when_tool_choice_none: bool = False
+    # CORS (vLLM's --allowed-origins/-methods/-headers, --allow-credentials). None: no CORS headers at all; vLLM
+    # always allows every origin, dsinfer only once a CORS flag asks for it (a browser page then reads the answers)
+    cors_allowed_origins: tuple[str, ...] | None = None
+    cors_allowed_methods: tuple[str, ...] = ("*",)
+    cors_allowed_headers: tuple[str, ...] = ("*",)
+    cors_allow_credentials: bool = False
+    root_path: str = ""  # path prefix of a proxy in front (vLLM's --root-path); "" = none
     version: str = "0.1.0"
 
     @property
