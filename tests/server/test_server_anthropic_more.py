@@ -5,7 +5,6 @@ required fields, tool definitions, metadata, and the pairing of tool_use and too
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import anthropic
 import httpx
@@ -13,12 +12,12 @@ import pytest
 from anthropic.lib.streaming import MessageStream
 from anthropic.types import RawMessageStreamEvent
 
-from dsinfer.engine.outputs import CompletionOutput, RequestOutput
 from dsinfer.protocol.anthropic_schemas import MessagesRequest
 from dsinfer.protocol.chat_output import parse_output
 from dsinfer.protocol.tool_parsers import HermesToolParser
 from dsinfer.server import anthropic_messages
 
+from .fake_generation import fake_stream
 from .live_server import API_KEY
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -148,20 +147,12 @@ def test_well_paired_tool_turns_are_accepted(client):
 def _sdk_final_message_of(pieces: list[str]):
     """The streamed events for a generation arriving in ``pieces`` (a reasoning, Hermes-tools server), rebuilt by
     the SDK's stream helper, and the non-streamed answer's blocks for the same text."""
-    outs = [RequestOutput("r", None, [1], None, [CompletionOutput(0, piece, [i], finish_reason=None)], False)
-            for i, piece in enumerate(pieces)]
-    outs[-1].outputs[0].finish_reason, outs[-1].finished = "stop", True
     kwargs = {"reasoning": True, "tool_parser": HermesToolParser}
 
-    async def outputs():
-        for out in outs:
-            yield out
-
     async def collect() -> list[str]:
-        ctx = SimpleNamespace(reported_model=lambda model: MODEL)
-        gen = SimpleNamespace(request_id="msg_1", prompt_ids=[1], num_generated=len(pieces), num_cached=0)
+        ctx, gen, outputs = fake_stream(pieces, "msg_1", MODEL)
         req = MessagesRequest(model=MODEL, max_tokens=8, messages=[USER], stream=True)
-        return [e async for e in anthropic_messages._stream(ctx, req, gen, outputs(), kwargs)]
+        return [e async for e in anthropic_messages._stream(ctx, req, gen, outputs, kwargs)]
 
     sse = "".join(asyncio.run(collect())).encode()
     request = httpx.Request("POST", "http://127.0.0.1/v1/messages")

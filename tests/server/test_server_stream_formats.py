@@ -7,19 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import anthropic
 import openai
 import pytest
 
-from dsinfer.engine.outputs import CompletionOutput, RequestOutput
 from dsinfer.protocol.chat_output import parse_output
 from dsinfer.protocol.responses_schemas import ResponsesRequest
 from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint
 from dsinfer.protocol.tool_parsers import HermesToolParser
 from dsinfer.server import openai_responses
 
+from .fake_generation import fake_stream
 from .live_server import API_KEY
 from .weather_tools import ANTHROPIC_TOOLS, ASK, CHAT_TOOLS, MODEL, PARAMS, RESPONSES_TOOLS
 
@@ -187,20 +186,12 @@ def test_anthropic_forced_tool_use_stream_matches_message(claude, choice):
 
 def _responses_stream_of(pieces: list[str]) -> list[dict]:
     """The Responses events streamed for a generation arriving in ``pieces`` (a reasoning, Hermes-tools server)."""
-    outs = [RequestOutput("r", None, [1], None, [CompletionOutput(0, piece, [i], finish_reason=None)], False)
-            for i, piece in enumerate(pieces)]
-    outs[-1].outputs[0].finish_reason, outs[-1].finished = "stop", True
-
-    async def outputs():
-        for out in outs:
-            yield out
 
     async def collect() -> list[str]:
-        ctx = SimpleNamespace(reported_model=lambda model: MODEL)
-        gen = SimpleNamespace(request_id="resp_1", prompt_ids=[1], num_generated=len(pieces), num_cached=0)
+        ctx, gen, outputs = fake_stream(pieces, "resp_1", MODEL)
         kwargs = {"reasoning": True, "tool_parser": HermesToolParser}
         req = ResponsesRequest(input="hi", stream=True)
-        return [e async for e in openai_responses._stream(ctx, req, gen, outputs(), kwargs)]
+        return [e async for e in openai_responses._stream(ctx, req, gen, outputs, kwargs)]
 
     return [json.loads(e.split("\ndata: ", 1)[1]) for e in asyncio.run(collect())]
 

@@ -1,0 +1,24 @@
+"""A generation's outputs without an engine: what a route's ``_stream`` consumes, for tests of the event formats."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+
+from dsinfer.engine.outputs import CompletionOutput, RequestOutput
+
+
+def fake_stream(pieces: list[str], request_id: str, model: str):
+    """(ctx, gen, outputs): a serving context and generation as ``_stream`` reads them, and the outputs of a
+    generation arriving in ``pieces`` (one token each, the last one finished with "stop")."""
+    outs = [RequestOutput("r", None, [1], None, [CompletionOutput(0, piece, [i], finish_reason=None)], False)
+            for i, piece in enumerate(pieces)]
+    outs[-1].outputs[0].finish_reason, outs[-1].finished = "stop", True
+
+    async def outputs() -> AsyncIterator[RequestOutput]:
+        for out in outs:
+            yield out
+
+    ctx = SimpleNamespace(reported_model=lambda _: model)
+    gen = SimpleNamespace(request_id=request_id, prompt_ids=[1], num_generated=len(pieces), num_cached=0)
+    return ctx, gen, outputs()
