@@ -9,25 +9,42 @@ from dsinfer.protocol.tool_parsers import ParsedToolCall, ToolCallParser
 
 
 @dataclass
+class ToolCallPart:
+    """A piece of a streamed tool call: the first one of call ``index`` has its ``name`` (and arguments "");
+    the later ones (name None) carry the next fragment of its arguments text."""
+
+    index: int
+    name: str | None
+    arguments: str
+
+
+@dataclass
 class OutputDelta:
     reasoning: str = ""
     content: str = ""
-    tool_calls: list[ParsedToolCall] = field(default_factory=list)
+    tool_calls: list[ParsedToolCall] = field(default_factory=list)  # completed in this delta
+    tool_call_parts: list[ToolCallPart] = field(default_factory=list)  # the same calls, streamed as they arrive
 
     def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.tool_calls)
+        return bool(self.reasoning or self.content or self.tool_calls or self.tool_call_parts)
 
     def extend(self, other: OutputDelta) -> None:
         self.reasoning += other.reasoning
         self.content += other.content
         self.tool_calls.extend(other.tool_calls)
+        self.tool_call_parts.extend(other.tool_call_parts)
 
 
 class ChatOutputParser:
     """``feed(delta_text)`` → OutputDelta; ``finish()`` → the rest. ``total`` accumulates everything.
 
     ``max_calls``: the calls after that many are dropped, their markup with them, as vLLM answers
-    ``parallel_tool_calls`` false."""
+    ``parallel_tool_calls`` false.
+
+    Each delta's ``tool_call_parts`` stream the calls: a call is announced (index, name) as soon as its name is
+    read, then its arguments follow in fragments, each sent once it can no longer change, so that they add up to
+    the finished call's ``arguments``. A call announced whose markup then fails to parse (or is cut off) sends
+    no more parts; its text is content, as in the non-streamed answer."""
 
     def __init__(
         self,
@@ -39,6 +56,8 @@ class ChatOutputParser:
         self._reasoning = ReasoningParser(in_reasoning) if reasoning or in_reasoning else None
         self._tools = tool_parser() if tool_parser else None
         self._max_calls = max_calls
+        self._announced = 0  # calls given an index so far
+        self._open: tuple[int, str] | None = None  # (index, arguments sent) of the call announced, not finished
         self.total = OutputDelta()
 
     def feed(self, delta: str) -> OutputDelta:
@@ -59,10 +78,39 @@ class ChatOutputParser:
                 rest, calls = self._tools.finish()
                 out.content += rest
                 out.tool_calls.extend(calls)
+            out.tool_call_parts = self._parts(final)
             if self._max_calls is not None:
                 out.tool_calls = out.tool_calls[: max(0, self._max_calls - len(self.total.tool_calls))]
+                out.tool_call_parts = [p for p in out.tool_call_parts if p.index < self._max_calls]
         self.total.extend(out)
         return out
+
+    def _parts(self, final: bool) -> list[ToolCallPart]:
+        parts: list[ToolCallPart] = []
+        for call in self._tools.take_ended():
+            if self._open is not None:
+                (index, sent), self._open = self._open, None
+                # the fragments sent are a prefix of the arguments by construction (``ToolCallParser.pending``)
+                if call is not None and len(call.arguments) > len(sent) and call.arguments.startswith(sent):
+                    parts.append(ToolCallPart(index, None, call.arguments[len(sent) :]))
+            elif call is not None:  # read whole in one delta
+                parts += self._announce(call.name)
+                parts.append(ToolCallPart(self._announced - 1, None, call.arguments))
+        pending = None if final else self._tools.pending()
+        if pending is not None:
+            name, arguments = pending
+            if self._open is None:
+                parts += self._announce(name)
+                self._open = (self._announced - 1, "")
+            index, sent = self._open
+            if len(arguments) > len(sent) and arguments.startswith(sent):
+                parts.append(ToolCallPart(index, None, arguments[len(sent) :]))
+                self._open = (index, arguments)
+        return parts
+
+    def _announce(self, name: str) -> list[ToolCallPart]:
+        self._announced += 1
+        return [ToolCallPart(self._announced - 1, name, "")]
 
 
 def parse_output(text: str, **kwargs) -> OutputDelta:

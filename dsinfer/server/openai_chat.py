@@ -141,6 +141,23 @@ def _tool_calls(delta: OutputDelta, first_index: int) -> list[dict[str, Any]]:
     ]
 
 
+def _messages(message: dict[str, Any], delta: OutputDelta) -> list[dict[str, Any]]:
+    """The chunk deltas for one output: its text (``message``) with the first tool-call part, then one chunk for
+    each further part, as vLLM and OpenAI stream a call: first index, id, type and name with arguments "", then
+    the index and an arguments fragment only."""
+    messages = [message]
+    for part in delta.tool_call_parts:
+        if part.name is not None:
+            call = {"index": part.index, "id": new_id("call_")[:29], "type": "function",
+                    "function": {"name": part.name, "arguments": ""}}
+        else:
+            call = {"index": part.index, "function": {"arguments": part.arguments}}
+        if "tool_calls" in messages[-1]:
+            messages.append({})
+        messages[-1]["tool_calls"] = [call]
+    return messages
+
+
 def _finish_reason(reason: str | None, made_calls: bool, req: ChatCompletionRequest) -> str | None:
     """The choice's finish_reason: "tool_calls" when the model chose to call (``auto``/``required``); a call forced
     by a named ``tool_choice`` ends with "stop", as OpenAI and vLLM answer it."""
@@ -205,7 +222,6 @@ async def _stream(
         "model": ctx.reported_model(req.model),
     }
     parsers = [ChatOutputParser(**parser_kwargs) for _ in range(req.n)]
-    num_calls = [0] * req.n
     for i in range(req.n):
         choice = {
             "index": i,
@@ -225,9 +241,6 @@ async def _stream(
                     message["reasoning_content"] = delta.reasoning
                 if delta.content:
                     message["content"] = delta.content
-                if delta.tool_calls:
-                    message["tool_calls"] = _tool_calls(delta, num_calls[c.index])
-                    num_calls[c.index] += len(delta.tool_calls)
                 logprobs = None
                 if req.logprobs and c.token_ids:
                     logprobs = {
@@ -235,11 +248,15 @@ async def _stream(
                             ctx.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0
                         )
                     }
-                if not message and logprobs is None and c.finish_reason is None:
-                    continue
-                finish = _finish_reason(c.finish_reason, num_calls[c.index] > 0, req)
-                choice = {"index": c.index, "delta": message, "logprobs": logprobs, "finish_reason": finish}
-                yield sse_data({**base, "choices": [choice], **usage_now(req, gen)})
+                made_calls = bool(parsers[c.index].total.tool_calls)
+                finish = _finish_reason(c.finish_reason, made_calls, req)
+                messages = _messages(message, delta)
+                for k, delta_message in enumerate(messages):
+                    if not delta_message and logprobs is None and c.finish_reason is None:
+                        continue
+                    choice = {"index": c.index, "delta": delta_message, "logprobs": logprobs if k == 0 else None,
+                              "finish_reason": finish if k == len(messages) - 1 else None}
+                    yield sse_data({**base, "choices": [choice], **usage_now(req, gen)})
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
         yield sse_data(stream_error_payload(exc))
         return
