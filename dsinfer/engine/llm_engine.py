@@ -40,6 +40,23 @@ def _wrap_int64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+def _split_eos_ids(listed: list[int], tokenizer: Tokenizer | None) -> tuple[frozenset[int], frozenset[int]]:
+    """(every id that ends a request as EOS does, the ones among them that vLLM treats as stop tokens).
+
+    vLLM's split (``SamplingParams.update_from_generation_config``): the tokenizer's eos_token is the EOS; the other
+    ids the model's eos_token_id lists (Llama 3 instruct's 128001 and 128008 beside <|eot_id|>) become stop tokens,
+    so an output they end has stop_reason = that id, and ignore_eos stops on none of them. While min_tokens holds,
+    the runner bans both kinds (not with ignore_eos, as for the EOS; vLLM bans them then too). Without a tokenizer
+    eos_token vLLM has no EOS at all; dsinfer then keeps every listed id a plain EOS rather than report an id for a
+    model's only end token.
+    """
+    listed = list(listed) or (tokenizer.eos_token_ids if tokenizer is not None else [])
+    primary = tokenizer.token_to_id(tokenizer.eos_token) if tokenizer is not None and tokenizer.eos_token else None
+    if primary is None:
+        return frozenset(listed), frozenset()
+    return frozenset(listed) | {primary}, frozenset(listed) - {primary}
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None):
         self.config = config
@@ -54,7 +71,7 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self._seed_rng = random.Random(config.load.seed)
         self._logprob_decoder = LogprobDecoder(tokenizer)
-        self.eos_token_ids = frozenset(config.model.eos_token_ids or (tokenizer.eos_token_ids if tokenizer else []))
+        self.eos_token_ids, self.extra_eos_token_ids = _split_eos_ids(config.model.eos_token_ids, tokenizer)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.async_scheduling = config.device.async_scheduling
@@ -317,6 +334,8 @@ class LLMEngine:
         if child.detokenizer and (not (eos or stop_token) or params.include_stop_str_in_output):
             stop_str = child.detokenizer.add_token(token, past_min and not (eos or stop_token))
         if eos:
+            if token in self.extra_eos_token_ids:  # vLLM makes these stop tokens: the id is the stop_reason
+                request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if stop_token:
             request.stop_reason = token

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
+from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 
 from dsinfer.entrypoints.async_engine import AsyncEngine
@@ -17,7 +19,7 @@ from dsinfer.server import (
     tokenize,
 )
 from dsinfer.server.context import ServingContext
-from dsinfer.server.errors import install_error_handlers
+from dsinfer.server.errors import family_for, install_error_handlers
 from dsinfer.server.generation import ClientDisconnected
 from dsinfer.server.guard import GuardMiddleware
 from dsinfer.server.metrics import StatusCounter
@@ -52,6 +54,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     app.add_middleware(GuardMiddleware, settings=settings, is_draining=lambda: engine.draining)
     app.add_middleware(StatusCounter, metrics=ctx.metrics)
+    # outside the guard, so that its 401/413 replies carry the ids too
+    app.add_middleware(RequestIdHeaders)
     if settings.cors_allowed_origins is not None:
         # outside the guard: a browser's preflight carries no API key, and a 401 needs the CORS headers to be read
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_allowed_origins),
@@ -82,3 +86,29 @@ class RootPath:
                 if raw is not None and raw.startswith(root.encode()):  # raw_path keeps the percent-encoding
                     scope["raw_path"] = raw[len(root):] or b"/"
         await self.app(scope, receive, send)
+
+
+class RequestIdHeaders:
+    """Request ids on every response, streams and errors included, added here rather than in each route:
+    ``x-request-id`` as vLLM's --enable-request-id-headers (the client's X-Request-Id echoed, else a new id), and
+    on Anthropic's API (/v1/messages, and /v1/models for an Anthropic client) Anthropic's ``request-id: req_...``,
+    which its SDK exposes as ``message._request_id`` and ``APIStatusError.request_id``."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        new_id = uuid.uuid4().hex
+        added = [(b"x-request-id", (headers.get("x-request-id") or new_id).encode("latin-1"))]
+        if family_for(scope["path"], headers) == "anthropic":
+            added.append((b"request-id", f"req_{new_id}".encode()))
+
+        async def send_with_ids(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *added]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,9 +21,25 @@ from dsinfer.protocol.errors import ProtocolError, describe_validation_errors, e
 logger = logging.getLogger("dsinfer.server")
 
 
-def family_for(path: str) -> str:
-    """Which error envelope a path answers with."""
-    return "anthropic" if path.startswith("/v1/messages") else "openai"
+def is_shared_path(path: str) -> bool:
+    """Routes both SDKs call (``client.models.list()`` / ``.retrieve(id)``): the request's headers pick the API."""
+    return path == "/v1/models" or path.startswith("/v1/models/")
+
+
+def speaks_anthropic(headers: Mapping[str, str]) -> bool:
+    """An Anthropic client: its SDKs send ``anthropic-version`` on every request, OpenAI's never do. An
+    ``OpenAI-Organization`` / ``-Project`` / ``-Beta`` header says OpenAI client even so (a client that sets both)."""
+    return "anthropic-version" in headers and not any(key.lower().startswith("openai-") for key in headers)
+
+
+def family_for(path: str, headers: Mapping[str, str] | None = None) -> str:
+    """Which API (and error envelope) a request answers in: /v1/messages Anthropic's; a shared route
+    Anthropic's when the request ``headers`` are an Anthropic client's; the rest OpenAI's."""
+    if path.startswith("/v1/messages"):
+        return "anthropic"
+    if headers is not None and is_shared_path(path) and speaks_anthropic(headers):
+        return "anthropic"
+    return "openai"
 
 
 def error_response(
@@ -32,44 +49,51 @@ def error_response(
     param: str | None = None,
     code: str | None = None,
     headers: dict[str, str] | None = None,
+    request_headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
-    return JSONResponse(error_body(family_for(path), status, message, param, code), status, headers=headers)
+    family = family_for(path, request_headers)
+    return JSONResponse(error_body(family, status, message, param, code), status, headers=headers)
+
+
+def _reply(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return error_response(request.url.path, status, message, param, code, headers, request.headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ProtocolError)
     async def _protocol(request: Request, exc: ProtocolError) -> JSONResponse:
-        return error_response(request.url.path, exc.status, exc.message, exc.param, exc.code)
+        return _reply(request, exc.status, exc.message, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = describe_validation_errors(list(exc.errors()))
-        return error_response(request.url.path, 400, message, param)
+        return _reply(request, 400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = (
             f"no route {request.method} {request.url.path}" if exc.status_code == 404 else str(exc.detail)
         )
-        return error_response(request.url.path, exc.status_code, message)
+        return _reply(request, exc.status_code, message)
 
     @app.exception_handler(RequestRejectedError)
     async def _rejected(request: Request, exc: RequestRejectedError) -> JSONResponse:
-        return error_response(request.url.path, 400, str(exc))
+        return _reply(request, 400, str(exc))
 
     @app.exception_handler(EngineOverloadedError)
     async def _overloaded(request: Request, exc: EngineOverloadedError) -> JSONResponse:
-        return error_response(request.url.path, 429, str(exc), headers={"Retry-After": "1"})
+        return _reply(request, 429, str(exc), headers={"Retry-After": "1"})
 
     @app.exception_handler(EngineDrainingError)
     async def _draining(request: Request, exc: EngineDrainingError) -> JSONResponse:
-        return error_response(request.url.path, 503, str(exc))
+        return _reply(request, 503, str(exc))
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(request.url.path, 503, str(exc))
+        return _reply(request, 503, str(exc))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
-        return error_response(request.url.path, 500, "internal server error")
+        return _reply(request, 500, "internal server error")
