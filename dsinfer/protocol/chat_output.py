@@ -24,15 +24,26 @@ class OutputDelta:
     content: str = ""
     tool_calls: list[ParsedToolCall] = field(default_factory=list)  # completed in this delta
     tool_call_parts: list[ToolCallPart] = field(default_factory=list)  # the same calls, streamed as they arrive
+    # the part index of each call of ``tool_calls``: tells a writer which announced call ended (the others that
+    # ended, by markup that did not parse, send no more parts)
+    tool_call_indexes: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.tool_calls or self.tool_call_parts)
+
+    def calls_by_index(self) -> dict[int, ParsedToolCall]:
+        """The completed calls by their parts' index; those without one (a delta made by hand) by a key of their
+        own (negative: no part has it)."""
+        indexed = len(self.tool_call_indexes)
+        return {**dict(zip(self.tool_call_indexes, self.tool_calls)),
+                **{-1 - k: call for k, call in enumerate(self.tool_calls[indexed:])}}
 
     def extend(self, other: OutputDelta) -> None:
         self.reasoning += other.reasoning
         self.content += other.content
         self.tool_calls.extend(other.tool_calls)
         self.tool_call_parts.extend(other.tool_call_parts)
+        self.tool_call_indexes.extend(other.tool_call_indexes)
 
 
 class ChatOutputParser:
@@ -78,24 +89,30 @@ class ChatOutputParser:
                 rest, calls = self._tools.finish()
                 out.content += rest
                 out.tool_calls.extend(calls)
-            out.tool_call_parts = self._parts(final)
+            out.tool_call_parts, out.tool_call_indexes = self._parts(final)
             if self._max_calls is not None:
                 out.tool_calls = out.tool_calls[: max(0, self._max_calls - len(self.total.tool_calls))]
+                out.tool_call_indexes = out.tool_call_indexes[: len(out.tool_calls)]
                 out.tool_call_parts = [p for p in out.tool_call_parts if p.index < self._max_calls]
         self.total.extend(out)
         return out
 
-    def _parts(self, final: bool) -> list[ToolCallPart]:
+    def _parts(self, final: bool) -> tuple[list[ToolCallPart], list[int]]:
+        """The parts of this delta, and the index of each call completed in it."""
         parts: list[ToolCallPart] = []
+        indexes: list[int] = []
         for call in self._tools.take_ended():
             if self._open is not None:
                 (index, sent), self._open = self._open, None
                 # the fragments sent are a prefix of the arguments by construction (``ToolCallParser.pending``)
                 if call is not None and len(call.arguments) > len(sent) and call.arguments.startswith(sent):
                     parts.append(ToolCallPart(index, None, call.arguments[len(sent) :]))
+                if call is not None:
+                    indexes.append(index)
             elif call is not None:  # read whole in one delta
                 parts += self._announce(call.name)
                 parts.append(ToolCallPart(self._announced - 1, None, call.arguments))
+                indexes.append(self._announced - 1)
         pending = None if final else self._tools.pending()
         if pending is not None:
             name, arguments = pending
@@ -106,7 +123,7 @@ class ChatOutputParser:
             if len(arguments) > len(sent) and arguments.startswith(sent):
                 parts.append(ToolCallPart(index, None, arguments[len(sent) :]))
                 self._open = (index, arguments)
-        return parts
+        return parts, indexes
 
     def _announce(self, name: str) -> list[ToolCallPart]:
         self._announced += 1

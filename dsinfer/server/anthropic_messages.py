@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,7 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from dsinfer.engine.outputs import CompletionOutput, RequestOutput
 from dsinfer.protocol.anthropic_schemas import CountTokensRequest, MessagesRequest
 from dsinfer.protocol.chat_encoding import EncodedChat, ends_with_prefill
-from dsinfer.protocol.chat_output import ChatOutputParser, OutputDelta, parse_output
+from dsinfer.protocol.chat_output import ChatOutputParser, OutputDelta, ToolCallPart, parse_output
 from dsinfer.protocol.conversation import anthropic_messages, anthropic_tools
 from dsinfer.protocol.errors import ProtocolError
 from dsinfer.protocol.sampling import build_sampling_params
@@ -192,12 +193,63 @@ def _stop_reason(c: CompletionOutput, req: MessagesRequest, made_calls: bool) ->
     return "end_turn", None
 
 
+# In a call's arguments text (JSON, so backslashes are in strings only): an escaped backslash, or the start of an
+# escape of a UTF-16 surrogate, which the SDK's stream helper (jiter) refuses when lone
+_SURROGATE_ESCAPE = re.compile(r"\\\\|\\u[dD][89a-fA-F]")
+# an escaped backslash, a surrogate pair (group 1, kept: jiter reads it), or a lone surrogate's escape
+_LONE_ESCAPE = re.compile(r"\\\\|(\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                          r"|\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# the end of a text that may be the start of such an escape
+_PARTIAL_ESCAPE = re.compile(r"\\(?:u[dD]?)?$")
+
+
+def _has_surrogate_escape(text: str) -> bool:
+    return any(m[0] != "\\\\" for m in _SURROGATE_ESCAPE.finditer(text))
+
+
+def _lone_escapes_replaced(text: str) -> str:
+    """``text`` with each lone surrogate's escape as U+FFFD's, which parses as ``_input`` reads the call."""
+    return _LONE_ESCAPE.sub(lambda m: m[0] if m[0] == "\\\\" or m[1] else "\\ufffd", text)
+
+
+class _ToolInput:
+    """The input_json_delta text of a tool_use block: the call's arguments text as its fragments arrive (it parses
+    to ``_input``, which the SDK's stream helper reads with a partial JSON parser). Once an escape of a surrogate
+    shows up (raw arguments text: DeepSeek's, or Hermes arguments given as a JSON string), nothing more is sent
+    until the call completes: the rest goes then, lone surrogates' escapes as U+FFFD's, as ``_input`` has them."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index  # the call's ``ToolCallPart.index``
+        self.text = ""  # the arguments so far
+        self.sent = 0  # how much of ``text`` was sent
+        self.held = False  # a surrogate's escape came: the rest waits for the completed call
+
+    def feed(self, fragment: str) -> str:
+        self.text += fragment
+        self.held = self.held or _has_surrogate_escape(self.text)
+        if self.held:
+            return ""
+        # an escape's start is held back: it may turn out a surrogate's
+        partial = _PARTIAL_ESCAPE.search(self.text)
+        end = partial.start() if partial else len(self.text)
+        out, self.sent = self.text[self.sent : end], max(self.sent, end)
+        return out
+
+    def rest(self, call: ParsedToolCall) -> str:
+        """What is left to send of the completed ``call``'s input."""
+        text = _lone_escapes_replaced(call.arguments)
+        sent = self.text[: self.sent]
+        # the parts add up to the arguments (``ChatOutputParser``), bar a duplicate key that the parser stops at
+        return text[len(sent) :] if text.startswith(sent) else ""
+
+
 class _BlockWriter:
     """Opens, fills and closes content blocks as reasoning/text/tool calls arrive."""
 
     def __init__(self) -> None:
         self.index = -1
         self.open: str | None = None
+        self.call: _ToolInput | None = None  # the tool_use block open, while its call streams
         # whitespace that came before any text block: it opens none by itself (a tool call may follow, as the
         # non-streamed answer, which drops whitespace-only text beside tool calls), but leads the text if it comes
         self.pending_space = ""
@@ -219,6 +271,9 @@ class _BlockWriter:
         )
 
     def close(self) -> list[str]:
+        """Closes the open block. A call's block still open closes as it is: its call did not complete (markup
+        that does not parse, or cut off), which its text, content now, follows as the non-streamed answer has it."""
+        self.call = None
         if self.open is None:
             return []
         self.open = None
@@ -232,8 +287,33 @@ class _BlockWriter:
             self.pending_space = ""
         return events
 
-    def write(self, delta: OutputDelta) -> list[str]:
+    def _input_delta(self, partial: str) -> list[str]:
+        return [self._delta({"type": "input_json_delta", "partial_json": partial})] if partial else []
+
+    def _call_parts(self, parts: list[ToolCallPart], ended: dict[int, ParsedToolCall]) -> list[str]:
+        """The tool_use blocks of ``parts``: one opens as a call is announced, and closes when the call completes
+        (in ``ended``, by index; taken out) with the rest of its input."""
         events: list[str] = []
+        for part in parts:
+            if part.name is not None:
+                events += self._end_call(ended)
+                block = {"type": "tool_use", "id": new_id("toolu_")[:30], "name": part.name, "input": {}}
+                events += self._start("tool_use", block)
+                self.call = _ToolInput(part.index)
+            elif self.call is not None and part.index == self.call.index:
+                events += self._input_delta(self.call.feed(part.arguments))
+        return events + self._end_call(ended)
+
+    def _end_call(self, ended: dict[int, ParsedToolCall]) -> list[str]:
+        if self.call is None or self.call.index not in ended:
+            return []
+        return self._input_delta(self.call.rest(ended.pop(self.call.index))) + self.close()
+
+    def write(self, delta: OutputDelta) -> list[str]:
+        ended = delta.calls_by_index()
+        # the parts of the call open before this delta come first: its markup came before anything else of it
+        own = [p for p in delta.tool_call_parts if self.call is not None and p.index == self.call.index]
+        events = self._call_parts(own, ended)
         if delta.reasoning:
             if self.open != "thinking":
                 events += self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
@@ -245,12 +325,12 @@ class _BlockWriter:
                 events += self._start("text", {"type": "text", "text": ""})
             events.append(self._delta({"type": "text_delta", "text": self.pending_space + delta.content}))
             self.pending_space = ""
-        for call in delta.tool_calls:
+        events += self._call_parts([p for p in delta.tool_call_parts if p not in own], ended)
+        for call in ended.values():  # a call with no parts (past ``max_calls`` after one that did not parse, or
+            # a delta of no parser)
             block = {"type": "tool_use", "id": new_id("toolu_")[:30], "name": call.name, "input": {}}
             events += self._start("tool_use", block)
-            # re-encoded as the non-streamed input: the SDK's stream helper cannot parse a lone surrogate escape
-            partial = json.dumps(_input(call), ensure_ascii=False)
-            events.append(self._delta({"type": "input_json_delta", "partial_json": partial}))
+            events += self._input_delta(_lone_escapes_replaced(call.arguments)) + self.close()
         return events
 
 

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dsinfer.engine.outputs import RequestOutput
-from dsinfer.protocol.chat_output import ChatOutputParser, OutputDelta, parse_output
+from dsinfer.protocol.chat_output import ChatOutputParser, OutputDelta, ToolCallPart, parse_output
 from dsinfer.protocol.conversation import responses_messages, responses_tools
 from dsinfer.protocol.errors import ProtocolError
 from dsinfer.protocol.logprobs import chat_logprobs
@@ -18,6 +18,7 @@ from dsinfer.protocol.responses_schemas import NamedFunction, ResponsesRequest
 from dsinfer.protocol.sampling import build_sampling_params
 from dsinfer.protocol.structured_request import text_format_constraint, validate_structured_outputs
 from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint, with_tool_constraint
+from dsinfer.protocol.tool_parsers import ParsedToolCall
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.generation import Generation, primed
 from dsinfer.server.sse import SSE_HEADERS, sse_event
@@ -181,6 +182,7 @@ class _EventWriter:
         self.seq = 0
         self.items: list[dict[str, Any]] = []
         self.text: dict[str, Any] | None = None  # the open message or reasoning item
+        self.call: tuple[int, dict[str, Any]] | None = None  # (part index, item) of the function call streaming
         self.pending: list[dict[str, Any]] = []  # logprobs of tokens not yet carried by a text delta
         # whitespace before any message text: it opens no message by itself (a call may follow, beside which the
         # non-streamed answer drops whitespace-only text), but leads the text if text comes
@@ -191,7 +193,7 @@ class _EventWriter:
         return sse_event(kind, {"type": kind, "sequence_number": self.seq - 1, **fields})
 
     def _open(self, item: dict[str, Any]) -> list[str]:
-        events = self.close_text()
+        events = self.close_call() + self.close_text()
         self.text = item
         self.items.append(item)
         idx, part = len(self.items) - 1, item["content"][0]
@@ -245,7 +247,7 @@ class _EventWriter:
             events = self.open_text()
             if self.space:
                 events += self.text_delta(self.space)
-        return events + self.close_text("incomplete" if cut else "completed")
+        return events + self.close_call() + self.close_text("incomplete" if cut else "completed")
 
     def close_text(self, status: str = "completed") -> list[str]:
         if self.text is None:
@@ -266,31 +268,58 @@ class _EventWriter:
             self.event("response.output_item.done", output_index=idx, item=item),
         ]
 
-    def call(self, name: str, arguments: str) -> list[str]:
-        events = self.close_text()
-        item = _call_item(name, arguments)
-        self.items.append(item)
-        idx = len(self.items) - 1
-        return events + [
-            self.event(
-                "response.output_item.added",
-                output_index=idx,
-                item={**item, "arguments": "", "status": "in_progress"},
-            ),
-            self.event(
-                "response.function_call_arguments.delta",
-                item_id=item["id"],
-                output_index=idx,
-                delta=arguments,
-            ),
-            self.event(
-                "response.function_call_arguments.done",
-                item_id=item["id"],
-                output_index=idx,
-                arguments=arguments,
-            ),
-            self.event("response.output_item.done", output_index=idx, item=item),
-        ]
+    def _call_parts(self, parts: list[ToolCallPart], ended: dict[int, ParsedToolCall]) -> list[str]:
+        """A function_call item is added (arguments "") as a call is announced, its arguments stream as deltas, and
+        it is done when the call completes (in ``ended``, by part index; taken out)."""
+        events: list[str] = []
+        for part in parts:
+            if part.name is not None:
+                events += self._end_call(ended) + self.close_call() + self.close_text()
+                item = {**_call_item(part.name, ""), "status": "in_progress"}
+                self.items.append(item)
+                self.call = (part.index, item)
+                events.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
+                                         item=dict(item)))
+            elif self.call is not None and part.index == self.call[0] and part.arguments:
+                item = self.call[1]
+                item["arguments"] += part.arguments
+                events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                         output_index=self.items.index(item), delta=part.arguments))
+        return events + self._end_call(ended)
+
+    def _end_call(self, ended: dict[int, ParsedToolCall]) -> list[str]:
+        if self.call is None or self.call[0] not in ended:
+            return []
+        (index, item), self.call = self.call, None
+        item.update(arguments=ended.pop(index).arguments, status="completed")
+        idx = self.items.index(item)
+        return [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                           arguments=item["arguments"]),
+                self.event("response.output_item.done", output_index=idx, item=item)]
+
+    def close_call(self) -> list[str]:
+        """The call streaming that did not complete (markup that does not parse, or cut off: its text is content
+        next, as in the non-streamed answer) is done "incomplete" with the arguments sent, as OpenAI leaves a call
+        cut off; no arguments.done, which says the arguments are whole."""
+        if self.call is None:
+            return []
+        (_, item), self.call = self.call, None
+        item["status"] = "incomplete"
+        return [self.event("response.output_item.done", output_index=self.items.index(item), item=item)]
+
+    def write(self, delta: OutputDelta) -> list[str]:
+        ended = delta.calls_by_index()
+        # the parts of the call streaming before this delta come first: its markup came before anything else of it
+        own = [p for p in delta.tool_call_parts if self.call is not None and p.index == self.call[0]]
+        events = self._call_parts(own, ended)
+        events += self.reasoning_delta(delta.reasoning) if delta.reasoning else []
+        events += self.text_delta(delta.content) if delta.content else []
+        events += self._call_parts([p for p in delta.tool_call_parts if p not in own], ended)
+        for call in ended.values():  # a call with no parts (past ``max_calls`` after one that did not parse, or
+            # a delta of no parser)
+            events += self._call_parts([ToolCallPart(-1, call.name, ""), ToolCallPart(-1, None, call.arguments)],
+                                       {-1: call})
+        return events
 
 
 async def _stream(
@@ -312,13 +341,8 @@ async def _stream(
                 if c.finish_reason is not None:
                     delta.extend(parser.finish())
                     finish = c.finish_reason
-                for event in w.reasoning_delta(delta.reasoning) if delta.reasoning else []:
+                for event in w.write(delta):
                     yield event
-                for event in w.text_delta(delta.content) if delta.content else []:
-                    yield event
-                for call in delta.tool_calls:
-                    for event in w.call(call.name, call.arguments):
-                        yield event
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
         yield w.event("error", **stream_error_payload(exc)["error"])
         return
