@@ -1,8 +1,10 @@
 """The live server fixture: one dsinfer server (default model) per test session; an official openai client for it
-(``client``; a module may override it, as the Anthropic tests do with theirs) and the served ``model``."""
+(``client``; a module may override it, as the Anthropic tests do with theirs), an anthropic one (``claude``) and the
+served ``model``."""
 
 from __future__ import annotations
 
+import anthropic
 import openai
 import pytest
 
@@ -19,6 +21,12 @@ def server(tmp_path_factory) -> LiveServer:
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def claude(server) -> anthropic.Anthropic:
+    """An official anthropic client for the same server."""
+    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,6 @@ MESSAGES = [{"role": "user", "content": "Name a color."}]
 ANTHROPIC_HEADERS = {"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}
 
 
-@pytest.fixture(scope="module")
-def claude(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
-
-
 def _is_anthropic_id(value: str | None) -> bool:
     return isinstance(value, str) and value.startswith("req_") and len(value) > 8
 

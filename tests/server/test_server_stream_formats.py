@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import anthropic
-import openai
 import pytest
 
 from dsinfer.protocol.chat_output import parse_output
@@ -19,7 +17,6 @@ from dsinfer.protocol.tool_parsers import HermesToolParser
 from dsinfer.server import openai_responses
 
 from .fake_generation import fake_stream
-from .live_server import API_KEY
 from .weather_tools import ANTHROPIC_TOOLS, ASK, CHAT_TOOLS, MODEL, PARAMS, RESPONSES_TOOLS
 
 # two calls in the Hermes markup the server parses, forced as the answer's text (tool_choice "auto")
@@ -29,33 +26,23 @@ COLOR = {"type": "object", "properties": {"color": {"type": "string", "maxLength
          "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def claude(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
-
-
 def _calls(message) -> list[tuple[str, dict]]:
     return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
 
 
-def _chat_both(oai, **kwargs):
+def _chat_both(client, **kwargs):
     """The non-streamed message, the SDK's stream helper's final message and the raw streamed tool-call deltas."""
     kwargs = dict(model=MODEL, messages=ASK, tools=CHAT_TOOLS, temperature=0, max_tokens=120, **kwargs)
-    full = oai.chat.completions.create(**kwargs).choices[0]
-    with oai.chat.completions.stream(**kwargs) as stream:
+    full = client.chat.completions.create(**kwargs).choices[0]
+    with client.chat.completions.stream(**kwargs) as stream:
         deltas = [tc for e in stream if e.type == "chunk" for c in e.chunk.choices for tc in c.delta.tool_calls or []]
         final = stream.get_final_completion().choices[0]
     return full, final, deltas
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_chat_forced_call_streams_as_openai_and_rebuilds(oai, choice):
-    full, final, deltas = _chat_both(oai, tool_choice=choice)
+def test_chat_forced_call_streams_as_openai_and_rebuilds(client, choice):
+    full, final, deltas = _chat_both(client, tool_choice=choice)
     assert _calls(final.message) == _calls(full.message) and len(_calls(full.message)) == 1
     assert final.finish_reason == full.finish_reason and full.message.content is None
     first = deltas[0]  # the call's first delta names it: index, id, type, function.name
@@ -65,9 +52,9 @@ def test_chat_forced_call_streams_as_openai_and_rebuilds(oai, choice):
 
 
 @pytest.mark.parametrize("parallel", [True, False])
-def test_chat_parallel_tool_calls_false_keeps_the_first_call(oai, parallel):
+def test_chat_parallel_tool_calls_false_keeps_the_first_call(client, parallel):
     """Two calls are indexed 0, 1 when streamed; ``parallel_tool_calls`` false keeps the first only (vLLM)."""
-    full, final, deltas = _chat_both(oai, tool_choice="auto", parallel_tool_calls=parallel,
+    full, final, deltas = _chat_both(client, tool_choice="auto", parallel_tool_calls=parallel,
                                      extra_body={"guided_choice": [TWO_CALLS]})
     expected = [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})][: 2 if parallel else 1]
     assert _calls(full.message) == _calls(final.message) == expected
@@ -86,37 +73,37 @@ def test_parallel_false_drops_later_calls_and_ends_a_strict_auto_answer_after_on
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_chat_forced_call_beside_a_strict_response_format(oai, stream):
+def test_chat_forced_call_beside_a_strict_response_format(client, stream):
     """OpenAI takes both (the format shapes a text answer, which a forced call leaves none of); vLLM lets the
     tool's schema win. It was a 400 here."""
     fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": COLOR, "strict": True}}
     kwargs = dict(tool_choice="required", response_format=fmt)
     if stream:
-        _, message, _ = _chat_both(oai, **kwargs)
+        _, message, _ = _chat_both(client, **kwargs)
     else:
-        message = oai.chat.completions.create(model=MODEL, messages=ASK, tools=CHAT_TOOLS, temperature=0,
+        message = client.chat.completions.create(model=MODEL, messages=ASK, tools=CHAT_TOOLS, temperature=0,
                                               max_tokens=120, **kwargs).choices[0]
     assert [name for name, _ in _calls(message.message)] == ["get_weather"]
     # without tools the same format still constrains the streamed text
-    with oai.chat.completions.stream(model=MODEL, messages=[{"role": "user", "content": "Name a color as JSON."}],
+    with client.chat.completions.stream(model=MODEL, messages=[{"role": "user", "content": "Name a color as JSON."}],
                                      temperature=0, max_tokens=60, response_format=fmt) as s:
         text = s.get_final_completion().choices[0].message.content
     assert set(json.loads(text)) == {"color"}
 
 
-def _response_events(oai, **kwargs):
+def _response_events(client, **kwargs):
     kwargs = dict(model=MODEL, temperature=0, **kwargs)
-    full = oai.responses.create(**kwargs)
-    events = list(oai.responses.create(**kwargs, stream=True))
+    full = client.responses.create(**kwargs)
+    events = list(client.responses.create(**kwargs, stream=True))
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
     assert events[0].response.id == events[-1].response.id
     return full, events
 
 
-def test_responses_text_event_sequence_and_helper(oai):
+def test_responses_text_event_sequence_and_helper(client):
     kwargs = dict(input="Name a fruit.", max_output_tokens=40)
-    full, events = _response_events(oai, **kwargs)
+    full, events = _response_events(client, **kwargs)
     kinds = [e.type for e in events if e.type != "response.output_text.delta"]
     assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
                      "response.content_part.added", "response.output_text.done", "response.content_part.done",
@@ -127,12 +114,12 @@ def test_responses_text_event_sequence_and_helper(oai):
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == full.output_text == events[-1].response.output_text
     if full.status == "completed":
-        with oai.responses.stream(model=MODEL, temperature=0, **kwargs) as stream:
+        with client.responses.stream(model=MODEL, temperature=0, **kwargs) as stream:
             assert stream.get_final_response().output_text == full.output_text
 
 
-def test_responses_max_output_tokens_is_incomplete_streamed_and_not(oai):
-    full, events = _response_events(oai, input="Tell me a long story.", max_output_tokens=4)
+def test_responses_max_output_tokens_is_incomplete_streamed_and_not(client):
+    full, events = _response_events(client, input="Tell me a long story.", max_output_tokens=4)
     assert full.status == events[-1].response.status == "incomplete"
     assert full.incomplete_details.reason == events[-1].response.incomplete_details.reason == "max_output_tokens"
     assert events[-1].type == "response.incomplete"  # as OpenAI: the event is named after the status
@@ -142,11 +129,11 @@ def test_responses_max_output_tokens_is_incomplete_streamed_and_not(oai):
 
 
 @pytest.mark.parametrize("text_format", [None, {"type": "json_schema", "name": "c", "schema": COLOR, "strict": True}])
-def test_responses_forced_call_events_and_helper(oai, text_format):
+def test_responses_forced_call_events_and_helper(client, text_format):
     kwargs = dict(input="Weather in Paris?", tools=RESPONSES_TOOLS, tool_choice="required", max_output_tokens=60)
     if text_format:  # the call wins over text.format (it was a 400)
         kwargs["text"] = {"format": text_format}
-    full, events = _response_events(oai, **kwargs)
+    full, events = _response_events(client, **kwargs)
     kinds = [e.type for e in events]
     delta = "response.function_call_arguments.delta"
     deltas = kinds.count(delta)  # the arguments stream in pieces
@@ -156,7 +143,7 @@ def test_responses_forced_call_events_and_helper(oai, text_format):
     added, done = events[2].item, events[-2].item
     assert added.type == "function_call" and added.arguments == "" and added.id == done.id
     assert events[-3].arguments == "".join(e.delta for e in events if e.type.endswith("arguments.delta"))
-    with oai.responses.stream(model=MODEL, temperature=0, **kwargs) as stream:
+    with client.responses.stream(model=MODEL, temperature=0, **kwargs) as stream:
         final = stream.get_final_response()
     for r in (full, final):
         (call,) = r.output

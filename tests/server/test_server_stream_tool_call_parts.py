@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import openai
 import pytest
 
 from dsinfer.protocol.chat_output import parse_output
@@ -17,7 +16,6 @@ from dsinfer.protocol.tool_parsers import DeepSeekV3ToolParser, HermesToolParser
 from dsinfer.server import openai_chat
 
 from .fake_generation import fake_stream
-from .live_server import API_KEY
 from .weather_tools import ASK, CHAT_TOOLS, MODEL
 
 ARGS = [{"city": "Paris", "days": [1, 2.50, -0], "note": 'say "hi"\\n \u00e9\U0001F600', "metric": True},
@@ -148,18 +146,13 @@ def test_hermes_fragments_are_prefixes_of_the_final_arguments(body):
         text, tool_parser=HermesToolParser).tool_calls[0].arguments
 
 
-@pytest.fixture(scope="module")
-def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
-
-
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_live_forced_call_streams_its_arguments_in_pieces(oai, choice):
+def test_live_forced_call_streams_its_arguments_in_pieces(client, choice):
     """The forced call (constrained Hermes JSON) is announced, then its arguments come in several fragments that
     the SDK's stream helper adds up to the non-streamed call."""
     kwargs = dict(model=MODEL, messages=ASK, tools=CHAT_TOOLS, tool_choice=choice, temperature=0, max_tokens=60)
-    full = oai.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
-    with oai.chat.completions.stream(**kwargs) as stream:
+    full = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+    with client.chat.completions.stream(**kwargs) as stream:
         deltas = [tc for e in stream if e.type == "chunk" for c in e.chunk.choices for tc in c.delta.tool_calls or []]
         final = stream.get_final_completion().choices[0].message.tool_calls[0]
     head, *fragments = deltas

@@ -206,16 +206,6 @@ def test_responses_call_that_never_completes_is_done_incomplete(text, finish, st
         (0, call.id, "incomplete"), (1, final.output[1].id, final.output[1].status)]
 
 
-@pytest.fixture(scope="module")
-def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def claude(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
-
-
 def test_live_anthropic_forced_tool_use_streams_its_input_in_pieces(claude):
     kwargs = dict(model=MODEL, max_tokens=80, messages=ASK, tools=ANTHROPIC_TOOLS,
                   tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 0})
@@ -230,11 +220,11 @@ def test_live_anthropic_forced_tool_use_streams_its_input_in_pieces(claude):
     assert final.stop_reason == full.stop_reason == "tool_use"
 
 
-def test_live_responses_forced_call_streams_its_arguments_in_pieces(oai):
+def test_live_responses_forced_call_streams_its_arguments_in_pieces(client):
     kwargs = dict(model=MODEL, input="Weather in Paris?", tools=RESPONSES_TOOLS, tool_choice="required",
                   max_output_tokens=60, temperature=0)
-    full = oai.responses.create(**kwargs)
-    with oai.responses.stream(**kwargs) as stream:
+    full = client.responses.create(**kwargs)
+    with client.responses.stream(**kwargs) as stream:
         events = list(stream)
         final = stream.get_final_response()
     deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
