@@ -38,6 +38,14 @@ class OutputDelta:
         return {**dict(zip(self.tool_call_indexes, self.tool_calls)),
                 **{-1 - k: call for k, call in enumerate(self.tool_calls[indexed:])}}
 
+    def split_parts(self, open_index: int | None) -> tuple[list[ToolCallPart], list[ToolCallPart]]:
+        """(the parts of call ``open_index``, the one a stream has open from earlier deltas, which go before this
+        delta's text since its markup came first; the other parts, which follow the text)"""
+        if open_index is None:
+            return [], list(self.tool_call_parts)
+        own = [p for p in self.tool_call_parts if p.index == open_index]
+        return own, [p for p in self.tool_call_parts if p.index != open_index]
+
     def extend(self, other: OutputDelta) -> None:
         self.reasoning += other.reasoning
         self.content += other.content

@@ -311,8 +311,7 @@ class _BlockWriter:
 
     def write(self, delta: OutputDelta) -> list[str]:
         ended = delta.calls_by_index()
-        # the parts of the call open before this delta come first: its markup came before anything else of it
-        own = [p for p in delta.tool_call_parts if self.call is not None and p.index == self.call.index]
+        own, later = delta.split_parts(self.call.index if self.call is not None else None)
         events = self._call_parts(own, ended)
         if delta.reasoning:
             if self.open != "thinking":
@@ -325,7 +324,7 @@ class _BlockWriter:
                 events += self._start("text", {"type": "text", "text": ""})
             events.append(self._delta({"type": "text_delta", "text": self.pending_space + delta.content}))
             self.pending_space = ""
-        events += self._call_parts([p for p in delta.tool_call_parts if p not in own], ended)
+        events += self._call_parts(later, ended)
         for call in ended.values():  # a call with no parts (past ``max_calls`` after one that did not parse, or
             # a delta of no parser)
             block = {"type": "tool_use", "id": new_id("toolu_")[:30], "name": call.name, "input": {}}

@@ -309,12 +309,11 @@ class _EventWriter:
 
     def write(self, delta: OutputDelta) -> list[str]:
         ended = delta.calls_by_index()
-        # the parts of the call streaming before this delta come first: its markup came before anything else of it
-        own = [p for p in delta.tool_call_parts if self.call is not None and p.index == self.call[0]]
+        own, later = delta.split_parts(self.call[0] if self.call is not None else None)
         events = self._call_parts(own, ended)
         events += self.reasoning_delta(delta.reasoning) if delta.reasoning else []
         events += self.text_delta(delta.content) if delta.content else []
-        events += self._call_parts([p for p in delta.tool_call_parts if p not in own], ended)
+        events += self._call_parts(later, ended)
         for call in ended.values():  # a call with no parts (past ``max_calls`` after one that did not parse, or
             # a delta of no parser)
             events += self._call_parts([ToolCallPart(-1, call.name, ""), ToolCallPart(-1, None, call.arguments)],
