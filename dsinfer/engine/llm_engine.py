@@ -46,9 +46,9 @@ def _split_eos_ids(listed: list[int], tokenizer: Tokenizer | None) -> tuple[froz
     vLLM's split (``SamplingParams.update_from_generation_config``): the tokenizer's eos_token is the EOS; the other
     ids the model's eos_token_id lists (Llama 3 instruct's 128001 and 128008 beside <|eot_id|>) become stop tokens,
     so an output they end has stop_reason = that id, and ignore_eos stops on none of them. While min_tokens holds,
-    the runner bans both kinds (not with ignore_eos, as for the EOS; vLLM bans them then too). Without a tokenizer
-    eos_token vLLM has no EOS at all; dsinfer then keeps every listed id a plain EOS rather than report an id for a
-    model's only end token.
+    both kinds are banned, with ignore_eos too (vLLM's ``all_stop_token_ids``; ``runner.input_batch``).
+    Without a tokenizer eos_token vLLM has no EOS at all; dsinfer then keeps every listed id a plain EOS rather than
+    report an id for a model's only end token.
     """
     listed = list(listed) or (tokenizer.eos_token_ids if tokenizer is not None else [])
     primary = tokenizer.token_to_id(tokenizer.eos_token) if tokenizer is not None and tokenizer.eos_token else None
@@ -100,6 +100,7 @@ class LLMEngine:
             if clash is not None:
                 raise ValueError(f"request id {request_id!r} is already in use: its sample {clash!r} is a running "
                                  "request's id")
+        params.check_logprobs_limit(self.model_config.logprobs_limit)
         text, token_ids = self._prompt_ids(prompt)
         token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.model_config.max_model_len)
         max_tokens = self._check_lengths(token_ids, params)
@@ -146,7 +147,7 @@ class LLMEngine:
         left = set(params.allowed_token_ids) - {ids[0] for ids in bad_word_ids if len(ids) == 1}
         if not left:
             raise ValueError("allowed_token_ids holds only tokens that bad_words ban: nothing could be sampled")
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        stops = set(params.stop_token_ids) | set(self.eos_token_ids)  # what min_tokens bans, ignore_eos or not
         if params.min_tokens and left <= stops:
             raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens bans until "
                              f"{params.min_tokens} tokens are out: nothing could be sampled")

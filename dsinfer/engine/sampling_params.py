@@ -9,7 +9,9 @@ from enum import IntEnum
 from typing import Any
 
 _MAX_N = 128
-_MAX_LOGPROBS = 20
+# vLLM's default max_logprobs: the most logprobs / prompt_logprobs a request may ask for unless the engine's
+# max_logprobs (EngineArgs, ``--max-logprobs``) says otherwise; ``check_logprobs_limit`` applies it
+DEFAULT_MAX_LOGPROBS = 20
 _MAX_SEED = 2**63 - 1
 
 
@@ -199,8 +201,9 @@ class SamplingParams:
             if value is None:
                 continue
             _check_number(name, value, integer=True)
-            if not 0 <= value <= _MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {_MAX_LOGPROBS}], got {value}")
+            # the upper bound is the engine's max_logprobs (check_logprobs_limit, at add_request), as in vLLM
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
         for tid in self.stop_token_ids:
             _check_number("stop_token_ids", tid, integer=True)
             if tid < 0:
@@ -223,6 +226,14 @@ class SamplingParams:
                 raise ValueError(f"logit_bias value must be finite, got {tid}: {bias}")
             if tid < 0:
                 raise ValueError(f"logit_bias must map token ids >= 0 to finite values, got {tid}: {bias}")
+
+    def check_logprobs_limit(self, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+        """logprobs and prompt_logprobs must not exceed an engine's max_logprobs (already resolved: vLLM's -1 is
+        the vocabulary size); without an engine, vLLM's default limit."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > max_logprobs:
+                raise ValueError(f"{name} must be in [0, {max_logprobs}] (the engine's max_logprobs), got {value}")
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Token ids given in the params must exist in the model's vocabulary."""

@@ -19,7 +19,8 @@ INT64_MAX = 2**63 - 1
 StrictInt = Annotated[int, Strict()]
 MaxTokens = Annotated[int, Strict(), Field(ge=1, le=INT64_MAX)]
 NumChoices = Annotated[int, Strict(), Field(ge=1, le=128)]
-TopLogprobs = Annotated[int, Strict(), Field(ge=0, le=20)]
+# bounded by the vocabulary only: the engine's max_logprobs (--max-logprobs) is the limit, checked per request
+TopLogprobs = Annotated[int, Strict(), Field(ge=0, le=1 << 31)]
 Seed = Annotated[int, Strict(), Field(ge=-(2**63), le=INT64_MAX)]
 TopK = Annotated[int, Strict(), Field(ge=-1, le=1 << 30)]
 TokenId = Annotated[int, Strict(), Field(ge=0, le=1 << 31)]

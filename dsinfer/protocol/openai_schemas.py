@@ -121,6 +121,8 @@ class SamplingFields(WireModel):
     # vLLM's: keep the prompt's last k tokens; -1 as many as leave room for one output token
     truncate_prompt_tokens: Annotated[int, Field(strict=True, ge=-1, le=1 << 30)] | None = None
     user: Annotated[str, Field(max_length=1024)] | None = None
+    # vLLM's: logprobs tokens as "token_id:N" (None: the server's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: StrictBool | None = None
     # vLLM-style structured outputs (at most one of these and response_format)
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | Annotated[str, Field(max_length=1 << 20)] | None = None

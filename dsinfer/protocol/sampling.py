@@ -62,6 +62,14 @@ def _max_tokens_in_room(max_tokens: int | None, prompt_len: int, max_model_len: 
     return max_tokens
 
 
+def check_logprobs_limit(value: int | None, max_logprobs: int, param: str) -> None:
+    """A 400 naming the wire field (chat's top_logprobs, the completions' logprobs) asking for more logprobs than
+    the engine's max_logprobs (``--max-logprobs``) allows, as vLLM refuses it."""
+    if value is not None and value > max_logprobs:
+        raise ProtocolError(f"{param} must be at most {max_logprobs} (the server's --max-logprobs), got {value}",
+                            param=param)
+
+
 def build_sampling_params(fields: dict[str, Any], vocab_size: int, stream: bool,
                           defaults: dict[str, Any] | None = None) -> SamplingParams:
     """``fields`` uses SamplingParams names; None values (and fields the endpoint has not) take ``defaults`` (the

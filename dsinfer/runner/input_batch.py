@@ -215,9 +215,8 @@ def _banned(items: list[ScheduledRequest], vocab_size: int, device: torch.device
 def _banned_tokens(req) -> set[int]:
     params, banned = req.params, set()
     if req.num_output_tokens + req.num_pending < params.min_tokens:
-        banned |= set(params.stop_token_ids)
-        if not params.ignore_eos:
-            banned |= req.eos_token_ids
+        # every stop id, the EOS ids with ignore_eos too (vLLM's all_stop_token_ids)
+        banned |= set(params.stop_token_ids) | req.eos_token_ids
     for ids in req.bad_word_ids:
         if len(ids) == 1:
             banned.add(ids[0])

@@ -41,6 +41,7 @@ class ServingContext:
         self.default_max_tokens: int | None = defaults.pop("max_tokens", None)
         self.sampling_defaults: dict[str, Any] = defaults
         self.max_tokens_limit: int | None = engine.model_config.max_tokens_limit
+        self.max_logprobs: int = engine.model_config.logprobs_limit  # --max-logprobs, -1 resolved
         special = frozenset(self.tokenizer.special_tokens)
         template = settings.chat_template or self.tokenizer.chat_template
         if template is None or settings.chat_format != "auto":
@@ -76,6 +77,11 @@ class ServingContext:
             raise ProtocolError(
                 f"The model `{name}` does not exist.", status=404, param="model", code="model_not_found"
             )
+
+    def tokens_as_ids(self, requested: bool | None) -> bool:
+        """Whether logprobs tokens are "token_id:N": the request's ``return_tokens_as_token_ids``, else the
+        server's flag (vLLM's rule)."""
+        return self.settings.return_tokens_as_token_ids if requested is None else requested
 
     def max_tokens(self, requested: int | None, prompt_len: int, param: str = "max_tokens",
                    prompt_param: str = "messages", clamp: bool = False) -> int:

@@ -17,7 +17,7 @@ from dsinfer.protocol.errors import ProtocolError
 from dsinfer.protocol.fields import stop_list
 from dsinfer.protocol.logprobs import chat_logprobs
 from dsinfer.protocol.openai_schemas import ChatCompletionRequest, NamedToolChoice, SamplingFields
-from dsinfer.protocol.sampling import build_sampling_params, logit_bias_ids
+from dsinfer.protocol.sampling import build_sampling_params, check_logprobs_limit, logit_bias_ids
 from dsinfer.protocol.structured_request import structured_outputs_of, validate_structured_outputs
 from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint, with_tool_constraint
 from dsinfer.server.context import ServingContext, new_id, parse_body
@@ -75,6 +75,7 @@ def _params(
 ) -> SamplingParams:
     if req.top_logprobs is not None and not req.logprobs:
         raise ProtocolError("top_logprobs requires logprobs to be true", param="top_logprobs")
+    check_logprobs_limit(req.top_logprobs, ctx.max_logprobs, "top_logprobs")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     fields = sampling_fields(req)
@@ -86,6 +87,19 @@ def _params(
     if use_tools and ctx.tool_markers_special:
         fields["skip_special_tokens"] = False
     return build_sampling_params(fields, ctx.vocab_size, req.stream, ctx.sampling_defaults)
+
+
+def _role(ctx: ServingContext, req: ChatCompletionRequest) -> str:
+    """The answer's role, as vLLM's: the server's ``--response-role`` after a generation prompt, else (the prompt
+    ends inside the last message, continued) that message's role."""
+    if req.add_generation_prompt and not req.continue_final_message:
+        return ctx.settings.response_role
+    return req.messages[-1].role
+
+
+def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, c: Any) -> dict[str, Any]:
+    as_ids = ctx.tokens_as_ids(req.return_tokens_as_token_ids)
+    return {"content": chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0, as_ids)}
 
 
 def _tool_choice_constraint(ctx: ServingContext, req: ChatCompletionRequest) -> dict[str, Any] | None:
@@ -176,7 +190,7 @@ def _response(
     choices = []
     for c in sorted(out.outputs, key=lambda c: c.index):
         parsed = parse_output(c.text, **parser_kwargs)
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        message: dict[str, Any] = {"role": _role(ctx, req), "content": parsed.content}
         if parsed.tool_calls:
             message["content"] = parsed.content.strip() or None
             message["tool_calls"] = [
@@ -184,16 +198,11 @@ def _response(
             ]
         if parsed.reasoning:
             message["reasoning_content"] = parsed.reasoning
-        logprobs = None
-        if req.logprobs:
-            logprobs = {
-                "content": chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0)
-            }
         choices.append(
             {
                 "index": c.index,
                 "message": message,
-                "logprobs": logprobs,
+                "logprobs": _logprobs(ctx, req, c) if req.logprobs else None,
                 "finish_reason": _finish_reason(c.finish_reason, bool(parsed.tool_calls), req),
             }
         )
@@ -225,7 +234,7 @@ async def _stream(
     for i in range(req.n):
         choice = {
             "index": i,
-            "delta": {"role": "assistant", "content": ""},
+            "delta": {"role": _role(ctx, req), "content": ""},
             "logprobs": None,
             "finish_reason": None,
         }
@@ -241,13 +250,7 @@ async def _stream(
                     message["reasoning_content"] = delta.reasoning
                 if delta.content:
                     message["content"] = delta.content
-                logprobs = None
-                if req.logprobs and c.token_ids:
-                    logprobs = {
-                        "content": chat_logprobs(
-                            ctx.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0
-                        )
-                    }
+                logprobs = _logprobs(ctx, req, c) if req.logprobs and c.token_ids else None
                 made_calls = bool(parsers[c.index].total.tool_calls)
                 finish = _finish_reason(c.finish_reason, made_calls, req)
                 messages = _messages(message, delta)

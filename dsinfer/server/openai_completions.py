@@ -14,7 +14,7 @@ from dsinfer.engine.sampling_params import SamplingParams
 from dsinfer.protocol.errors import ProtocolError
 from dsinfer.protocol.logprobs import completion_logprobs, prompt_completion_logprobs
 from dsinfer.protocol.openai_schemas import CompletionRequest
-from dsinfer.protocol.sampling import build_sampling_params, check_prompt_ids
+from dsinfer.protocol.sampling import build_sampling_params, check_logprobs_limit, check_prompt_ids
 from dsinfer.protocol.structured_request import structured_outputs_of, validate_structured_outputs
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.generation import Batch, Generation
@@ -38,6 +38,7 @@ def _prepared(ctx: ServingContext, req: CompletionRequest,
     """Every prompt's token ids and params, all checked before any runs (a batch with one bad prompt runs none);
     a batch's errors say which prompt."""
     prompts = _prompts(req)
+    check_logprobs_limit(req.logprobs, ctx.max_logprobs, "logprobs")
     fields = sampling_fields(req)
     fields["logprobs"] = req.logprobs
     fields["structured_outputs"] = structured
@@ -101,11 +102,12 @@ def _choice(ctx: ServingContext, req: CompletionRequest, c: Any, echo: str, offs
     output whose prompt logprobs lead the logprobs."""
     logprobs = None
     if req.logprobs is not None:
-        logprobs = completion_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, req.logprobs, offset)
-        offset += sum(len(token) for token in logprobs["tokens"])
+        as_ids = ctx.tokens_as_ids(req.return_tokens_as_token_ids)
+        logprobs, offset = completion_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, req.logprobs, offset, as_ids)
         if echo and prompt is not None and prompt.prompt_token_ids:
             positions = prompt.prompt_logprobs or [None] * len(prompt.prompt_token_ids)  # one token: unscored
-            head = prompt_completion_logprobs(ctx.tokenizer, prompt.prompt_token_ids, positions, req.logprobs)
+            head = prompt_completion_logprobs(ctx.tokenizer, prompt.prompt_token_ids, positions, req.logprobs,
+                                              as_ids)
             logprobs = {key: head[key] + logprobs[key] for key in logprobs}
     else:
         offset += len(c.text)

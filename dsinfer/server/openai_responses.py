@@ -15,7 +15,7 @@ from dsinfer.protocol.conversation import responses_messages, responses_tools
 from dsinfer.protocol.errors import ProtocolError
 from dsinfer.protocol.logprobs import chat_logprobs
 from dsinfer.protocol.responses_schemas import NamedFunction, ResponsesRequest
-from dsinfer.protocol.sampling import build_sampling_params
+from dsinfer.protocol.sampling import build_sampling_params, check_logprobs_limit
 from dsinfer.protocol.structured_request import text_format_constraint, validate_structured_outputs
 from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint, with_tool_constraint
 from dsinfer.protocol.tool_parsers import ParsedToolCall
@@ -54,6 +54,7 @@ async def responses(request: Request):
     )
     if use_tools and ctx.tool_markers_special:
         fields["skip_special_tokens"] = False
+    check_logprobs_limit(req.top_logprobs, ctx.max_logprobs, "top_logprobs")
     params = build_sampling_params(fields, ctx.vocab_size, req.stream, ctx.sampling_defaults)
     await validate_structured_outputs(structured, field)
     gen = Generation(ctx, encoded.token_ids, params, new_id("resp_"))

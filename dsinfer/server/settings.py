@@ -30,6 +30,10 @@ class ServerSettings:
     cors_allowed_headers: tuple[str, ...] = ("*",)
     cors_allow_credentials: bool = False
     root_path: str = ""  # path prefix of a proxy in front (vLLM's --root-path); "" = none
+    # logprobs tokens as "token_id:N" (vLLM's --return-tokens-as-token-ids); a request's own field wins
+    return_tokens_as_token_ids: bool = False
+    # the role of chat completion answers that follow a generation prompt (vLLM's --response-role)
+    response_role: str = "assistant"
     version: str = "0.1.0"
 
     @property

@@ -95,3 +95,19 @@ def test_without_a_tokenizer_every_listed_id_is_an_eos(tiny_llama_dir, tmp_path)
     for token in (EXTRA_A, EXTRA_B):
         out = _forced(llm, token)
         assert (out.token_ids, out.finish_reason, out.stop_reason) == ([token], "stop", None)
+
+
+@pytest.mark.parametrize("token", [PRIMARY, EXTRA_A, EXTRA_B])
+def test_min_tokens_holds_every_eos_id_back_with_ignore_eos_too(llm, token):
+    # vLLM's min_tokens bans all_stop_token_ids, which hold the EOS and the extra ids whatever ignore_eos says;
+    # past min_tokens ignore_eos lets them through without stopping
+    params = SamplingParams(temperature=0, max_tokens=5, min_tokens=3, allowed_token_ids=[token, 40],
+                            logit_bias={token: 100.0}, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": [11, 12, 13]}, params, use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == ([40, 40, 40, token, token], "length", None)
+
+
+def test_min_tokens_with_ignore_eos_and_only_eos_ids_allowed_is_refused(llm):
+    with pytest.raises(ValueError, match="only stop tokens, which min_tokens bans"):
+        llm.generate({"prompt_token_ids": [11]}, SamplingParams(allowed_token_ids=[EXTRA_A, PRIMARY], min_tokens=2,
+                                                                ignore_eos=True), use_tqdm=False)

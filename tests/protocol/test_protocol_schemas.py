@@ -24,7 +24,7 @@ BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         ("max_tokens", 2**63),
         ("n", 10**9),
         ("n", 0),
-        ("top_logprobs", 21),
+        ("top_logprobs", 2**31 + 1),  # 21 passes the schema: the engine's max_logprobs is the limit
         ("top_logprobs", -1),
         ("top_p", 0),
         ("top_p", 1.5),

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 from dsinfer.engine.outputs import CompletionOutput, RequestOutput
+from dsinfer.server.settings import ServerSettings
 
 
 def fake_stream(pieces: list[str], request_id: str, model: str):
@@ -19,6 +20,6 @@ def fake_stream(pieces: list[str], request_id: str, model: str):
         for out in outs:
             yield out
 
-    ctx = SimpleNamespace(reported_model=lambda _: model)
+    ctx = SimpleNamespace(reported_model=lambda _: model, settings=ServerSettings())
     gen = SimpleNamespace(request_id=request_id, prompt_ids=[1], num_generated=len(pieces), num_cached=0)
     return ctx, gen, outputs()
