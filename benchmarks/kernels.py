@@ -169,6 +169,13 @@ def _attention_cases() -> list[Case]:
                               lambda a=args, c=ctx: paged_attention_triton(
                                   *a, scale, max_query_len=1, max_seq_len=c),
                               lambda a=args: paged_attention_ref(*a, scale), num_bytes=kv_bytes))
+    for b in (64, 256):  # an FP8 cache (kv_cache_dtype="fp8"): half the bytes of the same decode
+        q, cache, *rest = _attention_batch([1] * b, [4096] * b)
+        args = (q, cache.to(torch.float8_e4m3fn), *rest)
+        kv_bytes = 2 * b * 4096 * HKV * D + 2 * b * HQ * D * 2
+        cases.append(Case("attn decode fp8", f"B={b} ctx=4096",
+                          lambda a=args: paged_attention_triton(*a, scale, max_query_len=1, max_seq_len=4096),
+                          lambda a=args: paged_attention_ref(*a, scale), num_bytes=kv_bytes))
     n, length = 8, 2048
     args = _attention_batch([length] * n, [length] * n)
     flops = 4 * HQ * D * n * length * (length + 1) / 2
@@ -190,7 +197,7 @@ def sweep() -> None:
         args = _attention_batch([1] * b, [ctx] * b)
         kv = 2 * b * ctx * HKV * D * 2
         for cfg in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3), (64, 8, 3), (128, 8, 3)):
-            attn._decode_config = lambda head_dim, cuda, cfg=cfg: cfg
+            attn._decode_config = lambda *_, cfg=cfg: cfg
             ms = graph_ms(lambda a=args, c=ctx: attn.paged_attention_triton(
                 *a, scale, max_query_len=1, max_seq_len=c))
             print(f"  B={b:3d} ctx={ctx} cfg={cfg}: {ms:.4f} ms  {kv / ms / 1e6:6.0f} GB/s")
@@ -206,13 +213,34 @@ def sweep() -> None:
     flops = 4 * HQ * D * 8 * 2048 * 2049 / 2
     for cfg in ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 8, 4),
                 (128, 64, 8, 2), (128, 128, 8, 2)):
-        attn._prefill_config = lambda head_dim, group_pad, cuda, cfg=cfg: cfg
+        attn._prefill_config = lambda *_, cfg=cfg: cfg
         try:
             ms = bench_ms(lambda a=args: attn.paged_attention_triton(*a, scale, max_query_len=2048))
             print(f"  cfg={cfg}: {ms:.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s")
         except Exception as exc:  # an out-of-resources config: report and go on
             print(f"  cfg={cfg}: failed ({type(exc).__name__}: {str(exc)[:80]})")
     attn._prefill_config = default_prefill
+
+
+def sweep_fp8() -> None:
+    """Decode over an FP8 cache: tile configs, with the query in fp16 (FP8 -> fp16 conversions) or in bf16."""
+    import dsinfer.ops.triton.attention as attn
+
+    scale = D**-0.5
+    print("\n# FP8-cache decode configs (BLOCK_N, warps, stages) x query dtype -> graph ms")
+    default_decode, default_f16 = attn._decode_config, attn.FP8_AS_F16
+    for b, ctx in ((1, 4096), (64, 4096), (256, 4096), (256, 1024)):
+        q, cache, *rest = _attention_batch([1] * b, [ctx] * b)
+        args = (q, cache.to(torch.float8_e4m3fn), *rest)
+        kv = 2 * b * ctx * HKV * D
+        for f16 in (True, False):
+            attn.FP8_AS_F16 = f16
+            for cfg in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (64, 8, 3), (128, 8, 3)):
+                attn._decode_config = lambda *_, cfg=cfg: cfg
+                ms = graph_ms(lambda a=args, c=ctx: attn.paged_attention_triton(
+                    *a, scale, max_query_len=1, max_seq_len=c))
+                print(f"  B={b:3d} ctx={ctx} f16={f16:d} cfg={cfg}: {ms:.4f} ms  {kv / ms / 1e6:6.0f} GB/s")
+    attn._decode_config, attn.FP8_AS_F16 = default_decode, default_f16
 
 
 # ---- main ----
@@ -236,6 +264,7 @@ def print_table(rows: list[Row]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time attention configs and split counts")
+    parser.add_argument("--sweep-fp8", action="store_true", help="also time FP8-cache decode configs")
     parser.add_argument("--only", default="", help="run only cases whose name contains this")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
@@ -246,6 +275,8 @@ def main() -> None:
           f"bf16 matmul {mm / 1e12:.0f} TFLOP/s (8192^3 random)")
     if opts.sweep:
         sweep()
+    if opts.sweep_fp8:
+        sweep_fp8()
     rows = []
     for make in (_elementwise_cases, _sampling_cases, _attention_cases):
         for case in make():

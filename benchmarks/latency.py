@@ -58,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill", nargs="*", default=["512", "2048", "8192", "8x2048"])
     p.add_argument("--idle-batch", type=int, default=256, help="0: skip the GPU-idle measurement")
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e5m2 (the floor counts its bytes)")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--max-prefill-graph-tokens", type=int, default=2048,
@@ -221,7 +222,8 @@ def make_llm(model: Path, args, **kwargs):
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     extra = {"gpu_memory_utilization": args.gpu_memory_utilization} if device.type == "cuda" else {}
     return LLM(str(workdir), load_format="dummy", dtype=dtype, device=args.device, max_model_len=args.max_model_len,
-               hf_overrides=args.hf_overrides, **extra, **kwargs)
+               hf_overrides=args.hf_overrides, kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), **extra,
+               **kwargs)
 
 
 class Sequences:
@@ -245,7 +247,11 @@ class Sequences:
         used = max(b.block_id for r in self.requests for b in r.blocks) + 1
         for layer in runner.model.attention_layers():
             cache = layer.kv_cache  # [2, blocks, ...] (K and V) or [blocks, block_size, latent + rope] (MLA)
-            (cache[:, :used] if cache.dim() == 5 else cache[:used]).normal_()
+            part = cache[:, :used] if cache.dim() == 5 else cache[:used]
+            if part.element_size() == 1:  # an FP8 cache: no normal_ kernel; draw in bf16, one layer at a time
+                part.copy_(torch.randn(part.shape, dtype=torch.bfloat16, device=part.device))
+            else:
+                part.normal_()
 
     def free(self) -> None:
         for req in self.requests:

@@ -72,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--deterministic", action="store_true", help="batch-invariant mode (LLM(deterministic=True))")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e5m2 (LLM(kv_cache_dtype=...))")
     p.add_argument("--hf-overrides", type=json.loads, default=None,
                    help='JSON merged into config.json, e.g. \'{"num_hidden_layers": 8}\'')
     p.add_argument("--hf-num-prompts", type=int, default=None, help="HF runs only this many prompts (subset)")
@@ -280,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_num_batched_tokens:
             extra["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, load_format=args.load_format,
-              deterministic=args.deterministic, hf_overrides=args.hf_overrides, **extra)
+              deterministic=args.deterministic, hf_overrides=args.hf_overrides, kv_cache_dtype=args.kv_cache_dtype,
+              **extra)
     config = llm.engine.model_config
     prompts, lengths = make_workload(args, config.vocab_size)
     print(f"model {config.served_model_name} ({config.path}), dtype {config.dtype}, device {args.device}, "

@@ -22,6 +22,9 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# vLLM's --kv-cache-dtype values: "auto" keeps the model's dtype; "fp8" is e4m3 (per-layer scales, see Attention)
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
 
 logger = logging.getLogger("dsinfer")
 
@@ -41,6 +44,13 @@ class ModelConfig:
     # A ceiling on every server request's max_tokens (vLLM's override_max_tokens): the max_new_tokens of a
     # generation_config folder or of override_generation_config; the model's own file gives only a default
     max_tokens_limit: int | None = None
+    # The most logprobs / prompt_logprobs (the server's top_logprobs) a request may ask for (vLLM's max_logprobs);
+    # -1: up to the vocabulary size. ``logprobs_limit`` is the resolved number
+    max_logprobs: int = 20
+
+    @property
+    def logprobs_limit(self) -> int:
+        return self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
 
     @property
     def architecture(self) -> str:
@@ -65,6 +75,7 @@ class CacheConfig:
     kv_cache_memory_gb: float | None = None  # KV budget; None: DSINFER_CPU_KV_CACHE_GB on CPU, free memory on GPU
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may use in all
     num_kv_blocks: int | None = None  # exact block count (overrides the budget; tests use it to force preemption)
+    cache_dtype: torch.dtype | None = None  # KV cache element type; None: the model's dtype
 
 
 @dataclass(frozen=True)
@@ -116,6 +127,7 @@ class EngineArgs:
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
+    kv_cache_dtype: str = "auto"  # auto | fp8 (= fp8_e4m3) | fp8_e5m2: halves the KV bytes (GQA attention only)
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
@@ -129,6 +141,8 @@ class EngineArgs:
     generation_config: str = "auto"
     # sampling values over the file's (vLLM's --override-generation-config), e.g. {"temperature": 0.5}
     override_generation_config: dict[str, Any] | None = None
+    # the most logprobs / prompt_logprobs a request may ask for (vLLM's --max-logprobs); -1: up to the vocab size
+    max_logprobs: int = 20
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -157,7 +171,7 @@ class EngineArgs:
             max_model_len=_resolve_max_model_len(self.max_model_len, hf_config),
             served_model_name=self.served_model_name or self.model or "SmolLM2-135M-Instruct",
             generation_config=generation_config, sampling_defaults=sampling_defaults,
-            max_tokens_limit=max_tokens_limit,
+            max_tokens_limit=max_tokens_limit, max_logprobs=self.max_logprobs,
         )
         batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
         if not self.enable_chunked_prefill:
@@ -172,7 +186,8 @@ class EngineArgs:
         return EngineConfig(
             model=model,
             cache=CacheConfig(_resolve_block_size(self.block_size, hf_config, device), self.enable_prefix_caching,
-                              self.kv_cache_memory_gb, self.gpu_memory_utilization, self.num_kv_blocks),
+                              self.kv_cache_memory_gb, self.gpu_memory_utilization, self.num_kv_blocks,
+                              _resolve_cache_dtype(self.kv_cache_dtype, hf_config)),
             scheduler=SchedulerConfig(self.max_num_seqs, batched, self.enable_chunked_prefill),
             load=LoadConfig(load_format, self.seed),
             # deterministic mode keeps CUDA graphs: the runner captures them inside the batch-invariant mode, and
@@ -227,11 +242,14 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         _check_int("seed", self.seed, -(1 << 63), (1 << 63) - 1)
+        _check_int("max_logprobs", self.max_logprobs, -1, 1 << 31)  # -1: up to the vocabulary size
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder path, got "
                              f"{self.generation_config!r}")
@@ -257,6 +275,14 @@ def _resolve_block_size(block_size: int | None, hf_config: dict[str, Any], devic
     if block_size is not None:
         return block_size
     return 64 if device.type == "cuda" and hf_config.get("kv_lora_rank") else 16
+
+
+def _resolve_cache_dtype(name: str, hf_config: dict[str, Any]) -> torch.dtype | None:
+    dtype = KV_CACHE_DTYPES[name]
+    if dtype is not None and hf_config.get("kv_lora_rank"):
+        raise ValueError(f"kv_cache_dtype={name!r}: an FP8 KV cache is supported for GQA attention (Llama, Qwen, "
+                         "Mistral); the MLA latent cache of DeepSeek models stays in the model's dtype (use 'auto')")
+    return dtype
 
 
 # config.json's model_type -> architecture, for configs written without "architectures" (as transformers infers)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from dsinfer.batch_invariant.matmul import MIN_ROWS, bmm_invariant
+from dsinfer.ops.kv_cache import FP8_DTYPES
 
 CHUNK = 64
 MAX_QUERY_ROWS = 256
@@ -41,8 +42,8 @@ def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tens
     """K, V of positions [0, length) per row of block_tables ([G, length, Hkv, D]); positions >= lens are 0."""
     slots, valid = padded_slots(block_tables, lens, length, kv_cache.shape[2])
     flat = kv_cache.flatten(1, 2)
-    k = flat[0][slots].masked_fill(~valid[..., None, None], 0.0)
-    v = flat[1][slots].masked_fill(~valid[..., None, None], 0.0)
+    k = flat[0][slots].float().masked_fill_(~valid[..., None, None], 0.0)  # float: an FP8 cache has no masked_fill
+    v = flat[1][slots].float().masked_fill_(~valid[..., None, None], 0.0)
     return k, v
 
 
@@ -74,13 +75,17 @@ def _attend(q, k, v, q_pos, lens, scale, sliding_window):
 def paged_attention_invariant(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
-    """Same contract as ``ops.paged_attention``."""
+    """Same contract as ``ops.paged_attention``. An FP8 cache's key scale joins the softmax scale and its value
+    scale multiplies the output: the same two constants for every row, so rows stay batch-invariant."""
+    k_scale, v_scale = kv_scales if kv_cache.dtype in FP8_DTYPES else (1.0, 1.0)
+    scale = scale * k_scale
     if q.is_cuda:
         from dsinfer.batch_invariant.triton_kernels import paged_attention_invariant_triton
 
         return paged_attention_invariant_triton(q, kv_cache, block_tables, query_start_loc, seq_lens, scale,
-                                                sliding_window)
+                                                sliding_window, v_scale)
     out = torch.empty_like(q)
     starts, q_lens, lens, decode = host_layout(query_start_loc, seq_lens)
     if decode:
@@ -92,7 +97,7 @@ def paged_attention_invariant(
         k, v = _gather(kv_cache, block_tables[idx], seq_lens[idx], length)
         q_pos = (seq_lens[idx] - 1).long().unsqueeze(1).expand(-1, MIN_ROWS)
         res = _attend(torch.cat((qd, pad), 1), k, v, q_pos, seq_lens[idx], scale, sliding_window)
-        out[rows] = res[:, 0].to(q.dtype)
+        out[rows] = (res[:, 0] * v_scale).to(q.dtype)
     for b, n in enumerate(q_lens):
         if n <= 1:
             continue
@@ -104,5 +109,5 @@ def paged_attention_invariant(
             q_pos = torch.arange(lens[b] - n + first, last_pos, device=q.device).unsqueeze(0)
             qs = q[starts[b] + first:starts[b] + first + rows].unsqueeze(0)
             res = _attend(qs, k, v, q_pos, seq_lens[b:b + 1], scale, sliding_window)
-            out[starts[b] + first:starts[b] + first + rows] = res[0].to(q.dtype)
+            out[starts[b] + first:starts[b] + first + rows] = (res[0] * v_scale).to(q.dtype)
     return out

@@ -1,7 +1,8 @@
 """Paged attention layer: stores this step's K/V in its cache, then attends over the cached context.
 
 The runner binds ``kv_cache`` (shaped by the layer's KVCacheSpec) after sizing the cache; the forward batch is
-passed explicitly.
+passed explicitly. ``k_scale`` / ``v_scale`` are the layer's FP8 KV-cache scales (``ops.kv_cache``): 1.0, as in
+vLLM, unless the checkpoint carries them (``load_kv_scale``); a cache in the model's dtype ignores them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,19 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale, self.sliding_window = scale, sliding_window
         self.kv_cache: torch.Tensor | None = None
+        self.k_scale, self.v_scale = 1.0, 1.0
+
+    def load_kv_scale(self, which: str, value: torch.Tensor) -> None:
+        """A checkpoint's ``k_scale`` / ``v_scale`` (or ``kv_scale``, both): one positive finite number."""
+        if value.numel() != 1:
+            raise ValueError(f"KV-cache {which} must be a single value (per-tensor), got shape {tuple(value.shape)}")
+        scale = float(value.float())
+        if not 0 < scale < float("inf"):
+            raise ValueError(f"KV-cache {which} must be positive and finite, got {scale}")
+        if which in ("k_scale", "kv_scale"):
+            self.k_scale = scale
+        if which in ("v_scale", "kv_scale"):
+            self.v_scale = scale
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> FullAttentionSpec:
         if self.sliding_window:
@@ -52,13 +66,14 @@ class Attention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        scales = (self.k_scale, self.v_scale)
         if rotary is not None:
             q = ops.rotary_store_kv(positions, q, k, v, rotary.cos_sin_cache, rotary.is_neox, self.kv_cache,
-                                    batch.slot_mapping)
+                                    batch.slot_mapping, scales)
         else:
-            ops.store_kv(k, v, self.kv_cache, batch.slot_mapping)
+            ops.store_kv(k, v, self.kv_cache, batch.slot_mapping, scales)
         # the batch's host-side bounds spare the kernels a host sync (and make decode capturable in a graph)
         out = ops.paged_attention(q, self.kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
                                   self.scale, self.sliding_window, max_query_len=batch.max_query_len,
-                                  max_seq_len=batch.max_seq_len)
+                                  max_seq_len=batch.max_seq_len, kv_scales=scales)
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -5,7 +5,8 @@ Reads like the HF reference, with q/k/v and gate/up merged into one matmul each 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -19,6 +20,11 @@ from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, rope_parameters_of
 from dsinfer.models.weights import load_named_weights
 from dsinfer.runner.forward_batch import ForwardBatch
+
+# FP8 KV-cache scales as quantizers write them: self_attn.{k,v,kv}_scale (compressed-tensors, AutoFP8),
+# self_attn.{k,v}_proj.{k,v}_scale (ModelOpt), self_attn.{k,v}_proj.output_scale (older compressed-tensors)
+_KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:[kv]_proj\.)?(k_scale|v_scale|kv_scale)$")
+_KV_OUTPUT_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.([kv])_proj\.output_scale$")
 
 
 def _require(cfg: dict[str, Any], *keys: str) -> None:
@@ -160,7 +166,26 @@ class LlamaForCausalLM(nn.Module):
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_named_weights(self, weights, self.packed_modules, self.checkpoint_name)
+        load_named_weights(self, self._take_kv_scales(weights), self.packed_modules, self.checkpoint_name)
+
+    def _take_kv_scales(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Pass the weights through, giving the KV-cache scales among them to their attention layers."""
+        for name, tensor in weights:
+            match = _KV_SCALE.search(name)
+            which = match and match.group(2)
+            if match is None:
+                match = _KV_OUTPUT_SCALE.search(name)
+                which = match and f"{match.group(2)}_scale"
+            if match is None:
+                yield name, tensor
+                continue
+            layer = int(match.group(1))
+            if layer >= len(self.layers):
+                raise ValueError(f"checkpoint tensor {name!r}: the model has {len(self.layers)} layers")
+            try:
+                self.layers[layer].self_attn.attn.load_kv_scale(which, tensor)
+            except ValueError as exc:
+                raise ValueError(f"checkpoint tensor {name!r}: {exc}") from None
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -5,7 +5,7 @@ The batch is flat: sequence b owns query rows ``query_start_loc[b]:query_start_l
 query i of sequence b sits at position ``seq_lens[b] - q_len + i`` and sees keys at positions ``<=`` its own
 (and, with a window W, ``> position - W``). Keys and values are read from the paged cache through
 ``block_tables`` (``[B, max_blocks]``, row b lists sequence b's block ids; columns past its length are
-ignored).
+ignored). ``kv_scales`` are an FP8 cache's (key, value) scales (``ops.kv_cache``); other caches ignore them.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from dsinfer import batch_invariant
 from dsinfer.ops.dispatch import use_triton
+from dsinfer.ops.kv_cache import dequantize
 
 
 @dataclass
@@ -121,6 +122,7 @@ def paged_attention_ref(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]. Decode rows (one query) run as one padded batch; longer ones one by one.
 
@@ -131,13 +133,14 @@ def paged_attention_ref(
     flat = kv_cache.flatten(1, 2)  # [2, num_blocks * block_size, Hkv, D]
     if plan.decode_rows is not None:
         kv = flat[:, plan.decode_slots]  # [2, Bd, L, Hkv, D]: keys and values in one gather
+        k, v = dequantize(kv[0], kv_scales[0], q.dtype), dequantize(kv[1], kv_scales[1], q.dtype)
         if plan.all_decode:
-            return _attend_decode(q, kv[0], kv[1], plan.decode_mask, scale).to(q.dtype)
+            return _attend_decode(q, k, v, plan.decode_mask, scale).to(q.dtype)
         rows = plan.decode_rows
-        out[rows] = _attend_decode(q[rows], kv[0], kv[1], plan.decode_mask, scale).to(q.dtype)
+        out[rows] = _attend_decode(q[rows], k, v, plan.decode_mask, scale).to(q.dtype)
     for rows, slots, mask in plan.prefills:
-        out[rows] = _attend(q[rows].unsqueeze(0), flat[0][slots], flat[1][slots], mask, scale,
-                            causal=True).squeeze(0).to(q.dtype)
+        k, v = dequantize(flat[0][slots], kv_scales[0], q.dtype), dequantize(flat[1][slots], kv_scales[1], q.dtype)
+        out[rows] = _attend(q[rows].unsqueeze(0), k, v, mask, scale, causal=True).squeeze(0).to(q.dtype)
     return out
 
 
@@ -152,6 +155,7 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """``max_query_len``: the longest query row, if the caller knows it (1 = decode-only batch: the split-KV
     decode kernel, no host sync, so the call can be captured in a CUDA graph); None: read query_start_loc.
@@ -160,12 +164,14 @@ def paged_attention(
     if batch_invariant.is_enabled():  # deterministic mode: one fixed-order recipe for every query row
         from dsinfer.batch_invariant.attention import paged_attention_invariant
 
-        return paged_attention_invariant(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window)
+        return paged_attention_invariant(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
+                                         kv_scales)
     if use_triton(q):
         from dsinfer.ops.triton.attention import paged_attention_triton
 
         return paged_attention_triton(
             q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
-            max_query_len=max_query_len, max_seq_len=max_seq_len,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, kv_scales=kv_scales,
         )
-    return paged_attention_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window)
+    return paged_attention_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
+                               kv_scales=kv_scales)

@@ -3,6 +3,10 @@
 Layout of a full-attention layer's cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
 (0 = K, 1 = V). ``slot_mapping[t] = block_id * block_size + offset`` for token t; a negative slot means
 "do not store" (padding).
+
+An FP8 cache (vLLM's ``kv_cache_dtype="fp8"``) holds ``k / k_scale`` and ``v / v_scale`` (per-layer scales,
+``kv_scales``; 1.0 unless the checkpoint has them), saturated at the format's largest finite value; readers
+multiply the scales back (``dequantize``). As in vLLM, the scales apply to FP8 caches only.
 """
 
 from __future__ import annotations
@@ -11,7 +15,29 @@ import torch
 
 from dsinfer.ops.dispatch import use_triton
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 _last: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """The saturation bound of an FP8 cache dtype, 0.0 for any other dtype (no clamp)."""
+    return float(torch.finfo(dtype).max) if dtype in FP8_DTYPES else 0.0
+
+
+def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache dtype; FP8: x / scale, saturated (a plain cast of an out-of-range value gives NaN on CUDA)."""
+    if dtype not in FP8_DTYPES:
+        return x.to(dtype)
+    limit = fp8_max(dtype)
+    return (x.float() / scale).clamp_(-limit, limit).to(dtype)
+
+
+def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache values back in ``dtype`` (FP8: times their scale)."""
+    if x.dtype not in FP8_DTYPES or scale == 1.0:
+        return x.to(dtype)
+    return x.to(dtype) * scale
 
 
 def _stored_rows(slot_mapping: torch.Tensor) -> torch.Tensor | None:
@@ -24,23 +50,28 @@ def _stored_rows(slot_mapping: torch.Tensor) -> torch.Tensor | None:
 
 
 def store_kv_ref(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
     keep = _stored_rows(slot_mapping)
     if keep is not None:
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    k, v = quantize(k, kv_scales[0], kv_cache.dtype), quantize(v, kv_scales[1], kv_cache.dtype)
+    if kv_cache.element_size() == 1:  # index_copy_ has no FP8 kernel on CPU: copy the bytes
+        flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     if use_triton(kv_cache):
         from dsinfer.ops.triton.kv_cache import store_kv_triton
 
-        store_kv_triton(k, v, kv_cache, slot_mapping)
+        store_kv_triton(k, v, kv_cache, slot_mapping, kv_scales)
         return
-    store_kv_ref(k, v, kv_cache, slot_mapping)
+    store_kv_ref(k, v, kv_cache, slot_mapping, kv_scales)

@@ -84,21 +84,22 @@ def apply_rotary(
 
 def rotary_store_kv_ref(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
-    is_neox: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    is_neox: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """``apply_rotary`` to q and k, then ``store_kv`` of the rotated k and v into ``kv_cache`` [2, blocks,
     block_size, Hkv, D] at ``slot_mapping`` (negative slots skipped). q, k, v: [T, H, D]. Returns the rotated q."""
     q, k = apply_rotary_ref(positions, q, k, cos_sin_cache, is_neox)
-    store_kv_ref(k, v, kv_cache, slot_mapping)
+    store_kv_ref(k, v, kv_cache, slot_mapping, kv_scales)
     return q
 
 
 def rotary_store_kv(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
-    is_neox: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    is_neox: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     if use_triton(q):
         from dsinfer.ops.triton.rotary import rotary_store_kv_triton
 
-        return rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, is_neox, kv_cache, slot_mapping)
-    return rotary_store_kv_ref(positions, q, k, v, cos_sin_cache, is_neox, kv_cache, slot_mapping)
+        return rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, is_neox, kv_cache, slot_mapping,
+                                      kv_scales)
+    return rotary_store_kv_ref(positions, q, k, v, cos_sin_cache, is_neox, kv_cache, slot_mapping, kv_scales)

@@ -97,8 +97,8 @@ class ModelRunner:
         self.vocab_size = config.model.vocab_size
         self.block_size = config.cache.block_size
         layers = self.model.attention_layers()
-        self.kv_specs: list[KVCacheSpec] = [
-            layer.kv_cache_spec(self.block_size, config.model.dtype) for layer in layers]
+        cache_dtype = config.cache.cache_dtype or config.model.dtype
+        self.kv_specs: list[KVCacheSpec] = [layer.kv_cache_spec(self.block_size, cache_dtype) for layer in layers]
         self.num_blocks = self._num_kv_blocks()
         for layer, spec in zip(layers, self.kv_specs):
             layer.kv_cache = spec.allocate(self.num_blocks, self.device)

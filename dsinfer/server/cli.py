@@ -10,7 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dsinfer.engine.sampling_params import _MAX_LOGPROBS
+from dsinfer.config import KV_CACHE_DTYPES
+from dsinfer.engine.sampling_params import DEFAULT_MAX_LOGPROBS
 from dsinfer.protocol.chat_formats import BUILTIN_TEMPLATES
 from dsinfer.protocol.tool_parsers import TOOL_PARSERS
 
@@ -33,6 +34,8 @@ _ENGINE_ARGS = (
     "max_prefill_graph_tokens",
     "generation_config",
     "override_generation_config",
+    "max_logprobs",
+    "kv_cache_dtype",
 )
 
 
@@ -169,7 +172,9 @@ def _add_vllm_args(grp: Any) -> None:
                      help="accepted: dsinfer serves no OpenAPI docs")
     grp.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
                      help='accepted: tool_choice "auto" is always served (see --tool-call-parser)')
-    grp.add_argument("--kv-cache-dtype", default=None, help="auto only: the KV cache is kept in the model's dtype")
+    grp.add_argument("--kv-cache-dtype", default=None,
+                     help="auto (the model's dtype) | fp8 = fp8_e4m3 | fp8_e5m2: an FP8 cache holds twice the tokens "
+                          "(GQA models; per-layer k/v scales from the checkpoint, else 1.0)")
     grp.add_argument("--quantization", "-q", default=None,
                      help="fp8 for an FP8 checkpoint, gguf for a .gguf file (the checkpoint's own format); "
                           "dsinfer does not quantize on load")
@@ -178,12 +183,15 @@ def _add_vllm_args(grp: Any) -> None:
     grp.add_argument("--download-dir", default=None,
                      help="accepted: models are local paths only, which vLLM never downloads either")
     grp.add_argument("--max-logprobs", type=int, default=None,
-                     help=f"{_MAX_LOGPROBS} only: dsinfer's fixed limit on logprobs and top_logprobs")
+                     help="the most logprobs / top_logprobs (and echoed prompt logprobs) a request may ask for "
+                          f"(default {DEFAULT_MAX_LOGPROBS}); -1: up to the vocabulary size")
     grp.add_argument("--swap-space", type=float, default=None,
                      help="accepted: preempted requests are recomputed, never swapped to CPU (as in vLLM V1)")
-    grp.add_argument("--response-role", default=None, help="assistant only: the role of chat answers")
+    grp.add_argument("--response-role", default=None,
+                     help="the role of chat completion answers after a generation prompt (default: assistant)")
     grp.add_argument("--return-tokens-as-token-ids", action="store_true", default=None,
-                     help="refused: logprobs carry the token text")
+                     help='logprobs tokens as "token_id:N" rather than their text (a request\'s '
+                          "return_tokens_as_token_ids overrides it)")
     grp.add_argument("--chat-template-content-format", default=None, choices=["auto", "string", "openai"],
                      help="auto | string: message content reaches the template as one string (text parts joined)")
 
@@ -222,20 +230,15 @@ def check_serve_args(args: argparse.Namespace) -> None:
     if args.enable_log_requests:
         raise ValueError("--enable-log-requests: dsinfer has no request log (GET /metrics counts requests by "
                          "path and status); drop the flag")
-    if args.kv_cache_dtype not in (None, "auto"):
-        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: dsinfer keeps the KV cache in the model's dtype "
-                         "(only 'auto' is accepted)")
-    if args.max_logprobs is not None and args.max_logprobs != _MAX_LOGPROBS:
-        raise ValueError(f"--max-logprobs {args.max_logprobs}: dsinfer's limit on logprobs and top_logprobs is "
-                         f"fixed at {_MAX_LOGPROBS} (only {_MAX_LOGPROBS} is accepted)")
+    if args.kv_cache_dtype not in (None, *KV_CACHE_DTYPES):
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: dsinfer's KV cache dtypes are "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
+    if args.max_logprobs is not None and args.max_logprobs < -1:
+        raise ValueError(f"--max-logprobs {args.max_logprobs}: must be >= 0, or -1 (up to the vocabulary size)")
     if args.swap_space is not None and args.swap_space < 0:
         raise ValueError(f"--swap-space {args.swap_space}: must be >= 0")
-    if args.response_role not in (None, "assistant"):
-        raise ValueError(f"--response-role {args.response_role}: dsinfer's chat answers always have the role "
-                         "'assistant' (only 'assistant' is accepted)")
-    if args.return_tokens_as_token_ids:
-        raise ValueError("--return-tokens-as-token-ids: dsinfer's logprobs carry the token text, not "
-                         "'token_id:N' (drop the flag)")
+    if args.response_role is not None and not args.response_role:
+        raise ValueError("--response-role '': the role of chat answers must not be empty")
     if args.chat_template_content_format == "openai":
         raise ValueError("--chat-template-content-format openai: dsinfer renders message content as one string "
                          "(text parts joined); only 'auto' and 'string' are accepted")
@@ -317,6 +320,8 @@ def settings_from_args(args: argparse.Namespace, engine: Any) -> Any:
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         **_cors_settings(args),
         root_path=(args.root_path or "").rstrip("/"),
+        return_tokens_as_token_ids=bool(args.return_tokens_as_token_ids),
+        response_role=args.response_role or "assistant",
     )
 
 

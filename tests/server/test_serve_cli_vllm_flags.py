@@ -82,10 +82,9 @@ def test_a_model_swallowed_by_a_list_flag_is_an_error_not_the_bundled_model():
     (("--pipeline-parallel-size", "4"), "--pipeline-parallel-size 4: dsinfer serves one GPU per process"),
     (("-dp", "2"), "--data-parallel-size 2: dsinfer serves one GPU per process"),
     (("--enable-log-requests",), "--enable-log-requests: dsinfer has no request log"),
-    (("--kv-cache-dtype", "fp8"), "--kv-cache-dtype fp8: dsinfer keeps the KV cache in the model's dtype"),
-    (("--max-logprobs", "5"), "--max-logprobs 5: dsinfer's limit on logprobs and top_logprobs is fixed at 20"),
-    (("--response-role", "bot"), "--response-role bot: dsinfer's chat answers always have the role 'assistant'"),
-    (("--return-tokens-as-token-ids",), "--return-tokens-as-token-ids: dsinfer's logprobs carry the token text"),
+    (("--kv-cache-dtype", "fp8_inc"), "--kv-cache-dtype fp8_inc: dsinfer's KV cache dtypes are auto, fp8, "),
+    (("--max-logprobs", "-2"), r"--max-logprobs -2: must be >= 0, or -1 \(up to the vocabulary size\)"),
+    (("--response-role", ""), "--response-role '': the role of chat answers must not be empty"),
     (("--chat-template-content-format", "openai"), "--chat-template-content-format openai"),
     (("-q", "awq"), "--quantization awq: dsinfer runs FP8 .* and does not quantize on load"),
     (("--quantization", "gguf"), "--quantization gguf: the model '/m' is not a .gguf file"),
@@ -96,6 +95,17 @@ def test_a_model_swallowed_by_a_list_flag_is_an_error_not_the_bundled_model():
 def test_values_dsinfer_cannot_honour_are_refused_naming_the_flag(argv, message):
     with pytest.raises(ValueError, match=message):
         _parse("/m", *argv)
+
+
+def test_answer_flags_reach_the_engine_and_the_settings():
+    args = _parse("/m", "--max-logprobs", "5", "--response-role", "bot", "--return-tokens-as-token-ids")
+    assert engine_args(args).max_logprobs == 5
+    settings = settings_from_args(args, ENGINE)
+    assert (settings.response_role, settings.return_tokens_as_token_ids) == ("bot", True)
+    assert engine_args(_parse("/m", "--max-logprobs", "-1")).max_logprobs == -1  # vLLM's: up to the vocab size
+    assert engine_args(_parse("/m", "--kv-cache-dtype", "fp8")).kv_cache_dtype == "fp8"
+    default = settings_from_args(_parse("/m"), ENGINE)
+    assert (default.response_role, default.return_tokens_as_token_ids) == ("assistant", False)
 
 
 def test_quantization_fp8_needs_an_fp8_checkpoint():

@@ -13,6 +13,9 @@ split of the context for all ``GROUP`` query heads at once (padded to 16 rows fo
 partial output and its log-sum-exp; a reduce kernel combines the splits. The split count comes from shapes and
 the ``max_seq_len`` hint only, so the decode path reads no tensor contents on the host (CUDA-graph safe) when
 ``max_query_len`` is given.
+
+An FP8 cache (``ops.kv_cache``) is read as such and converted to the query's dtype in registers: half the bytes of
+a bf16 cache. Its key scale is folded into the softmax scale and its value scale into the output.
 """
 
 from __future__ import annotations
@@ -21,9 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
+from dsinfer.ops.kv_cache import FP8_DTYPES
 from dsinfer.ops.triton.utils import num_sms
 
 _LOG2E = 1.4426950408889634
+# An FP8 cache with a bf16 query: the query goes to fp16 and the keys and values FP8 -> fp16, one conversion
+# instruction per pair (FP8 -> bf16 takes several); fp16's range holds any query element a model produces.
+FP8_AS_F16 = True
 _MIN_SPLIT_KEYS = 64  # fewest keys a decode split is worth (shorter splits keep batch 1 latency-bound chains short)
 
 
@@ -80,7 +87,7 @@ def _attend_range(
         base = _key_ptrs(cache_ptr, block_row_ptr, offs_n, n_valid, kv_head, block_size,
                          stride_c_blk, stride_c_off, stride_c_h)
         kv_mask = n_valid[None, :] & d_valid[:, None]
-        k = tl.load(base[None, :] + offs_d[:, None], mask=kv_mask, other=0.0)  # [BLOCK_D, BLOCK_N]
+        k = tl.load(base[None, :] + offs_d[:, None], mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
         qk = _dot(q, k, PRECISION, UPCAST) * scale_log2
         if MASKED:
             visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
@@ -96,7 +103,7 @@ def _attend_range(
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_mask = n_valid[:, None] & d_valid[None, :]
-        v = tl.load(base[:, None] + stride_c_kv + offs_d[None, :], mask=v_mask, other=0.0)
+        v = tl.load(base[:, None] + stride_c_kv + offs_d[None, :], mask=v_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
     return acc, l_i, m_i
@@ -105,12 +112,12 @@ def _attend_range(
 @triton.jit
 def _prefill_kernel(
     q_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-    num_seqs, scale_log2, window,
+    num_seqs, scale_log2, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_bt, block_size,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, Q_F16: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the last (longest, causal) tiles start first
@@ -132,6 +139,8 @@ def _prefill_kernel(
     io_mask = row_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + row_off[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=io_mask, other=0.0)
+    if Q_F16:
+        q = q.to(tl.float16)
 
     # Key ranges: [lo, lo_full) window edge (masked), [lo_full, hi_full) seen by all rows, then the diagonal.
     pos_min = ctx_len - q_len + q_tile * BLOCK_Q
@@ -167,7 +176,7 @@ def _prefill_kernel(
         True, HAS_WINDOW, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION, UPCAST,
     )
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
+    out = acc * (v_scale / l_safe)[:, None]
     tl.store(out_ptr + row_off[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -175,13 +184,13 @@ def _prefill_kernel(
 @triton.jit
 def _decode_kernel(
     q_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2, window, num_splits,
+    scale_log2, v_scale, window, num_splits,
     stride_qt, stride_qh,
     stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_bt, block_size,
     stride_pb, stride_ph, stride_ps,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, Q_F16: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -203,6 +212,8 @@ def _decode_kernel(
     io_mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=io_mask, other=0.0)
+    if Q_F16:
+        q = q.to(tl.float16)
     m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((GROUP_PAD,), tl.float32)
     acc = tl.zeros((GROUP_PAD, BLOCK_D), tl.float32)
@@ -215,7 +226,7 @@ def _decode_kernel(
         True, False, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION, UPCAST,
     )
     empty = l_i == 0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     part = seq.to(tl.int64) * stride_pb + head * stride_ph + split * stride_ps
     tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=io_mask)
@@ -264,12 +275,13 @@ def _prefill_config(head_dim: int, group_pad: int, cuda: bool) -> tuple[int, int
     return 64, 32, 4, 2
 
 
-def _decode_config(head_dim: int, cuda: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for the decode kernel (H200 sweep: 32/4/2 best or within 2% at
-    B=1/64/256, 1k-4k context, head dim 128)."""
+def _decode_config(head_dim: int, cuda: bool, fp8: bool = False, seqs_x_heads: int = 0) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for the decode kernel. H200 sweeps (``benchmarks/kernels.py --sweep`` and
+    ``--sweep-fp8``), head dim 128, 1k-4k context: 32/4/2 best or within 2% at B=1/64/256 for a bf16 cache; for an
+    FP8 cache 128/4/2 at B=64 and 256 (3-12% faster than 32/4/2), 32/4/2 at B=1 (12% faster than 128)."""
     if not cuda:
         return 16, 4, 1
-    return 32, 4, 2
+    return (128, 4, 2) if fp8 and seqs_x_heads >= 64 else (32, 4, 2)
 
 
 def paged_attention_triton(
@@ -283,6 +295,7 @@ def paged_attention_triton(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
     num_splits: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -300,20 +313,24 @@ def paged_attention_triton(
         q = q.contiguous()
     if max_query_len <= 1:
         _decode(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, out,
-                max_seq_len, num_splits, block_n)
+                max_seq_len, num_splits, block_n, kv_scales)
     else:
         _prefill(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, out,
-                 block_m, block_n)
+                 block_m, block_n, kv_scales)
     return out
 
 
-def _common(q: torch.Tensor, kv_cache: torch.Tensor, scale: float, sliding_window: int | None) -> dict:
+def _common(q: torch.Tensor, kv_cache: torch.Tensor, scale: float, sliding_window: int | None,
+            kv_scales: tuple[float, float]) -> dict:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    if kv_cache.dtype not in FP8_DTYPES:
+        kv_scales = (1.0, 1.0)  # as vLLM: the scales belong to FP8 caches only
     return dict(
-        scale_log2=scale * _LOG2E,
+        scale_log2=scale * _LOG2E * kv_scales[0],
+        v_scale=float(kv_scales[1]),
         window=sliding_window if sliding_window is not None else 0,
         group=num_heads // num_kv_heads,
         head_dim=head_dim,
@@ -321,13 +338,14 @@ def _common(q: torch.Tensor, kv_cache: torch.Tensor, scale: float, sliding_windo
         has_window=sliding_window is not None,
         precision="ieee" if q.dtype == torch.float32 else "tf32",
         upcast=not q.is_cuda,
+        q_f16=bool(FP8_AS_F16 and q.is_cuda and kv_cache.dtype in FP8_DTYPES and q.dtype == torch.bfloat16),
     )
 
 
 def _prefill(
-    q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, out, block_m, block_n
+    q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, out, block_m, block_n, kv_scales
 ):
-    c = _common(q, kv_cache, scale, sliding_window)
+    c = _common(q, kv_cache, scale, sliding_window, kv_scales)
     num_seqs = query_start_loc.shape[0] - 1
     group_pad = triton.next_power_of_2(c["group"])
     cfg_m, cfg_n, num_warps, num_stages = _prefill_config(c["head_dim"], group_pad, q.is_cuda)
@@ -336,20 +354,20 @@ def _prefill(
     grid = (q.shape[0] // block_q + num_seqs, kv_cache.shape[3])
     _prefill_kernel[grid](
         q, kv_cache, block_tables, query_start_loc, seq_lens, out,
-        num_seqs, c["scale_log2"], c["window"],
+        num_seqs, c["scale_log2"], c["v_scale"], c["window"],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), kv_cache.shape[2],
         GROUP=c["group"], GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n or cfg_n,
         HEAD_DIM=c["head_dim"], BLOCK_D=c["block_d"], HAS_WINDOW=c["has_window"],
-        PRECISION=c["precision"], UPCAST=c["upcast"],
+        PRECISION=c["precision"], UPCAST=c["upcast"], Q_F16=c["q_f16"],
         num_warps=num_warps, num_stages=num_stages,
     )
 
 
 def _decode(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, out,
-            max_seq_len, num_splits, block_n):
-    c = _common(q, kv_cache, scale, sliding_window)
+            max_seq_len, num_splits, block_n, kv_scales):
+    c = _common(q, kv_cache, scale, sliding_window, kv_scales)
     num_seqs, num_heads, num_kv_heads = query_start_loc.shape[0] - 1, q.shape[1], kv_cache.shape[3]
     if num_splits is None:
         if max_seq_len is None:  # a bound from shapes only: no host sync
@@ -357,20 +375,21 @@ def _decode(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding
         if sliding_window is not None:
             max_seq_len = min(max_seq_len, sliding_window)
         num_splits = _num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
-    cfg_n, num_warps, num_stages = _decode_config(c["head_dim"], q.is_cuda)
+    cfg_n, num_warps, num_stages = _decode_config(c["head_dim"], q.is_cuda, kv_cache.dtype in FP8_DTYPES,
+                                                  num_seqs * num_kv_heads)
     part_out = torch.empty(num_seqs, num_heads, num_splits, c["head_dim"], dtype=torch.float32,
                            device=q.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, query_start_loc, seq_lens, part_out, part_lse,
-        c["scale_log2"], c["window"], num_splits,
+        c["scale_log2"], c["v_scale"], c["window"], num_splits,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), kv_cache.shape[2],
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         GROUP=c["group"], GROUP_PAD=max(triton.next_power_of_2(c["group"]), 16), BLOCK_N=block_n or cfg_n,
         HEAD_DIM=c["head_dim"], BLOCK_D=c["block_d"], HAS_WINDOW=c["has_window"],
-        PRECISION=c["precision"], UPCAST=c["upcast"],
+        PRECISION=c["precision"], UPCAST=c["upcast"], Q_F16=c["q_f16"],
         num_warps=num_warps, num_stages=num_stages,
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](

@@ -61,7 +61,7 @@ def _rope_norm_store_kernel(
     j_valid = j < HALF
     cos, sin = _cos_sin_at(pos_ptr, cos_sin_ptr, stride_cs, t, HALF, BLOCK_HALF)
     # the query's rope part, every head (padding rows too: harmless, and the output is fully written)
-    _rotate_heads(qp_ptr, qp_out_ptr, stride_qp_t, stride_qp_h, stride_qo_t, stride_qo_h, t, cos, sin,
+    _rotate_heads(qp_ptr, qp_out_ptr, stride_qp_t, stride_qp_h, stride_qo_t, stride_qo_h, t, cos, sin, 1.0, 0.0,
                   NUM_HEADS, 2 * HALF, HALF, BLOCK_H, BLOCK_HALF, 1, IS_NEOX)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
