@@ -16,6 +16,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e4m3 | fp8_e5m2 (GQA models)")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -29,7 +30,7 @@ def _make_llm(args):
     from dsinfer.entrypoints.llm import LLM
 
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, load_format=args.load_format,
-               seed=args.seed)
+               seed=args.seed, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _sampling(args):

@@ -61,6 +61,7 @@ def test_chat_answers():
     (("generate", "--temperature", "-1", "hi"), "error: temperature must be in [0, 1e4], got -1.0"),
     (("chat", "--top-p", "2", "hi"), "error: top_p must be in (0, 1], got 2.0"),
     (("generate", "--dtype", "int8", "hi"), "error: dtype must be 'auto' or one of"),
+    (("generate", "--kv-cache-dtype", "int8", "hi"), "error: kv_cache_dtype must be one of"),
     (("generate", "--model", "/no/such/model", "hi"), "error: model '/no/such/model' not found"),
     (("frobnicate",), "invalid choice: 'frobnicate'"),
 ])
