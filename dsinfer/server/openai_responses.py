@@ -77,10 +77,12 @@ async def responses(request: Request):
 
 def _logprobs(ctx: ServingContext, req: ResponsesRequest, token_ids: list[int], positions) -> list[dict[str, Any]]:
     """``output_text.logprobs`` entries (chat's format) of these tokens when ``top_logprobs`` is set. Every
-    generated token is scored in the answer's text, reasoning or tool-call tokens included, as vLLM."""
+    generated token is scored in the answer's text, reasoning or tool-call tokens included, as vLLM. Tokens are
+    ``token_id:N`` under --return-tokens-as-token-ids: vLLM's Responses API follows the server flag only (its
+    request has no ``return_tokens_as_token_ids``; the field is ignored here as there)."""
     if req.top_logprobs is None:
         return []
-    return chat_logprobs(ctx.tokenizer, token_ids, positions, req.top_logprobs)
+    return chat_logprobs(ctx.tokenizer, token_ids, positions, req.top_logprobs, ctx.tokens_as_ids(None))
 
 
 def _tool_choice_constraint(ctx: ServingContext, req: ResponsesRequest) -> dict[str, Any] | None:
@@ -169,7 +171,10 @@ def _response(
             "input_tokens": len(gen.prompt_ids),
             "output_tokens": gen.num_generated,
             "total_tokens": len(gen.prompt_ids) + gen.num_generated,
-            "input_tokens_details": {"cached_tokens": gen.num_cached},
+            # cache_write_tokens (required by the openai SDK's ResponseUsage; vLLM leaves it out): prompt caching
+            # here is the engine's automatic prefix cache, which bills nothing for writes and reports none, so 0,
+            # as the Anthropic route's cache_creation_input_tokens
+            "input_tokens_details": {"cached_tokens": gen.num_cached, "cache_write_tokens": 0},
             "output_tokens_details": {"reasoning_tokens": 0},
         },
     }

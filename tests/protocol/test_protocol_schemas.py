@@ -7,6 +7,7 @@ import pytest
 from dsinfer.protocol.errors import ProtocolError
 from dsinfer.protocol.openai_schemas import ChatCompletionRequest, CompletionRequest
 from dsinfer.protocol.sampling import build_sampling_params, resolve_max_tokens
+from dsinfer.protocol.structured_request import check_grammar_syntax
 from dsinfer.server.json_depth import json_depth
 
 BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -186,3 +187,15 @@ def test_union_field_messages_come_from_the_branch_that_fits_the_value():
                                               "stop": [str(i) for i in range(17)]})
     text, param = describe_validation_errors(err.value.errors(include_url=False))
     assert param == "stop" and "at most 16" in text, text
+
+
+@pytest.mark.parametrize("constraint", [
+    {"json": {"type": "string", "minLength": -1}},
+    {"structural_tag": {"type": "structural_tag", "format": {"type": "json_schema",
+                                                             "json_schema": {"type": "string", "minLength": -1}}}},
+])
+def test_grammar_check_compiles_what_parsing_lets_through(constraint):
+    """xgrammar parses these; only compiling refuses them (in the engine's step, before the check compiled too)."""
+    pytest.importorskip("xgrammar")
+    with pytest.raises(ValueError, match="Invalid repetition range"):
+        check_grammar_syntax(constraint)

@@ -59,6 +59,27 @@ def test_invalid_constraints_are_400(server, field, value):
     assert ".cc:" not in error["message"] and "/project/" not in error["message"]  # no library source paths
 
 
+# a schema xgrammar parses but refuses while compiling: that failure was in the engine's step, and killed the engine
+COMPILE_ONLY_INVALID = {"type": "object", "properties": {"name": {"type": "string", "minLength": -1}}}
+
+
+@pytest.mark.parametrize("path, body", [
+    (CHAT, {"messages": MSGS, "response_format": {"type": "json_schema",
+                                                   "json_schema": {"name": "p", "schema": COMPILE_ONLY_INVALID}}}),
+    (CHAT, {"messages": MSGS, "tool_choice": "required", "stream": True, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": COMPILE_ONLY_INVALID}}]}),
+    ("/v1/completions", {"prompt": "Hi", "guided_json": COMPILE_ONLY_INVALID}),
+    ("/v1/responses", {"input": "Hi", "text": {"format": {"type": "json_schema", "name": "p",
+                                                          "schema": COMPILE_ONLY_INVALID}}}),
+    ("/v1/messages", {"model": "SmolLM2-135M-Instruct", "messages": MSGS, "tool_choice": {"type": "any"},
+                      "tools": [{"name": "f", "input_schema": COMPILE_ONLY_INVALID}]}),
+])
+def test_schema_that_fails_only_to_compile_is_400_and_the_engine_lives(server, path, body):
+    limit = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+    error = check_bad(server, path, 400, {**body, limit: 4})  # check_bad also sees a concurrent request served
+    assert "repetition range" in error["message"] and ".cc:" not in error["message"], error
+
+
 def test_two_constraint_sources_are_400(server):
     body = {"messages": MSGS, "max_tokens": 4, "guided_regex": "a+", "response_format": {"type": "json_object"}}
     check_bad(server, CHAT, 400, body, param="guided_regex")

@@ -140,6 +140,28 @@ def test_the_flag_makes_token_ids_the_default_and_a_request_can_turn_it_off(flag
     assert _text_of(flagged, _ids(flagged, choice["logprobs"]["tokens"])) == choice["text"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_flag_gives_token_ids_in_responses_logprobs_too(flagged, server, stream):
+    """As vLLM's Responses API: the server flag turns output_text.logprobs into "token_id:N", streamed and not;
+    a request's return_tokens_as_token_ids is not a Responses field there, nor here."""
+    body = {"input": "Name a color.", "max_output_tokens": 4, "temperature": 0, "top_logprobs": 2}
+
+    def logprobs(live, extra: dict) -> tuple[list[dict], str]:
+        if not stream:
+            part = _ok(live, "/v1/responses", {**body, **extra})["output"][0]["content"][0]
+            return part["logprobs"], part["text"]
+        r = live.post("/v1/responses", json={**body, **extra, "stream": True})
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+        done = next(e for e in events if e["type"] == "response.output_text.done")  # the deltas' logprobs, whole
+        return done["logprobs"], done["text"]
+
+    entries, text = logprobs(flagged, {})
+    assert _text_of(flagged, _ids(flagged, [e["token"] for e in entries])) == text
+    assert all(TOKEN_ID.match(t["token"]) for e in entries for t in e["top_logprobs"])
+    plain, _ = logprobs(server, {"return_tokens_as_token_ids": True})
+    assert plain and not any(TOKEN_ID.match(e["token"]) for e in plain)
+
+
 # ----------------------------------------------------------------- --response-role
 def test_the_default_role_is_assistant(server):
     assert _ok(server, "/v1/chat/completions", {"messages": MSGS, **GREEDY})["choices"][0]["message"]["role"] == (
