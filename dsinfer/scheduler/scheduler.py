@@ -100,10 +100,12 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        compiling: list[Request] = []  # structured-output grammar not compiled yet: they wait, others proceed
+        # structured-output grammar not compiled yet: they wait, others proceed; one that failed to compile also
+        # waits (it may have failed since the engine's check this step), and the engine aborts it on the next
+        compiling: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if request.grammar is not None and not request.grammar.ready:
+            if request.grammar is not None and (not request.grammar.ready or request.grammar.error is not None):
                 compiling.append(self.waiting.popleft())
                 continue
             if request.num_pending:  # preempted with a token in flight: wait until it lands

@@ -107,3 +107,42 @@ def test_unconstrained_companions_are_unaffected(smollm2_llm):
     mixed = _chat(smollm2_llm, ["Say hello.", "Pick:"],
                   [plain, SamplingParams(max_tokens=4, structured_outputs={"choice": ["x", "y"]})])
     assert mixed[0].outputs[0].token_ids == alone
+
+
+def test_a_grammar_failing_to_compile_between_checks_aborts_only_its_request(smollm2_llm, monkeypatch):
+    """The compile thread can fail after the step's check for failed grammars and before the scheduler picks the
+    request; it must wait (and be aborted on the next step), not reach the bitmask and kill the engine."""
+    import threading
+
+    from dsinfer.structured.manager import StructuredOutputManager
+
+    engine = smollm2_llm.engine
+    release = threading.Event()
+    compile_grammar = StructuredOutputManager._compile
+
+    def slow_failing_compile(self, key, grammar):
+        release.wait(30)
+        raise RuntimeError("compile failed late")
+
+    check = type(engine)._fail_uncompilable
+
+    def check_then_fail(self):
+        check(self)
+        if not release.is_set():  # the grammar fails right after this step's check
+            release.set()
+            for request in list(self.scheduler.waiting):
+                if request.grammar is not None:
+                    while not request.grammar.ready:
+                        threading.Event().wait(0.01)
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", slow_failing_compile)
+    monkeypatch.setattr(type(engine), "_fail_uncompilable", check_then_fail)
+    late = SamplingParams(max_tokens=4, structured_outputs={"regex": "late[0-9]+"})
+    plain = SamplingParams(temperature=0.0, max_tokens=6)
+    outs = smollm2_llm.generate(["x", "Say hello."], [late, plain], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "abort"
+    assert len(outs[1].outputs[0].token_ids) == 6
+    monkeypatch.setattr(StructuredOutputManager, "_compile", compile_grammar)
+    ok = smollm2_llm.generate(["Pick one:"], SamplingParams(max_tokens=4, structured_outputs={"choice": ["a", "b"]}),
+                              use_tqdm=False)
+    assert ok[0].outputs[0].text in ("a", "b")
