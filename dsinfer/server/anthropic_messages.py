@@ -13,12 +13,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from dsinfer.engine.outputs import CompletionOutput, RequestOutput
 from dsinfer.protocol.anthropic_schemas import CountTokensRequest, MessagesRequest
 from dsinfer.protocol.chat_encoding import EncodedChat, ends_with_prefill
-from dsinfer.protocol.chat_output import ChatOutputParser, OutputDelta, ToolCallPart, parse_output
+from dsinfer.protocol.chat_output import ChatOutputParser, OutputDelta, ToolCallPart
 from dsinfer.protocol.conversation import anthropic_messages, anthropic_tools
 from dsinfer.protocol.errors import ProtocolError
 from dsinfer.protocol.sampling import build_sampling_params
 from dsinfer.protocol.structured_request import validate_structured_outputs
-from dsinfer.protocol.surrogates import without_surrogates
 from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint
 from dsinfer.protocol.tool_parsers import ParsedToolCall
 from dsinfer.server.context import ServingContext, new_id, parse_body
@@ -138,9 +137,9 @@ async def messages(request: Request):
         )
     out = await gen.final(request)
     c = out.outputs[0]
-    parsed = parse_output(c.text, **parser_kwargs)
-    content = _blocks(parsed)
-    reason, sequence = _stop_reason(c, req, bool(parsed.tool_calls))
+    deltas = _line_deltas(c.text, parser_kwargs)
+    content = _blocks(*deltas)
+    reason, sequence = _stop_reason(c, req, any(d.tool_calls for d in deltas))
     return JSONResponse(
         {
             "id": gen.request_id,
@@ -166,21 +165,59 @@ def _usage(gen: Generation, output_tokens: int | None = None) -> dict[str, int]:
     }
 
 
-def _blocks(parsed: OutputDelta) -> list[dict[str, Any]]:
+def _line_deltas(text: str, parser_kwargs: dict[str, Any]) -> list[OutputDelta]:
+    """A whole answer parsed a line at a time, as a stream parses it token by token: each delta says what came
+    before what (one parse of the whole text has its content in one piece, text after a tool call included)."""
+    parser = ChatOutputParser(**parser_kwargs)
+    deltas = [parser.feed(line) for line in text.splitlines(keepends=True)]
+    deltas.append(parser.finish())
+    return deltas
+
+
+def _blocks(*deltas: OutputDelta) -> list[dict[str, Any]]:
+    """The non-streamed content of ``deltas`` (the last one final): the stream's events folded as the SDK's stream
+    helper folds them, so that both answers have the same blocks in the same order. A tool_use block whose call
+    did not complete is left out: its markup follows as text."""
+    writer = _BlockWriter()
+    events = [e for k, delta in enumerate(deltas) for e in writer.write(delta, final=k == len(deltas) - 1)]
     blocks: list[dict[str, Any]] = []
-    if parsed.reasoning:
-        blocks.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
-    if parsed.content.strip() or not (parsed.tool_calls or blocks):
-        blocks.append({"type": "text", "text": parsed.content})
-    for call in parsed.tool_calls:
-        blocks.append({"type": "tool_use", "id": new_id("toolu_")[:30], "name": call.name, "input": _input(call)})
-    return blocks
+    inputs: dict[int, str] = {}  # a tool_use block's input_json_delta text, by block index
+    for payload in events + writer.finish():
+        if payload["type"] == "content_block_start":
+            blocks.append(dict(payload["content_block"]))
+        elif payload["type"] == "content_block_delta":
+            delta = payload["delta"]
+            if delta["type"] == "input_json_delta":
+                inputs[payload["index"]] = inputs.get(payload["index"], "") + delta["partial_json"]
+            else:  # text_delta / thinking_delta: the field named as the delta's type
+                field = delta["type"].removesuffix("_delta")
+                blocks[payload["index"]][field] += delta[field]
+    for index, text in inputs.items():
+        if index not in writer.unfinished:
+            blocks[index]["input"] = _input(text)
+    return _merged_text([b for k, b in enumerate(blocks) if k not in writer.unfinished])
 
 
-def _input(call: ParsedToolCall) -> dict[str, Any]:
-    """A call's arguments as ``input``: its text may escape a lone surrogate (string "arguments"), which is
-    U+FFFD here, as in the request bodies (``surrogates``)."""
-    return without_surrogates(json.loads(call.arguments))
+def _input(text: str) -> dict[str, Any]:
+    """A completed call's streamed input. It parses (lone surrogates' escapes are U+FFFD's, ``_ToolInput``), bar
+    a call whose parser stopped at a duplicate key after its fragments went out: the SDK's partial parse of those
+    is not ours to redo, so its input is empty rather than the request a 500."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _merged_text(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Adjacent text blocks as one (those around an unfinished call's block left out)."""
+    merged: list[dict[str, Any]] = []
+    for block in blocks:
+        if merged and block["type"] == merged[-1]["type"] == "text":
+            merged[-1]["text"] += block["text"]
+        else:
+            merged.append(block)
+    return merged
 
 
 def _stop_reason(c: CompletionOutput, req: MessagesRequest, made_calls: bool) -> tuple[str, str | None]:
@@ -244,7 +281,8 @@ class _ToolInput:
 
 
 class _BlockWriter:
-    """Opens, fills and closes content blocks as reasoning/text/tool calls arrive."""
+    """Opens, fills and closes content blocks as reasoning/text/tool calls arrive: event payloads, which the stream
+    sends as SSE events named by their type and the non-streamed answer folds into its blocks (``_blocks``)."""
 
     def __init__(self) -> None:
         self.index = -1
@@ -253,33 +291,29 @@ class _BlockWriter:
         # whitespace that came before any text block: it opens none by itself (a tool call may follow, as the
         # non-streamed answer, which drops whitespace-only text beside tool calls), but leads the text if it comes
         self.pending_space = ""
+        self.unfinished: list[int] = []  # the tool_use blocks closed before their call completed
 
-    def _start(self, kind: str, block: dict[str, Any]) -> list[str]:
+    def _start(self, kind: str, block: dict[str, Any]) -> list[dict[str, Any]]:
         events = self.close()
         self.index += 1
         self.open = kind
-        return events + [
-            sse_event(
-                "content_block_start",
-                {"type": "content_block_start", "index": self.index, "content_block": block},
-            )
-        ]
+        return events + [{"type": "content_block_start", "index": self.index, "content_block": block}]
 
-    def _delta(self, delta: dict[str, Any]) -> str:
-        return sse_event(
-            "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}
-        )
+    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "content_block_delta", "index": self.index, "delta": delta}
 
-    def close(self) -> list[str]:
+    def close(self) -> list[dict[str, Any]]:
         """Closes the open block. A call's block still open closes as it is: its call did not complete (markup
         that does not parse, or cut off), which its text, content now, follows as the non-streamed answer has it."""
+        if self.call is not None:
+            self.unfinished.append(self.index)
         self.call = None
         if self.open is None:
             return []
         self.open = None
-        return [sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return [{"type": "content_block_stop", "index": self.index}]
 
-    def open_only_text(self) -> list[str]:
+    def open_only_text(self) -> list[dict[str, Any]]:
         """The text block of an answer with no other block: empty, or the whitespace held back."""
         events = self._start("text", {"type": "text", "text": ""})
         if self.pending_space:
@@ -287,13 +321,13 @@ class _BlockWriter:
             self.pending_space = ""
         return events
 
-    def _input_delta(self, partial: str) -> list[str]:
+    def _input_delta(self, partial: str) -> list[dict[str, Any]]:
         return [self._delta({"type": "input_json_delta", "partial_json": partial})] if partial else []
 
-    def _call_parts(self, parts: list[ToolCallPart], ended: dict[int, ParsedToolCall]) -> list[str]:
+    def _call_parts(self, parts: list[ToolCallPart], ended: dict[int, ParsedToolCall]) -> list[dict[str, Any]]:
         """The tool_use blocks of ``parts``: one opens as a call is announced, and closes when the call completes
         (in ``ended``, by index; taken out) with the rest of its input."""
-        events: list[str] = []
+        events: list[dict[str, Any]] = []
         for part in parts:
             if part.name is not None:
                 events += self._end_call(ended)
@@ -304,14 +338,19 @@ class _BlockWriter:
                 events += self._input_delta(self.call.feed(part.arguments))
         return events + self._end_call(ended)
 
-    def _end_call(self, ended: dict[int, ParsedToolCall]) -> list[str]:
+    def _end_call(self, ended: dict[int, ParsedToolCall]) -> list[dict[str, Any]]:
         if self.call is None or self.call.index not in ended:
             return []
-        return self._input_delta(self.call.rest(ended.pop(self.call.index))) + self.close()
+        call, self.call = self.call, None  # completed: its block is not closed unfinished
+        return self._input_delta(call.rest(ended.pop(call.index))) + self.close()
 
-    def write(self, delta: OutputDelta) -> list[str]:
+    def write(self, delta: OutputDelta, final: bool = False) -> list[dict[str, Any]]:
+        """The events of ``delta``; ``final``: the generation's last, where a call announced and not completed
+        never will be (its markup is this delta's content): it opens no block."""
         ended = delta.calls_by_index()
         own, later = delta.split_parts(self.call.index if self.call is not None else None)
+        if final:
+            later = [p for p in later if p.index in ended]
         events = self._call_parts(own, ended)
         if delta.reasoning:
             if self.open != "thinking":
@@ -331,6 +370,11 @@ class _BlockWriter:
             events += self._start("tool_use", block)
             events += self._input_delta(_lone_escapes_replaced(call.arguments)) + self.close()
         return events
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The end of the answer: one text block if none opened (empty, or the whitespace held back), as
+        Anthropic's answers have at least one block; the open block closed."""
+        return (self.open_only_text() if self.index < 0 else []) + self.close()
 
 
 async def _stream(
@@ -363,16 +407,13 @@ async def _stream(
             if c.finish_reason is not None:
                 delta.extend(parser.finish())
             made_calls |= bool(delta.tool_calls)
-            for event in writer.write(delta):
-                yield event
+            for event in writer.write(delta, final=c.finish_reason is not None):
+                yield sse_event(event["type"], event)
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
         yield sse_event("error", anthropic_stream_error_payload(exc))
         return
-    if writer.index < 0:  # no block opened: one text block (empty or whitespace), as the non-streamed answer
-        for event in writer.open_only_text():
-            yield event
-    for event in writer.close():
-        yield event
+    for event in writer.finish():
+        yield sse_event(event["type"], event)
     reason, sequence = _stop_reason(last, req, made_calls) if last is not None else ("end_turn", None)
     yield sse_event(
         "message_delta",

@@ -194,21 +194,19 @@ def test_block_writer_holds_whitespace_until_text_or_drops_it_before_a_tool_call
     from dsinfer.protocol.tool_parsers import ParsedToolCall
     from dsinfer.server.anthropic_messages import _BlockWriter
 
-    def texts(events):
-        return [e for e in events if "text_delta" in e]
+    def texts(events):  # the text deltas' text
+        return [e["delta"]["text"] for e in events if e["type"] == "content_block_delta" and "text" in e["delta"]]
 
     writer = _BlockWriter()
     assert writer.write(OutputDelta(content="\n\n")) == []
-    (delta,) = texts(writer.write(OutputDelta(content="* Banana")))
-    assert '"\\n\\n* Banana"' in delta
+    assert texts(writer.write(OutputDelta(content="* Banana"))) == ["\n\n* Banana"]
     writer = _BlockWriter()
     writer.write(OutputDelta(content=" \n"))
     events = writer.write(OutputDelta(tool_calls=[ParsedToolCall("get_time", '{"zone": "UTC"}')]))
-    assert not texts(events) and '"tool_use"' in events[0] and writer.index == 0
+    assert not texts(events) and events[0]["content_block"]["type"] == "tool_use" and writer.index == 0
     writer = _BlockWriter()
     writer.write(OutputDelta(content="\n"))
-    (delta,) = texts(writer.open_only_text())  # an answer of whitespace alone: one text block holding it
-    assert '"\\n"' in delta
+    assert texts(writer.open_only_text()) == ["\n"]  # an answer of whitespace alone: one text block holding it
 
 
 def test_tool_use_input_with_a_lone_surrogate_escape_encodes():
