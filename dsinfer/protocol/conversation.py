@@ -66,7 +66,31 @@ def openai_chat_tools(tools: list[oa.Tool] | None) -> list[dict[str, Any]] | Non
     return [_function_tool(t.function.name, t.function.description, t.function.parameters) for t in tools]
 
 
+# the part types each input can hold (the SDK's content lists): an assistant's message also what the model wrote
+_INPUT_PARTS = ("input_text", "input_image", "input_file")
+_ALLOWED_PARTS = {"assistant": (*_INPUT_PARTS, "output_text", "refusal")}
+
+
+def _responses_text(content: str | list[rs.ContentPart], param: str, role: str | None = None) -> str:
+    """The text of a Responses message's content (of a call's output when ``role`` is None)."""
+    if isinstance(content, str):
+        return content
+    allowed = _ALLOWED_PARTS.get(role, _INPUT_PARTS)
+    texts = []
+    for j, part in enumerate(content):
+        if part.type not in allowed:
+            where = f"a {role} message" if role else "a function_call_output"
+            raise ProtocolError(f"content part type {part.type!r} is not allowed in {where} (allowed: "
+                                f"{', '.join(allowed)})", param=f"{param}.{j}.type")
+        if part.type in ("input_image", "input_file"):
+            raise ProtocolError(f"content part type {part.type!r} is not supported (only text)",
+                                param=f"{param}.{j}.type")
+        texts.append(part.refusal if part.type == "refusal" else part.text)
+    return "\n".join(texts)  # as vLLM joins an OpenAI message's text parts
+
+
 def responses_messages(req: rs.ResponsesRequest) -> list[dict[str, Any]]:
+    """The schema has checked each item's required fields (``InputItem``); the part types are checked here."""
     out: list[dict[str, Any]] = []
     if req.instructions:
         out.append({"role": "system", "content": req.instructions})
@@ -74,20 +98,18 @@ def responses_messages(req: rs.ResponsesRequest) -> list[dict[str, Any]]:
         return [*out, {"role": "user", "content": req.input}]
     for i, item in enumerate(req.input):
         if item.type == "message":
-            role = {"developer": "system", None: "user"}.get(item.role, item.role)
-            out.append({"role": role, "content": _text_of(item.content, f"input.{i}.content") or ""})
+            role = "system" if item.role == "developer" else item.role
+            out.append({"role": role, "content": _responses_text(item.content, f"input.{i}.content", item.role)})
         elif item.type == "function_call":
-            call = {
-                "id": item.call_id or "",
-                "type": "function",
-                "function": {"name": item.name or "", "arguments": item.arguments or "{}"},
-            }
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments or "{}"}}
             if out and out[-1]["role"] == "assistant" and not out[-1].get("content"):
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif item.type == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": item.call_id or "", "content": item.output or ""})
+            output = _responses_text(item.output, f"input.{i}.output")
+            out.append({"role": "tool", "tool_call_id": item.call_id or "", "content": output})
     return out
 
 

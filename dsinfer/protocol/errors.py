@@ -38,19 +38,30 @@ def openai_error_body(status: int, message: str, param: str | None = None, code:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def anthropic_error_body(status: int, message: str) -> dict:
+def anthropic_error_body(status: int, message: str, request_id: str | None = None) -> dict:
+    """Anthropic's envelope; ``request_id`` (its ``request-id`` header's ``req_...``) is in the body too, as
+    Anthropic's API sends it, in-stream ``error`` events included."""
     kind = _TYPES.get(status, _TYPES[500] if status >= 500 else _TYPES[400])[1]
-    return {"type": "error", "error": {"type": kind, "message": message}}
+    body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": message}}
+    if request_id is not None:
+        body["request_id"] = request_id
+    return body
 
 
 def error_body(
-    family: str, status: int, message: str, param: str | None = None, code: str | None = None
+    family: str,
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    request_id: str | None = None,
 ) -> dict:
-    """The envelope of route family ``family`` ("openai" or "anthropic")."""
+    """The envelope of route family ``family`` ("openai" or "anthropic"); ``request_id`` goes in Anthropic's only
+    (OpenAI's envelope has no such field: its id is the ``x-request-id`` header alone)."""
     if family == "anthropic":  # no param field in its envelope: the message names the field, as Anthropic's do
         if param and not message.startswith(param):
             message = f"{param}: {message}"
-        return anthropic_error_body(status, message)
+        return anthropic_error_body(status, message, request_id)
     return openai_error_body(status, message, param, code)
 
 

@@ -4,27 +4,73 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictBool, StrictStr
+from pydantic import Field, StrictBool, StrictStr, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from dsinfer.protocol.fields import MaxTokens, Seed, ShortStr, Temperature, TopLogprobs, TopP, WireModel
 from dsinfer.protocol.openai_schemas import ToolName
 
+# Each input item type's required fields, as the openai SDK's input item types (``ResponseInputItemParam``) have
+# them and OpenAI's API refuses without ("Missing required parameter"): a message's role and content (no default
+# role), a call's id, name and arguments, a call output's output (its ``call_id`` is optional in the SDK's
+# ``FunctionCallOutput``), a reasoning item's id and summary; and each content part's text.
+_REQUIRED: dict[str, tuple[str, ...]] = {
+    "message": ("role", "content"),
+    "function_call": ("call_id", "name", "arguments"),
+    "function_call_output": ("output",),
+    "reasoning": ("id", "summary"),
+    "input_text": ("text",),
+    "output_text": ("text",),
+    "reasoning_text": ("text",),
+    "refusal": ("refusal",),
+}
 
-class InputText(WireModel):
-    type: Literal["input_text", "output_text", "text", "refusal"]
-    text: StrictStr = ""
+
+def _required_by_type(value: Any, info: ValidationInfo) -> Any:
+    """A field its object's ``type`` requires: absent or null, it is missing (a 400 naming the field's path).
+    ``type`` is declared first, so it is validated before: when it is invalid, only it is reported."""
+    kind = info.data.get("type")
+    if value is None and info.field_name in _REQUIRED.get(kind, ()):
+        raise PydanticCustomError("missing", "Field required when type is '{kind}'", {"kind": kind})
+    return value
+
+
+class ContentPart(WireModel):
+    """A part of a message's, a call output's or a reasoning item's content. ``output_text`` and ``refusal`` are an
+    assistant's (the SDK's ``ResponseOutputMessageParam``), ``reasoning_text`` a reasoning item's: the conversion
+    checks which part goes where, and refuses image and file parts (text only)."""
+
+    type: Literal["input_text", "output_text", "refusal", "reasoning_text", "input_image", "input_file"]
+    text: StrictStr | None = Field(None, validate_default=True)
+    refusal: StrictStr | None = Field(None, validate_default=True)
+
+    _required = field_validator("text", "refusal")(_required_by_type)
+
+
+class SummaryText(WireModel):
+    type: Literal["summary_text"]
+    text: StrictStr
+
+
+Parts = Annotated[list[ContentPart], Field(max_length=1024)]
 
 
 class InputItem(WireModel):
-    """One input item: a message, a function call the model made, or that call's output."""
+    """One input item: a message, a function call the model made, that call's output, or reasoning (skipped).
+    ``type`` defaults to a message, as the SDK's ``EasyInputMessageParam``."""
 
     type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
-    role: Literal["system", "developer", "user", "assistant"] | None = None
-    content: StrictStr | Annotated[list[InputText], Field(max_length=1024)] | None = None
-    call_id: ShortStr | None = None
-    name: ToolName | None = None
-    arguments: StrictStr | None = None
-    output: StrictStr | None = None
+    role: Literal["system", "developer", "user", "assistant"] | None = Field(None, validate_default=True)
+    content: StrictStr | Parts | None = Field(None, validate_default=True)
+    id: ShortStr | None = Field(None, validate_default=True)
+    call_id: ShortStr | None = Field(None, validate_default=True)
+    name: ToolName | None = Field(None, validate_default=True)
+    arguments: StrictStr | None = Field(None, validate_default=True)
+    output: StrictStr | Parts | None = Field(None, validate_default=True)
+    summary: Annotated[list[SummaryText], Field(max_length=1024)] | None = Field(None, validate_default=True)
+
+    _required = field_validator("role", "content", "id", "call_id", "name", "arguments", "output",
+                                "summary")(_required_by_type)
 
 
 class FunctionTool(WireModel):

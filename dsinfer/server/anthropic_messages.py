@@ -21,6 +21,7 @@ from dsinfer.protocol.structured_request import validate_structured_outputs
 from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint
 from dsinfer.protocol.tool_parsers import ParsedToolCall
 from dsinfer.server.context import ServingContext, new_id, parse_body
+from dsinfer.server.errors import anthropic_request_id
 from dsinfer.server.generation import Generation, primed
 from dsinfer.server.sse import SSE_HEADERS, sse_event
 from dsinfer.server.streaming_errors import anthropic_stream_error_payload
@@ -131,7 +132,7 @@ async def messages(request: Request):
     if req.stream:
         outputs = await primed(request, gen.outputs())
         return StreamingResponse(
-            _stream(ctx, req, gen, outputs, parser_kwargs),
+            _stream(ctx, req, gen, outputs, parser_kwargs, anthropic_request_id(request.scope)),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
@@ -383,6 +384,7 @@ async def _stream(
     gen: Generation,
     outputs: AsyncIterator[RequestOutput],
     parser_kwargs: dict[str, Any],
+    request_id: str | None = None,
 ) -> AsyncIterator[str]:
     message = {
         "id": gen.request_id,
@@ -410,7 +412,7 @@ async def _stream(
             for event in writer.write(delta, final=c.finish_reason is not None):
                 yield sse_event(event["type"], event)
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
-        yield sse_event("error", anthropic_stream_error_payload(exc))
+        yield sse_event("error", anthropic_stream_error_payload(exc, request_id))
         return
     for event in writer.finish():
         yield sse_event(event["type"], event)

@@ -19,7 +19,7 @@ from dsinfer.server import (
     tokenize,
 )
 from dsinfer.server.context import ServingContext
-from dsinfer.server.errors import family_for, install_error_handlers
+from dsinfer.server.errors import REQUEST_ID_KEY, family_for, install_error_handlers
 from dsinfer.server.generation import ClientDisconnected
 from dsinfer.server.guard import GuardMiddleware
 from dsinfer.server.metrics import StatusCounter
@@ -92,7 +92,8 @@ class RequestIdHeaders:
     """Request ids on every response, streams and errors included, added here rather than in each route:
     ``x-request-id`` as vLLM's --enable-request-id-headers (the client's X-Request-Id echoed, else a new id), and
     on Anthropic's API (/v1/messages, and /v1/models for an Anthropic client) Anthropic's ``request-id: req_...``,
-    which its SDK exposes as ``message._request_id`` and ``APIStatusError.request_id``."""
+    which its SDK exposes as ``message._request_id`` and ``APIStatusError.request_id``. Anthropic's error bodies
+    carry that id as ``request_id`` too: it is left in the scope (``REQUEST_ID_KEY``) for them."""
 
     def __init__(self, app):
         self.app = app
@@ -105,6 +106,7 @@ class RequestIdHeaders:
         added = [(b"x-request-id", (headers.get("x-request-id") or new_id).encode("latin-1"))]
         if family_for(scope["path"], headers) == "anthropic":
             added.append((b"request-id", f"req_{new_id}".encode()))
+            scope = {**scope, REQUEST_ID_KEY: f"req_{new_id}"}
 
         async def send_with_ids(message: dict) -> None:
             if message["type"] == "http.response.start":

@@ -20,6 +20,15 @@ from dsinfer.protocol.errors import ProtocolError, describe_validation_errors, e
 
 logger = logging.getLogger("dsinfer.server")
 
+# ASGI scope key under which RequestIdHeaders (app.py) leaves an Anthropic request's ``req_...`` id, the value of
+# its ``request-id`` header, for the error bodies (handlers here, the guard, in-stream errors) to carry
+REQUEST_ID_KEY = "dsinfer.request_id"
+
+
+def anthropic_request_id(scope: Mapping) -> str | None:
+    """The ``request-id`` header's value of this request; None off Anthropic's routes (no such header)."""
+    return scope.get(REQUEST_ID_KEY)
+
 
 def is_shared_path(path: str) -> bool:
     """Routes both SDKs call (``client.models.list()`` / ``.retrieve(id)``): the request's headers pick the API."""
@@ -50,14 +59,16 @@ def error_response(
     code: str | None = None,
     headers: dict[str, str] | None = None,
     request_headers: Mapping[str, str] | None = None,
+    request_id: str | None = None,
 ) -> JSONResponse:
     family = family_for(path, request_headers)
-    return JSONResponse(error_body(family, status, message, param, code), status, headers=headers)
+    return JSONResponse(error_body(family, status, message, param, code, request_id), status, headers=headers)
 
 
 def _reply(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
            headers: dict[str, str] | None = None) -> JSONResponse:
-    return error_response(request.url.path, status, message, param, code, headers, request.headers)
+    return error_response(request.url.path, status, message, param, code, headers, request.headers,
+                          anthropic_request_id(request.scope))
 
 
 def install_error_handlers(app: FastAPI) -> None:

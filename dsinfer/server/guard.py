@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dsinfer.protocol.errors import error_body
-from dsinfer.server.errors import family_for
+from dsinfer.server.errors import anthropic_request_id, family_for
 from dsinfer.server.json_depth import json_depth
 from dsinfer.server.settings import ServerSettings
 
@@ -35,14 +35,14 @@ class GuardMiddleware:
         path = scope["path"]
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
         if self._keys and path not in PUBLIC_PATHS and not self._authorized(headers):
-            return await _reply(send, path, 401, "invalid or missing API key")
+            return await _reply(send, scope, headers, 401, "invalid or missing API key")
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         if self.is_draining():
-            return await _reply(send, path, 503, "the server is shutting down and accepts no new requests")
+            return await _reply(send, scope, headers, 503, "the server is shutting down and accepts no new requests")
         body, status, message = await self._read_body(headers, receive)
         if status:
-            return await _reply(send, path, status, message)
+            return await _reply(send, scope, headers, status, message)
         replayed = False
 
         async def replay() -> dict:
@@ -104,8 +104,11 @@ async def _discard(receive: Any) -> None:
             return
 
 
-async def _reply(send: Any, path: str, status: int, message: str) -> None:
-    body = json.dumps(error_body(family_for(path), status, message)).encode()
+async def _reply(send: Any, scope: dict, headers: dict[str, bytes], status: int, message: str) -> None:
+    # the request's headers pick the envelope on the shared routes, as the handlers' (an Anthropic client's 401 on
+    # /v1/models is Anthropic's), and its request-id header's value goes in Anthropic's body
+    family = family_for(scope["path"], headers)
+    body = json.dumps(error_body(family, status, message, request_id=anthropic_request_id(scope))).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))

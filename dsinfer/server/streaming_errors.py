@@ -1,4 +1,4 @@
-"""Errors that happen after a stream has started are reported in-band, in the OpenAI error shape."""
+"""Errors that happen after a stream has started are reported in-band, in the route's error shape."""
 
 from __future__ import annotations
 
@@ -25,5 +25,5 @@ def stream_error_payload(exc: Exception) -> dict:
     return openai_error_body(*_status_message(exc))
 
 
-def anthropic_stream_error_payload(exc: Exception) -> dict:
-    return anthropic_error_body(*_status_message(exc))
+def anthropic_stream_error_payload(exc: Exception, request_id: str | None = None) -> dict:
+    return anthropic_error_body(*_status_message(exc), request_id)

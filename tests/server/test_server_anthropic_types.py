@@ -158,7 +158,9 @@ def test_errors_parse_into_the_sdk_exception_with_type_and_request_id(claude, se
         client.messages.create(**kwargs)
     e = err.value
     assert (e.status_code, e.type) == (status, error) and e.request_id.startswith("req_")
-    assert set(e.body) == {"type", "error"} and e.body["type"] == "error"
+    # the body carries the request-id header's value too, as Anthropic's API sends it
+    assert set(e.body) == {"type", "error", "request_id"} and e.body["type"] == "error"
+    assert e.body["request_id"] == e.request_id
     assert set(e.body["error"]) == {"type", "message"} and e.api_message
 
 

@@ -1,0 +1,156 @@
+"""Anthropic's error bodies carry the request id, as Anthropic's API sends them:
+``{"type": "error", "error": {...}, "request_id": "req_..."}`` with the ``request-id`` header's value, for every
+status (the handlers', the guard's) and in a stream's ``error`` event; OpenAI's bodies stay as they were.
+
+The app is dsinfer's own (``build_app``) on a scripted engine, in process: overloaded, dead and draining engines
+are states a live server only reaches by accident."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import anthropic
+import httpx
+import pytest
+
+from dsinfer.engine.outputs import CompletionOutput, RequestOutput
+from dsinfer.entrypoints.async_engine import EngineDeadError, EngineOverloadedError
+from dsinfer.server.app import build_app
+from dsinfer.server.settings import ServerSettings
+from dsinfer.tokenizer import Tokenizer
+
+from ..protocol.tiny_tokenizer import write_tiny_tokenizer
+
+KEY = "sk-ids"
+ANTHROPIC = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+OPENAI = {"Authorization": f"Bearer {KEY}"}
+ASK = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Hello"}]}
+
+
+class _Engine:
+    """``mode``: "ok" finishes after one output, "overloaded" refuses at once (429), "dies" fails after its first
+    output (the stream has started: an in-stream error event)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.model_config = SimpleNamespace(max_model_len=256, vocab_size=None, sampling_defaults={},
+                                            max_tokens_limit=None, logprobs_limit=20)
+        self.mode, self.draining, self.dead = "ok", False, False
+
+    def start(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+    async def generate(self, prompt, params, request_id):
+        if self.mode == "overloaded":
+            raise EngineOverloadedError("3 requests are already waiting (limit 3)")
+        finished = self.mode == "ok"
+        yield RequestOutput(request_id, None, prompt["prompt_token_ids"], None,
+                            [CompletionOutput(0, "Hi", [5], finish_reason="stop" if finished else None)], finished)
+        if self.mode == "dies":
+            raise EngineDeadError("the engine loop crashed")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Tokenizer:
+    return Tokenizer.from_dir(write_tiny_tokenizer(tmp_path_factory.mktemp("tiny_tok")))
+
+
+@pytest.fixture
+def engine(tokenizer) -> _Engine:
+    return _Engine(tokenizer)
+
+
+def _call(engine: _Engine, method: str, path: str, headers: dict, **kwargs) -> httpx.Response:
+    app = build_app(engine, ServerSettings(api_keys=(KEY,), max_body_bytes=4096))
+
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://dsinfer") as client:
+            return await client.request(method, path, headers=headers, **kwargs)
+
+    return asyncio.run(go())
+
+
+def _anthropic_error(r: httpx.Response, status: int, kind: str) -> dict:
+    """The body, checked to be Anthropic's envelope with the header's request id."""
+    body = r.json()
+    assert r.status_code == status and r.headers["request-id"].startswith("req_"), (r.status_code, body)
+    assert body == {"type": "error", "error": {"type": kind, "message": body["error"]["message"]},
+                    "request_id": r.headers["request-id"]}
+    if kind != "request_too_large":  # Anthropic's 413 type, which the SDK's ErrorObject union does not list
+        anthropic.types.ErrorResponse.model_validate(body, strict=True)
+    return body
+
+
+@pytest.mark.parametrize("case, status, kind", [
+    ("bad field", 400, "invalid_request_error"),
+    ("bad JSON", 400, "invalid_request_error"),
+    ("too deep", 400, "invalid_request_error"),
+    ("no key", 401, "authentication_error"),
+    ("no route", 404, "not_found_error"),
+    ("too large", 413, "request_too_large"),
+    ("overloaded", 429, "rate_limit_error"),
+    ("draining", 503, "overloaded_error"),
+])
+def test_anthropic_error_bodies_carry_the_request_id_header(engine, case, status, kind):
+    headers, kwargs = dict(ANTHROPIC), {"json": ASK}
+    path = "/v1/messages/nope" if case == "no route" else "/v1/messages"
+    if case == "bad field":
+        kwargs = {"json": {**ASK, "max_tokens": 0}}
+    elif case == "bad JSON":
+        kwargs = {"content": b'{"model": ', "headers": {"content-type": "application/json"}}
+    elif case == "too deep":
+        kwargs = {"content": b"[" * 100 + b"]" * 100}
+    elif case == "no key":
+        headers.pop("x-api-key")
+    elif case == "too large":
+        kwargs = {"json": {**ASK, "system": "x" * 5000}}
+    engine.mode = "overloaded" if case == "overloaded" else "ok"
+    engine.draining = case == "draining"
+    body = _anthropic_error(_call(engine, "POST", path, {**headers, **kwargs.pop("headers", {})}, **kwargs),
+                            status, kind)
+    assert body["error"]["message"]
+
+
+def test_anthropic_model_routes_carry_it_for_an_anthropic_client(engine):
+    """/v1/models answers an Anthropic client in Anthropic's envelope, the guard's 401 included (it was
+    OpenAI's, with an Anthropic request-id header)."""
+    _anthropic_error(_call(engine, "GET", "/v1/models", {"anthropic-version": "2023-06-01"}),
+                     401, "authentication_error")
+    body = _anthropic_error(_call(engine, "GET", "/v1/models/claude-nope", ANTHROPIC), 404, "not_found_error")
+    assert "claude-nope" in body["error"]["message"]
+
+
+def test_anthropic_in_stream_error_event_carries_the_request_id(engine):
+    engine.mode = "dies"
+    r = _call(engine, "POST", "/v1/messages", ANTHROPIC, json={**ASK, "stream": True})
+    assert r.status_code == 200
+    events = [chunk.split("\n", 1) for chunk in r.text.strip().split("\n\n")]
+    name, data = events[-1]
+    assert name == "event: error" and json.loads(data.removeprefix("data: ")) == {
+        "type": "error", "error": {"type": "overloaded_error", "message": "the engine loop crashed"},
+        "request_id": r.headers["request-id"]}
+
+
+@pytest.mark.parametrize("case", ["bad field", "no key", "overloaded", "draining"])
+def test_openai_error_bodies_are_unchanged(engine, case):
+    headers = {} if case == "no key" else OPENAI
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 0 if case == "bad field" else 4}
+    engine.mode = "overloaded" if case == "overloaded" else "ok"
+    engine.draining = case == "draining"
+    r = _call(engine, "POST", "/v1/chat/completions", headers, json=body)
+    assert "request-id" not in r.headers and r.headers["x-request-id"]
+    assert set(r.json()) == {"error"} and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_openai_in_stream_error_is_unchanged(engine):
+    engine.mode = "dies"
+    r = _call(engine, "POST", "/v1/chat/completions", OPENAI,
+              json={"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "stream": True})
+    errors = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {\"error\"")]
+    assert errors == [{"error": {"message": "the engine loop crashed", "type": "service_unavailable_error",
+                                 "param": None, "code": None}}]

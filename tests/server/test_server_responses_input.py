@@ -1,0 +1,44 @@
+"""/v1/responses refuses an input item without a field the openai SDK's types require, as OpenAI's API: a 400 in
+OpenAI's envelope naming the field's path (it was answered 200, the missing content read as ""), and still answers
+the items those types allow."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.parametrize("items, param, says", [
+    ([{"type": "message", "role": "user"}], "input.0.content", "Field required when type is 'message'"),
+    ([{"role": "user", "content": "Hi"}, {"type": "message", "content": "Hi"}], "input.1.role", "Field required"),
+    ([{"type": "function_call", "name": "get_weather", "arguments": "{}"}], "input.0.call_id", "Field required"),
+    ([{"role": "user", "content": [{"type": "output_text", "text": "Hi", "annotations": []}]}],
+     "input.0.content.0.type", "'output_text' is not allowed in a user message"),
+])
+def test_an_item_missing_what_the_sdk_requires_is_a_400_naming_it(server, items, param, says):
+    r = server.post("/v1/responses", json={"model": MODEL, "input": items, "max_output_tokens": 1})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, None)
+    assert says in error["message"]
+
+
+def test_sdk_typed_items_are_answered(client):
+    items = [{"role": "developer", "content": "Be brief."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "c1", "output": "Sunny"},
+             {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+              "content": [{"type": "output_text", "text": "It is sunny.", "annotations": []}]},
+             {"role": "user", "content": "Thanks."}]
+    r = client.responses.create(model=MODEL, input=items, max_output_tokens=1)
+    assert r.status == "incomplete" and r.output
+
+
+def test_the_sdk_reads_the_400_for_a_missing_content(client):
+    """Through the SDK too: its 400 is a BadRequestError whose param names the field."""
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input=[{"type": "message", "role": "user"}], max_output_tokens=1)
+    assert err.value.param == "input.0.content" and err.value.type == "invalid_request_error"
