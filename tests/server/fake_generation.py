@@ -23,3 +23,19 @@ def fake_stream(pieces: list[str], request_id: str, model: str):
     ctx = SimpleNamespace(reported_model=lambda _: model, settings=ServerSettings())
     gen = SimpleNamespace(request_id=request_id, prompt_ids=[1], num_generated=len(pieces), num_cached=0)
     return ctx, gen, outputs()
+
+
+def anthropic_final_message(sse: list[str]):
+    """What the anthropic SDK's stream helper makes of these SSE events: a client's ``get_final_message()``."""
+    import anthropic
+    import httpx
+    from anthropic.lib.streaming import MessageStream
+    from anthropic.types import RawMessageStreamEvent
+
+    request = httpx.Request("POST", "http://127.0.0.1/v1/messages")
+    response = httpx.Response(200, content="".join(sse).encode(), headers={"content-type": "text/event-stream"},
+                              request=request)
+    sdk = anthropic.Anthropic(api_key="sk-unused", base_url="http://127.0.0.1")
+    stream = MessageStream(anthropic.Stream(cast_to=RawMessageStreamEvent, response=response, client=sdk),
+                           anthropic.NOT_GIVEN)
+    return stream.get_final_message()

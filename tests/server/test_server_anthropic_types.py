@@ -8,9 +8,7 @@ import asyncio
 import json
 
 import anthropic
-import httpx
 import pytest
-from anthropic.lib.streaming import MessageStream
 from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
 from pydantic import BaseModel, TypeAdapter
 
@@ -18,8 +16,7 @@ from dsinfer.protocol.anthropic_schemas import MessagesRequest
 from dsinfer.protocol.tool_parsers import HermesToolParser
 from dsinfer.server import anthropic_messages
 
-from .fake_generation import fake_stream
-from .live_server import API_KEY
+from .fake_generation import anthropic_final_message, fake_stream
 
 MODEL = "SmolLM2-135M-Instruct"
 EVENT = TypeAdapter(RawMessageStreamEvent)
@@ -175,15 +172,9 @@ def _stream_and_blocks(pieces: list[str]) -> tuple[Message, list[dict], list[dic
         return [e async for e in anthropic_messages._stream(ctx, req, gen, outputs, kwargs)]
 
     sse = asyncio.run(collect())
-    request = httpx.Request("POST", "http://127.0.0.1/v1/messages")
-    response = httpx.Response(200, content="".join(sse).encode(), headers={"content-type": "text/event-stream"},
-                              request=request)
-    sdk = anthropic.Anthropic(api_key=API_KEY, base_url="http://127.0.0.1")
-    stream = MessageStream(anthropic.Stream(cast_to=RawMessageStreamEvent, response=response, client=sdk),
-                           anthropic.NOT_GIVEN)
     events = [json.loads(e.split("\ndata: ", 1)[1]) for e in sse]
     blocks = anthropic_messages._blocks(*anthropic_messages._line_deltas("".join(pieces), kwargs))
-    return stream.get_final_message(), events, blocks
+    return anthropic_final_message(sse), events, blocks
 
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

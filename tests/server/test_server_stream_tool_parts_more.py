@@ -8,12 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-import anthropic
-import httpx
 import openai
 import pytest
-from anthropic.lib.streaming import MessageStream
-from anthropic.types import RawMessageStreamEvent
 from openai._models import construct_type
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
@@ -24,8 +20,7 @@ from dsinfer.protocol.responses_schemas import ResponsesRequest
 from dsinfer.protocol.tool_parsers import DeepSeekV3ToolParser, HermesToolParser
 from dsinfer.server import anthropic_messages, openai_responses
 
-from .fake_generation import fake_stream
-from .live_server import API_KEY
+from .fake_generation import anthropic_final_message, fake_stream
 from .test_server_stream_tool_call_parts import ARGS, FORMATS, _ds_v31
 from .weather_tools import ANTHROPIC_TOOLS, ASK, MODEL, RESPONSES_TOOLS
 
@@ -60,13 +55,7 @@ def _anthropic(pieces: list[str], parser=HermesToolParser, finish: str = "stop")
     kwargs = {"tool_parser": parser}
     req = MessagesRequest(model=MODEL, max_tokens=8, messages=ASK, tools=ANTHROPIC_TOOLS, stream=True)
     sse = _sse(anthropic_messages._stream, req, pieces, kwargs, finish)
-    request = httpx.Request("POST", "http://127.0.0.1/v1/messages")
-    response = httpx.Response(200, content="".join(sse).encode(), headers={"content-type": "text/event-stream"},
-                              request=request)
-    sdk = anthropic.Anthropic(api_key=API_KEY, base_url="http://127.0.0.1")
-    stream = MessageStream(anthropic.Stream(cast_to=RawMessageStreamEvent, response=response, client=sdk),
-                           anthropic.NOT_GIVEN)
-    final = stream.get_final_message()
+    final = anthropic_final_message(sse)
     text = "".join(pieces)
     parsed = parse_output(text, **kwargs)
     completion = type("C", (), {"finish_reason": finish, "stop_reason": None})()
