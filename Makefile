@@ -6,7 +6,9 @@ HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
 TORCH_SPEC ?= $(if $(HAS_CUDA),torch>=2.11,torch==2.13.0)
 # Without CUDA: PyTorch's CPU index as an extra index, whose torch==2.13.0+cpu sorts above PyPI's 2.13.0 (the
 # multi-GB CUDA build with its nvidia-* packages); where that index cannot be reached, pip still installs PyPI's.
-TORCH_PIP_ARGS ?= $(if $(HAS_CUDA),,--extra-index-url https://download.pytorch.org/whl/cpu)
+# --no-deps: only torch is looked up there (each package would wait on an unreachable index); its dependencies
+# come with dsinfer's in the next step.
+TORCH_PIP_ARGS ?= $(if $(HAS_CUDA),,--no-deps --extra-index-url https://download.pytorch.org/whl/cpu)
 
 .PHONY: demo test install install-dev lint clean
 

@@ -55,7 +55,7 @@ def test_every_flag_in_the_cli_section_is_accepted():
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 @pytest.mark.parametrize("has_cuda, torch_line", [
-    ("", 'pip install -q --extra-index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"'),
+    ("", 'pip install -q --no-deps --extra-index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"'),
     ("1", 'pip install -q  "torch>=2.11"'),
 ])
 def test_make_install_takes_the_cpu_torch_wheel_without_cuda(has_cuda, torch_line):
