@@ -30,8 +30,9 @@ from dsinfer.ops.triton.utils import num_sms
 
 _LOG2E = 1.4426950408889634
 # An FP8 cache with a bf16 query: the query goes to fp16 and the keys and values FP8 -> fp16, one conversion
-# instruction per pair (FP8 -> bf16 takes several; 2-5% faster on the H200). A query element past fp16's 65504
-# would overflow; attention queries stay orders of magnitude below it. A module flag so the sweep can compare.
+# instruction per pair (FP8 -> bf16 takes several; 1-8% faster on the H200, best tile against best tile). A query
+# element past fp16's 65504 would overflow; attention queries stay orders of magnitude below it. A module flag so
+# the sweep can compare.
 FP8_AS_F16 = True
 _MIN_SPLIT_KEYS = 64  # fewest keys a decode split is worth (shorter splits keep batch 1 latency-bound chains short)
 
@@ -280,7 +281,7 @@ def _prefill_config(head_dim: int, group_pad: int, cuda: bool) -> tuple[int, int
 def _decode_config(head_dim: int, cuda: bool, fp8: bool = False, seqs_x_heads: int = 0) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for the decode kernel. H200 sweeps (``benchmarks/kernels.py --sweep`` and
     ``--sweep-fp8``), head dim 128, 1k-4k context: 32/4/2 best or within 2% at B=1/64/256 for a bf16 cache; for an
-    FP8 cache 128/4/2 at B=64 and 256 (3-12% faster than 32/4/2), 32/4/2 at B=1 (12% faster than 128)."""
+    FP8 cache 128/4/2 at B=64 and 256 (8-12% faster than 32/4/2), 32/4/2 at B=1 (12% faster than 128)."""
     if not cuda:
         return 16, 4, 1
     return (128, 4, 2) if fp8 and seqs_x_heads >= 64 else (32, 4, 2)
