@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from dsinfer.batch_invariant.matmul import MIN_ROWS, bmm_invariant
-from dsinfer.ops.kv_cache import FP8_DTYPES
+from dsinfer.ops.kv_cache import read_scales
 
 CHUNK = 64
 MAX_QUERY_ROWS = 256
@@ -79,7 +79,7 @@ def paged_attention_invariant(
 ) -> torch.Tensor:
     """Same contract as ``ops.paged_attention``. An FP8 cache's key scale joins the softmax scale and its value
     scale multiplies the output: the same two constants for every row, so rows stay batch-invariant."""
-    k_scale, v_scale = kv_scales if kv_cache.dtype in FP8_DTYPES else (1.0, 1.0)
+    k_scale, v_scale = read_scales(kv_cache.dtype, kv_scales)
     scale = scale * k_scale
     if q.is_cuda:
         from dsinfer.batch_invariant.triton_kernels import paged_attention_invariant_triton

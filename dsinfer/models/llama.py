@@ -23,8 +23,7 @@ from dsinfer.runner.forward_batch import ForwardBatch
 
 # FP8 KV-cache scales as quantizers write them: self_attn.{k,v,kv}_scale (compressed-tensors, AutoFP8),
 # self_attn.{k,v}_proj.{k,v}_scale (ModelOpt), self_attn.{k,v}_proj.output_scale (older compressed-tensors)
-_KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:[kv]_proj\.)?(k_scale|v_scale|kv_scale)$")
-_KV_OUTPUT_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.([kv])_proj\.output_scale$")
+_KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:(k|v)_proj\.output_scale|(?:[kv]_proj\.)?(k|v|kv)_scale)$")
 
 
 def _require(cfg: dict[str, Any], *keys: str) -> None:
@@ -172,14 +171,10 @@ class LlamaForCausalLM(nn.Module):
         """Pass the weights through, giving the KV-cache scales among them to their attention layers."""
         for name, tensor in weights:
             match = _KV_SCALE.search(name)
-            which = match and match.group(2)
-            if match is None:
-                match = _KV_OUTPUT_SCALE.search(name)
-                which = match and f"{match.group(2)}_scale"
             if match is None:
                 yield name, tensor
                 continue
-            layer = int(match.group(1))
+            layer, which = int(match.group(1)), f"{match.group(2) or match.group(3)}_scale"
             if layer >= len(self.layers):
                 raise ValueError(f"checkpoint tensor {name!r}: the model has {len(self.layers)} layers")
             try:

@@ -25,6 +25,11 @@ def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max) if dtype in FP8_DTYPES else 0.0
 
 
+def read_scales(cache_dtype: torch.dtype, kv_scales: tuple[float, float]) -> tuple[float, float]:
+    """The (key, value) scales a reader of a cache of ``cache_dtype`` applies: 1.0 unless it is FP8."""
+    return (float(kv_scales[0]), float(kv_scales[1])) if cache_dtype in FP8_DTYPES else (1.0, 1.0)
+
+
 def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """x in the cache dtype; FP8: x / scale, saturated (a plain cast of an out-of-range value gives NaN on CUDA)."""
     if dtype not in FP8_DTYPES:

@@ -153,6 +153,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 _THINK_ALIASES = ("deepseek_r1", "qwen3")
 
 
+# vLLM's on/off flags that change nothing here (and one, --enable-log-requests, refused in check_serve_args)
+_SWITCHES = (
+    ("--disable-log-requests", "accepted: dsinfer does not log requests"),
+    ("--enable-log-requests", "refused: dsinfer has no request log (GET /metrics counts requests)"),
+    ("--disable-log-stats", "accepted: dsinfer logs no periodic stats (GET /metrics has them)"),
+    ("--disable-uvicorn-access-log", "accepted: dsinfer has no access log"),
+    ("--disable-fastapi-docs", "accepted: dsinfer serves no OpenAPI docs"),
+    ("--enable-auto-tool-choice", 'accepted: tool_choice "auto" is always served (see --tool-call-parser)'),
+)
+
+
 def _add_vllm_args(grp: Any) -> None:
     for flags, dest in ((("--tensor-parallel-size", "-tp"), "tensor_parallel_size"),
                         (("--pipeline-parallel-size", "-pp"), "pipeline_parallel_size"),
@@ -160,18 +171,8 @@ def _add_vllm_args(grp: Any) -> None:
         grp.add_argument(*flags, dest=dest, type=int, default=None, help="1 only: one GPU per process")
     grp.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=None,
                      help="accepted: dsinfer never runs a model's own Python code")
-    grp.add_argument("--disable-log-requests", action="store_true", default=None,
-                     help="accepted: dsinfer does not log requests")
-    grp.add_argument("--enable-log-requests", action="store_true", default=None,
-                     help="refused: dsinfer has no request log (GET /metrics counts requests)")
-    grp.add_argument("--disable-log-stats", action="store_true", default=None,
-                     help="accepted: dsinfer logs no periodic stats (GET /metrics has them)")
-    grp.add_argument("--disable-uvicorn-access-log", action="store_true", default=None,
-                     help="accepted: dsinfer has no access log")
-    grp.add_argument("--disable-fastapi-docs", action="store_true", default=None,
-                     help="accepted: dsinfer serves no OpenAPI docs")
-    grp.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
-                     help='accepted: tool_choice "auto" is always served (see --tool-call-parser)')
+    for flag, why in _SWITCHES:
+        grp.add_argument(flag, action="store_true", default=None, help=why)
     grp.add_argument("--kv-cache-dtype", default=None,
                      help="auto (the model's dtype) | fp8 = fp8_e4m3 | fp8_e5m2: an FP8 cache holds twice the tokens "
                           "(GQA models; per-layer k/v scales from the checkpoint, else 1.0)")

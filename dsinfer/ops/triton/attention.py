@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.kv_cache import FP8_DTYPES
+from dsinfer.ops.kv_cache import FP8_DTYPES, read_scales
 from dsinfer.ops.triton.utils import num_sms
 
 _LOG2E = 1.4426950408889634
@@ -329,11 +329,10 @@ def _common(q: torch.Tensor, kv_cache: torch.Tensor, scale: float, sliding_windo
     num_kv_heads = kv_cache.shape[3]
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
-    if kv_cache.dtype not in FP8_DTYPES:
-        kv_scales = (1.0, 1.0)  # as vLLM: the scales belong to FP8 caches only
+    k_scale, v_scale = read_scales(kv_cache.dtype, kv_scales)
     return dict(
-        scale_log2=scale * _LOG2E * kv_scales[0],
-        v_scale=float(kv_scales[1]),
+        scale_log2=scale * _LOG2E * k_scale,
+        v_scale=v_scale,
         window=sliding_window if sliding_window is not None else 0,
         group=num_heads // num_kv_heads,
         head_dim=head_dim,
