@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark (one H200; a short summary table last, after a line on the SM clock, power and
 # clock-lowering reasons while the GPU was busy). All parts take longer than one device call allows (600 s): run
-# `--only tests,kernels,llama` (~6 min) and `--only deepseek` (~3 min) as two calls.
+# `--only tests,kernels` (~4 min), `--only llama` (~6 min) and `--only deepseek` (~3 min) as three calls.
 #
 #   bash benchmarks/gpu_check.sh                  # everything; logs + JSON under $OUT (the device tool's) or /tmp
 #   bash benchmarks/gpu_check.sh --only deepseek  # one part, or several: --only tests,kernels
@@ -12,7 +12,7 @@
 #             (MLA decode/prefill, fused MoE bf16/FP8, FP8 GEMM)
 #   llama     Llama-3.1-8B dummy bf16: latency.py (decode step vs batch at 1k context, prefill vs length, GPU idle
 #             between engine steps); throughput.py (512 x 1000 in / 1000 out, two runs, the faster kept; HF on
-#             32 x 1000 / 300 beside dsinfer on the same subset)
+#             32 x 1000 / 300 beside dsinfer on the same subset); the same 512 x 1000 / 1000 with an FP8 KV cache
 #   deepseek  DeepSeek-V2-Lite dummy bf16 and DeepSeek-V3 dummy FP8 cut to 5 layers (3 dense + 2 MoE, no MTP):
 #             latency.py (decode B=1/64/256 at 1k context vs the floor of the experts actually routed to, prefill);
 #             throughput.py (V2-Lite 512 x 1000 / 100 with HF on 32 prompts; V3 256 x 1000 / 100; two runs
@@ -96,6 +96,9 @@ if want llama; then
         --num-prompts 512 --input-len 1000 --output-len 1000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
         --gpu-memory-utilization 0.8 --compare-hf --hf-num-prompts 32 --hf-output-len 300 --repeat 2 \
         --json-out "$OUT/throughput.json"
+    step throughput-fp8kv "$PY" benchmarks/throughput.py "${DUMMY[@]}" --model "$LLAMA" \
+        --num-prompts 512 --input-len 1000 --output-len 1000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+        --gpu-memory-utilization 0.8 --kv-cache-dtype fp8 --json-out "$OUT/throughput-fp8kv.json"
 fi
 if want deepseek; then
     step latency-v2-lite "$PY" benchmarks/latency.py --model "$V2LITE" --batch-sizes 1 64 256 \

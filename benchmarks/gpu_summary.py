@@ -2,7 +2,8 @@
 
     python benchmarks/gpu_summary.py OUT_DIR [SMI_CSV]
 
-Reads, where present, OUT_DIR/latency.json + throughput.json (Llama-3.1-8B), latency-v2-lite.json +
+Reads, where present, OUT_DIR/latency.json + throughput.json (Llama-3.1-8B), throughput-fp8kv.json (the same
+with an FP8 KV cache), latency-v2-lite.json +
 throughput-v2-lite.json (DeepSeek-V2-Lite) and latency-v3.json + throughput-v3.json (DeepSeek-V3 with fewer layers,
 FP8); a model whose files are missing (``--only``) is left out. SMI_CSV (``gpu_check.sh``'s nvidia-smi samples)
 adds a line on the clocks while the GPU was busy: a run at the power limit runs slower clocks, and its
@@ -41,6 +42,9 @@ class Model:
 MODELS = [
     Model("Llama-3.1-8B bf16, dummy", "latency.json", "throughput.json", {1: 1.2, 256: 1.3}, 0.55, 5.0, 1e4, 10.0,
           VLLM_LLAMA),
+    # the same offline workload with vLLM's --kv-cache-dtype fp8 (bf16 weights; K and V stored in FP8)
+    Model("Llama-3.1-8B bf16, FP8 KV cache, dummy", "latency-fp8kv.json", "throughput-fp8kv.json",
+          offline_target=1e4),
     Model("DeepSeek-V2-Lite bf16, dummy", "latency-v2-lite.json", "throughput-v2-lite.json",
           {1: 1.5, 64: 1.3, 256: 1.3}, None, 5.0, 3700.0, None, VLLM_V2_LITE),
     Model("DeepSeek-V3 FP8, dummy", "latency-v3.json", "throughput-v3.json"),

@@ -223,24 +223,25 @@ def sweep() -> None:
 
 
 def sweep_fp8() -> None:
-    """Decode over an FP8 cache: tile configs, with the query in fp16 (FP8 -> fp16 conversions) or in bf16."""
+    """Decode over an FP8 cache: tile configs, with the value tiles converted to fp16 in registers before the product
+    (``FP8_V_CVT``, the default) or converted by Triton after the shared-memory load (byte reads)."""
     import dsinfer.ops.triton.attention as attn
 
     scale = D**-0.5
-    print("\n# FP8-cache decode configs (BLOCK_N, warps, stages) x query dtype -> graph ms")
-    default_decode, default_f16 = attn._decode_config, attn.FP8_AS_F16
+    print("\n# FP8-cache decode configs (BLOCK_N, warps, stages) x value conversion -> graph ms")
+    default_decode, default_cvt = attn._decode_config, attn.FP8_V_CVT
     for b, ctx in ((1, 4096), (64, 4096), (256, 4096), (256, 1024)):
         q, cache, *rest = _attention_batch([1] * b, [ctx] * b)
         args = (q, cache.to(torch.float8_e4m3fn), *rest)
         kv = 2 * b * ctx * HKV * D
-        for f16 in (True, False):
-            attn.FP8_AS_F16 = f16
-            for cfg in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (64, 8, 3), (128, 8, 3)):
+        for cvt in (True, False):
+            attn.FP8_V_CVT = cvt
+            for cfg in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (64, 8, 2), (128, 8, 2)):
                 attn._decode_config = lambda *_, cfg=cfg: cfg
                 ms = graph_ms(lambda a=args, c=ctx: attn.paged_attention_triton(
                     *a, scale, max_query_len=1, max_seq_len=c))
-                print(f"  B={b:3d} ctx={ctx} f16={f16:d} cfg={cfg}: {ms:.4f} ms  {kv / ms / 1e6:6.0f} GB/s")
-    attn._decode_config, attn.FP8_AS_F16 = default_decode, default_f16
+                print(f"  B={b:3d} ctx={ctx} v_cvt={cvt:d} cfg={cfg}: {ms:.4f} ms  {kv / ms / 1e6:6.0f} GB/s")
+    attn._decode_config, attn.FP8_V_CVT = default_decode, default_cvt
 
 
 # ---- main ----

@@ -24,13 +24,15 @@ def _first_token_logprobs(llm: LLM) -> list[dict[int, float]]:
 
 @pytest.mark.parametrize("name,dtype", [("fp8", torch.float8_e4m3fn), ("fp8_e4m3", torch.float8_e4m3fn),
                                         ("fp8_e5m2", torch.float8_e5m2)])
-def test_fp8_cache_serves_with_a_quarter_of_the_float32_bytes(tiny_llama_dir, name, dtype):
+def test_fp8_cache_serves_with_one_byte_per_element(tiny_llama_dir, name, dtype):
     auto = LLM(str(tiny_llama_dir), kv_cache_memory_gb=0.01)
     fp8 = LLM(str(tiny_llama_dir), kv_cache_memory_gb=0.01, kv_cache_dtype=name)
     runner = fp8.engine.runner
     assert all(layer.kv_cache.dtype == dtype for layer in runner.model.attention_layers())
-    assert runner.kv_bytes_per_token * 4 == auto.engine.runner.kv_bytes_per_token  # float32 model on CPU
-    assert runner.num_blocks // 4 == auto.engine.runner.num_blocks  # the same byte budget
+    # the model's dtype: float32 on CPU (4x the FP8 bytes), bfloat16 on a GPU (2x)
+    ratio = auto.engine.runner.model.attention_layers()[0].kv_cache.dtype.itemsize
+    assert runner.kv_bytes_per_token * ratio == auto.engine.runner.kv_bytes_per_token
+    assert runner.num_blocks // ratio == auto.engine.runner.num_blocks  # the same byte budget
     # the same answers up to FP8 rounding of K and V: top token and its log-probability
     for want, got in zip(_first_token_logprobs(auto), _first_token_logprobs(fp8)):
         top = max(want, key=want.get)

@@ -144,12 +144,16 @@ def test_store_kv_fp8_llama_heads_on_gpu(num_tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch,ctx", [(1, 1024), (64, 1024), (256, 1024)])
-def test_paged_attention_decode_fp8_at_llama_shape(batch, ctx, assert_close):
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("batch,ctx", [(1, 1024), (64, 1000), (256, 1024)])
+def test_paged_attention_decode_fp8_at_llama_shape(batch, ctx, cache_dtype, assert_close):
+    """Both tile configs (32 keys at batch 1, 128 keys from 64 sequences x heads on), a context that ends inside a
+    tile, and both FP8 formats through the in-register value conversion."""
     gen = torch.Generator("cuda").manual_seed(batch)
-    num_blocks = batch * ctx // 16
-    cache = torch.randn(2, num_blocks, 16, 8, 128, generator=gen, device="cuda").to(torch.float8_e4m3fn)
-    block_tables = torch.randperm(num_blocks, generator=gen, device="cuda").view(batch, ctx // 16).int()
+    blocks_per_seq = -(-ctx // 16)
+    num_blocks = batch * blocks_per_seq
+    cache = torch.randn(2, num_blocks, 16, 8, 128, generator=gen, device="cuda").to(cache_dtype)
+    block_tables = torch.randperm(num_blocks, generator=gen, device="cuda").view(batch, blocks_per_seq).int()
     q = torch.randn(batch, 32, 128, generator=gen, device="cuda").bfloat16()
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")

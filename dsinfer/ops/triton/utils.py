@@ -14,6 +14,18 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def has_fp8_convert(device: torch.device) -> bool:
+    """Whether device converts FP8 pairs to fp16 in one instruction (``cvt.rn.f16x2.e4m3x2``: sm_89 and later)."""
+    if device.type != "cuda":
+        return False
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
 def num_sms(device: torch.device) -> int:
     """Multiprocessors of device (cached); a small fixed number off CUDA."""
     if device.type != "cuda":

@@ -1,0 +1,86 @@
+"""Compile the GQA decode attention kernel for Hopper (sm_90) on any machine, no GPU needed, and count its PTX
+instructions: what a tile config or an FP8 cache turns into, before spending device time on it.
+
+    python benchmarks/kernel_asm.py [--cache bf16|fp8e4nv|fp8e5] [--block-n 128] [--warps 4] [--stages 3]
+                                    [--no-fp8-cvt] [--dump DIR] [--json]
+
+Triton compiles for a named target without a driver (ptxas ships in its wheel). Pointers and strides are
+declared 16-divisible, as the launcher specializes them in a real launch; without that Triton would emit byte
+loads for every tile. Session 13 found the FP8 decode's bottleneck this way: 128 single-byte shared-memory loads
+per 128-key tile, the value tile's transposed operand (``ops.triton.attention._value_operand``).
+TRITON_INTERPRET must be unset: the interpreter replaces the kernels this compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+# the instruction families worth watching in an attention kernel's inner loop
+WATCH = re.compile(r"^\s*((?:ld|st)\.shared[\w.]*|ldmatrix[\w.]*|stmatrix[\w.]*|cp\.async[\w.]*|mma[\w.]*|"
+                   r"wgmma[\w.]*|cvt[\w.]*|ex2[\w.]*)", re.M)
+
+
+def compile_decode(cache: str = "fp8e4nv", block_n: int = 128, warps: int = 4, stages: int = 3,
+                   fp8_cvt: bool = True):
+    """The compiled ``_decode_kernel`` for a Llama-shaped layer (4 query heads per KV head, head dim 128)."""
+    from dsinfer.ops.triton import attention
+
+    kernel = attention._decode_kernel
+    if not hasattr(kernel, "arg_names"):
+        raise RuntimeError("TRITON_INTERPRET is set: the kernels are interpreted functions, not compilable")
+    fp8 = cache != "bf16"
+    constexprs = dict(GROUP=4, GROUP_PAD=16, BLOCK_N=block_n, HEAD_DIM=128, BLOCK_D=128, HAS_WINDOW=False,
+                      PRECISION="tf32", UPCAST=False, Q_F16=fp8, FP8_CVT=fp8 and fp8_cvt)
+    types = {"q_ptr": "*bf16", "cache_ptr": f"*{cache}", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+             "scale_log2": "fp32", "v_scale": "fp32"}
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = types.get(name, "*i32" if name.endswith("_ptr") else "i32")
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+               if name.endswith("_ptr") or name.startswith("stride") or name == "block_size"}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
+def instruction_counts(ptx: str) -> dict[str, int]:
+    return dict(Counter(WATCH.findall(ptx)).most_common())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cache", default="fp8e4nv", choices=["bf16", "fp8e4nv", "fp8e5"])
+    parser.add_argument("--block-n", type=int, default=128)
+    parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--no-fp8-cvt", action="store_true", help="let Triton place the value tile's conversion")
+    parser.add_argument("--dump", type=Path, default=None, help="write the TTGIR and PTX here")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    opts = parser.parse_args()
+    compiled = compile_decode(opts.cache, opts.block_n, opts.warps, opts.stages, not opts.no_fp8_cvt)
+    counts = instruction_counts(compiled.asm["ptx"])
+    if opts.dump:
+        opts.dump.mkdir(parents=True, exist_ok=True)
+        for ext in ("ttgir", "ptx"):
+            (opts.dump / f"decode_{opts.cache}.{ext}").write_text(compiled.asm[ext])
+    if opts.json:
+        print(json.dumps({"shared_bytes": compiled.metadata.shared, "instructions": counts}))
+        return
+    print(f"decode kernel, {opts.cache} cache, BLOCK_N {opts.block_n}, {opts.warps} warps, {opts.stages} stages: "
+          f"{compiled.metadata.shared} bytes of shared memory")
+    for name, n in counts.items():
+        print(f"  {n:5d}  {name}")
+
+
+if __name__ == "__main__":
+    main()
