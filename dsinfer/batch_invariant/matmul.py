@@ -1,17 +1,19 @@
 """Batch-invariant matmul: the result of one row depends only on that row and the weight.
 
-CPU (MKL): a row's accumulation order over K is the same for every call whose M is >= 4 (measured: M = 1..3
-take other code paths); calls are made with M in [16, 256] (row chunks of 256, the last padded to 16 with
-zeros), so any row gets the same bits alone or in any batch. CUDA: ``triton_kernels.matmul_invariant_triton``
-(fixed tiles, no split-K; batched products in one launch).
+CPU (MKL): every product is computed in calls of exactly ``ROWS`` rows (the last block padded with zeros). MKL's
+accumulation order over K depends on M for some shapes (on an AVX512 Xeon, [M, 960] @ [960, 2560] gives other
+bits for a row at M = 16 than at M = 256), but at a fixed M a row's bits do not depend on its position or on the
+other rows (checked for 16, 32 and 64 rows). So any row gets the same bits alone or in any batch. Batched products
+are one ``torch.bmm`` over 16-row blocks, never of a single item (which takes another path). CUDA:
+``triton_kernels.matmul_invariant_triton`` (fixed tiles, no split-K; batched products in one launch).
 """
 
 from __future__ import annotations
 
 import torch
 
-MIN_ROWS = 16
-MAX_ROWS = 256
+ROWS = 16  # rows of every CPU call
+MIN_ROWS = ROWS  # the decode attention pads its query rows to this many (attention.py)
 
 
 def mm_invariant(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -21,16 +23,15 @@ def mm_invariant(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
         return matmul_invariant_triton(a, b)
     m = a.shape[0]
-    if MIN_ROWS <= m <= MAX_ROWS:
+    if m == ROWS:
         return torch.mm(a, b)
-    out = a.new_empty(m, b.shape[1])
-    for start in range(0, m, MAX_ROWS):
-        chunk = a[start:start + MAX_ROWS]
-        rows = chunk.shape[0]
-        if rows < MIN_ROWS:
-            chunk = torch.cat((chunk, chunk.new_zeros(MIN_ROWS - rows, chunk.shape[1])))
-        out[start:start + rows] = torch.mm(chunk, b)[:rows]
-    return out
+    padded = -(-m // ROWS) * ROWS
+    if padded != m:
+        a = torch.cat((a, a.new_zeros(padded - m, a.shape[1])))
+    out = a.new_empty(padded, b.shape[1])
+    for start in range(0, padded, ROWS):
+        torch.mm(a[start:start + ROWS], b, out=out[start:start + ROWS])
+    return out[:m]
 
 
 def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,18 +42,24 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def bmm_invariant(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[G, M, K] @ [G, K, N]: each of the G products as ``mm_invariant`` (M padded to >= 16, batched)."""
-    m = a.shape[1]
+    """[G, M, K] @ [G, K, N]: each product in blocks of ``ROWS`` rows, all blocks in one ``torch.bmm`` of at least
+    two items (with one item, bmm takes the 2-D path, whose order can differ from the batched one)."""
     if a.is_cuda:
         from dsinfer.batch_invariant.triton_kernels import matmul_invariant_triton
 
         return matmul_invariant_triton(a, b)  # one launch, the same tiles as every 2-D product
-    if m > MAX_ROWS:
-        return torch.stack([mm_invariant(a[g], b[g]) for g in range(a.shape[0])])
-    if m < MIN_ROWS:
-        pad = a.new_zeros(a.shape[0], MIN_ROWS - m, a.shape[2])
-        return torch.bmm(torch.cat((a, pad), 1), b)[:, :m]
-    return torch.bmm(a, b)
+    g, m, k = a.shape
+    n = b.shape[2]
+    blocks = max(-(-m // ROWS), 1)
+    padded = blocks * ROWS
+    if padded != m:
+        a = torch.cat((a, a.new_zeros(g, padded - m, k)), 1)
+    a = a.reshape(g * blocks, ROWS, k)
+    # row-major b whatever the caller's layout: MKL's kernel (and so the bits) depends on it
+    b = b.contiguous().unsqueeze(1).expand(g, blocks, k, n).reshape(g * blocks, k, n)
+    if g * blocks == 1:
+        a, b = torch.cat((a, torch.zeros_like(a))), torch.cat((b, torch.zeros_like(b)))
+    return torch.bmm(a, b)[:g * blocks].view(g, padded, n)[:, :m]
 
 
 def matmul_invariant(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

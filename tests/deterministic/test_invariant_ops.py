@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsinfer.batch_invariant import batch_invariant, is_enabled
+from dsinfer.batch_invariant import batch_invariant, elementwise, is_enabled
 from dsinfer.batch_invariant.attention import paged_attention_invariant
 from dsinfer.batch_invariant.matmul import bmm_invariant, mm_invariant
 from dsinfer.ops.attention import paged_attention_ref
+from dsinfer.ops.moe import Routing, select_experts
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -24,6 +25,61 @@ def test_linear_rows_are_invariant_to_batch_size_and_position():
     for start in (1, 7, 300, 599):
         assert torch.equal(mm_invariant(x[start:start + 1], w.t()), full[start:start + 1])
     torch.testing.assert_close(full, x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_rows_invariant_where_mkl_accumulates_by_batch_size():
+    """[M, 960] @ [960, 2560]: on an AVX512 Xeon, plain MKL calls give a row other bits at M = 16 than at M = 256
+    (the calls of a fixed row count do not)."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(2560, 960, generator=gen)
+    x = torch.randn(300, 960, generator=gen)
+    full = mm_invariant(x, w.t())
+    for m in (1, 16, 17, 100, 256, 257):
+        assert torch.equal(mm_invariant(x[:m], w.t()), full[:m]), m
+    both = bmm_invariant(torch.stack((x[:100], x[100:200])), torch.stack((w.t(), w.t())))
+    for rows in (slice(40, 57), slice(99, 100)):  # one item, or two: the bmm path of every call
+        assert torch.equal(bmm_invariant(x[None, rows], w.t()[None])[0], both[0, rows])
+
+
+def test_sigmoid_and_silu_bits_do_not_depend_on_position():
+    """torch's CPU sigmoid / SiLU finish a vectorized loop's tail with the scalar function, whose last bit differs:
+    the invariant ones give one value wherever the element sits, correctly rounded on these samples."""
+    gen = torch.Generator().manual_seed(5)
+    probe = torch.tensor([0.3711, -2.5, 7.25, -95.0, 30.0])
+    for fn in (elementwise.sigmoid, elementwise.silu):
+        seen = {tuple(fn(torch.cat((torch.randn(n, generator=gen), probe)))[-5:].tolist()) for n in range(70)}
+        assert len(seen) == 1
+        x = torch.randn(20000, generator=gen) * 12
+        ref = torch.sigmoid(x.double()) if fn is elementwise.sigmoid else F.silu(x.double())
+        assert torch.equal(fn(x), ref.float())
+        # the invariant attention's softmax uses torch.exp as is: its CPU kernel (MKL's vector math) has no
+        # scalar tail, which this checks on the machine at hand
+        seen = {tuple(torch.exp(torch.cat((torch.randn(n, generator=gen), probe)))[-5:].tolist())
+                for n in (*range(70), 40001, 65599)}
+        assert len(seen) == 1
+    edges = torch.tensor([float("nan"), float("inf"), -float("inf"), -104.0, 0.0])
+    assert torch.equal(elementwise.sigmoid(edges)[1:], torch.tensor([1.0, 0.0, 0.0, 0.5]))
+    assert elementwise.sigmoid(edges)[0].isnan() and elementwise.silu(edges)[0].isnan()
+    assert elementwise.silu(torch.ones(3, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_sigmoid_router_weights_same_alone_and_in_batch():
+    """A DeepSeek-V3 router over 8 experts (8 sigmoids per token: shorter than one AVX512 loop step)."""
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(64, 8, generator=gen)
+    routing = Routing("sigmoid", topk_method="noaux_tc", n_group=4, topk_group=2, norm_topk_prob=True,
+                      routed_scaling_factor=2.5)
+    bias = torch.randn(8, generator=gen) * 0.1
+    with batch_invariant():
+        full_w, full_ids = select_experts(logits, 2, routing, bias)
+        for m in (1, 2, 3, 43, 55, 63):
+            w, ids = select_experts(logits[:m], 2, routing, bias)
+            assert torch.equal(w, full_w[:m]) and torch.equal(ids, full_ids[:m]), m
+        for start in (0, 13, 63):
+            w, _ = select_experts(logits[start:start + 1], 2, routing, bias)
+            assert torch.equal(w, full_w[start:start + 1])
+    plain_w, plain_ids = select_experts(logits, 2, routing, bias)
+    torch.testing.assert_close(full_w, plain_w.gather(1, plain_ids.sort(dim=-1).indices), rtol=1e-6, atol=1e-6)
 
 
 def test_mode_routes_linear_and_refuses_nesting():

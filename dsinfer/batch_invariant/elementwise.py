@@ -1,0 +1,48 @@
+"""Sigmoid and SiLU whose bits do not depend on where an element sits in its tensor (CPU, deterministic mode).
+
+PyTorch's CPU kernels for ``exp``-based functions run a vectorized loop (Sleef) over a thread's range and finish
+its tail with the scalar function (libm). The two differ in the last bit, and which elements fall in a tail
+depends on the tensor's size and on how it is split between threads, that is on the batch. On an AVX512 machine
+(16 floats per vector), a DeepSeek-V3 router's sigmoid over 8 experts gave a token other weights alone than among
+companions. These versions use only operations that IEEE 754 rounds exactly (add, multiply, divide, round,
+exponent bits), in float64, and round once to the input's dtype, so every element gets the same bits on any
+machine, in any batch, vector lane or thread. They are within one unit in the last place of ``torch.sigmoid`` /
+``F.silu`` in float32. On CUDA every element runs the same instructions, so the GPU keeps torch's kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_LN2_HI = 6.93147180369123816490e-01  # ln 2 split so that k * _LN2_HI is exact for |k| < 2^11 (fdlibm)
+_LN2_LO = 1.90821492927058770002e-10
+_INV_LN2 = 1.44269504088896338700e+00
+# 1/n! for n = 13..0: exp(r) on |r| <= ln(2)/2 by Horner's rule, error below 1e-17 relative
+_TAYLOR = [1.0 / float(torch.arange(1, n + 1, dtype=torch.float64).prod()) for n in range(13, -1, -1)]
+
+
+def _exp64(x: torch.Tensor) -> torch.Tensor:
+    """exp of a float64 tensor clamped to [-700, 700], from exactly rounded operations only."""
+    x = x.clamp(-700.0, 700.0)
+    k = torch.round(x * _INV_LN2)
+    r = (x - k * _LN2_HI) - k * _LN2_LO
+    p = torch.full_like(r, _TAYLOR[0])
+    for c in _TAYLOR[1:]:
+        p = p * r + c
+    two_k = ((k.to(torch.int64) + 1023) << 52).view(torch.float64)  # 2^k from its exponent bits
+    return p * two_k
+
+
+def _sigmoid64(x: torch.Tensor) -> torch.Tensor:
+    return 1.0 / (1.0 + _exp64(-x.double()))  # exp's clamp: 1 or 1e-304 past +-700, 1 or 0 once rounded
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``torch.sigmoid(x)`` with position-independent bits (see module doc); NaN stays NaN."""
+    out = _sigmoid64(x).to(x.dtype)
+    return torch.where(x.isnan(), x, out)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """``F.silu(x)`` = x * sigmoid(x), with position-independent bits."""
+    return (x.double() * _sigmoid64(x)).to(x.dtype)
