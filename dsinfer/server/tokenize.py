@@ -26,6 +26,8 @@ class TokenizeRequest(WireModel):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     return_token_strs: StrictBool = False
+    chat_template: Annotated[str, Field(max_length=1 << 20)] | None = None  # as on chat completions
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(WireModel):
@@ -40,10 +42,19 @@ async def tokenize(request: Request) -> dict[str, Any]:
     ctx.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise ProtocolError('give exactly one of "prompt" or "messages"', param="prompt")
+    if req.messages is None and (req.chat_template is not None or req.chat_template_kwargs is not None):
+        field = "chat_template" if req.chat_template is not None else "chat_template_kwargs"
+        raise ProtocolError(f'"{field}" applies to "messages", not to "prompt"', param=field)
     if req.messages is not None:
+        if (req.continue_final_message and req.add_generation_prompt
+                and "add_generation_prompt" in req.model_fields_set):
+            raise ProtocolError("continue_final_message and add_generation_prompt cannot both be true",
+                                param="continue_final_message")
         encoded = ctx.encode_chat(
             openai_chat_messages(req.messages),
             openai_chat_tools(req.tools),
+            req.chat_template,
+            req.chat_template_kwargs,
             add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
             continue_final_message=req.continue_final_message,
         )

@@ -21,7 +21,7 @@ TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 @pytest.fixture(scope="module")
 def flagged(tmp_path_factory):
     live = start_server(tmp_path_factory.mktemp("flagged"), "--max-logprobs", "25", "--return-tokens-as-token-ids",
-                        "--response-role", "bot")
+                        "--response-role", "bot", "--trust-request-chat-template")
     yield live
     stop_server(live)
 
@@ -190,3 +190,25 @@ def test_anthropic_and_responses_answers_keep_their_roles(flagged):
     assert message["role"] == "assistant"
     response = _ok(flagged, "/v1/responses", {"input": "Hi", "max_output_tokens": 4, "temperature": 0})
     assert all(item["role"] == "assistant" for item in response["output"] if item["type"] == "message")
+
+
+BRACKETS = "{% for m in messages %}[{{ m.content }}]{% endfor %}{{ suffix | default('') }}"
+
+
+def test_tokenize_renders_messages_with_the_request_chat_template(flagged):
+    """The message text is tokenized on its own (the protocol layer keeps it literal), so the ids are compared
+    through their text."""
+    body = {"messages": MSGS, "chat_template": BRACKETS, "chat_template_kwargs": {"suffix": "!"}}
+    tokens = _ok(flagged, "/tokenize", body)["tokens"]
+    assert _ok(flagged, "/detokenize", {"tokens": tokens})["prompt"] == "[Name a color.]!"
+    default = _ok(flagged, "/tokenize", {"messages": MSGS})["tokens"]
+    assert "[Name a color.]" not in _ok(flagged, "/detokenize", {"tokens": default})["prompt"]  # the model's own
+
+
+def test_tokenize_refuses_what_chat_completions_refuses(server, flagged):
+    _refused(server, "/tokenize", {"messages": MSGS, "chat_template": BRACKETS}, "chat_template")  # no flag
+    _refused(flagged, "/tokenize", {"prompt": "hi", "chat_template": BRACKETS}, "chat_template")
+    _refused(flagged, "/tokenize", {"prompt": "hi", "chat_template_kwargs": {"a": 1}}, "chat_template_kwargs")
+    _refused(flagged, "/tokenize", {"messages": MSGS, "continue_final_message": True, "add_generation_prompt": True},
+             "continue_final_message")
+
