@@ -19,7 +19,7 @@ from dsinfer.server import (
     tokenize,
 )
 from dsinfer.server.context import ServingContext
-from dsinfer.server.errors import REQUEST_ID_KEY, family_for, install_error_handlers
+from dsinfer.server.errors import REQUEST_ID_KEY, InternalErrors, family_for, install_error_handlers
 from dsinfer.server.generation import ClientDisconnected
 from dsinfer.server.guard import GuardMiddleware
 from dsinfer.server.metrics import StatusCounter
@@ -52,6 +52,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)
 
+    app.add_middleware(InternalErrors)  # innermost: its 500s pass the middlewares below like any answer
     app.add_middleware(GuardMiddleware, settings=settings, is_draining=lambda: engine.draining)
     app.add_middleware(StatusCounter, metrics=ctx.metrics)
     # outside the guard, so that its 401/413 replies carry the ids too

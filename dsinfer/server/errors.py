@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsinfer.entrypoints.async_engine import (
@@ -69,6 +70,37 @@ def _reply(request: Request, status: int, message: str, param: str | None = None
            headers: dict[str, str] | None = None) -> JSONResponse:
     return error_response(request.url.path, status, message, param, code, headers, request.headers,
                           anthropic_request_id(request.scope))
+
+
+class InternalErrors:
+    """Innermost ASGI wrapper: an exception that no handler took becomes its route family's 500 here, inside the
+    other middlewares, so the answer carries the request ids (and the Anthropic body its ``request_id``) and the
+    CORS headers, and the metrics count it. Starlette's own catch-all (``_internal`` below, still there for errors
+    in the outer middlewares) answers outside them all. A response already started (a stream) cannot be replaced:
+    its error goes on to the server."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("unhandled error on %s", scope["path"], exc_info=exc)
+            response = error_response(scope["path"], 500, "internal server error",
+                                      request_headers=Headers(scope=scope), request_id=anthropic_request_id(scope))
+            await response(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -31,7 +31,7 @@ ASK = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content"
 
 class _Engine:
     """``mode``: "ok" finishes after one output, "overloaded" refuses at once (429), "dies" fails after its first
-    output (the stream has started: an in-stream error event)."""
+    output (the stream has started: an in-stream error event), "bug" raises what no handler takes (a 500)."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
@@ -48,6 +48,8 @@ class _Engine:
     async def generate(self, prompt, params, request_id):
         if self.mode == "overloaded":
             raise EngineOverloadedError("3 requests are already waiting (limit 3)")
+        if self.mode == "bug":
+            raise KeyError("an error no handler knows")
         finished = self.mode == "ok"
         yield RequestOutput(request_id, None, prompt["prompt_token_ids"], None,
                             [CompletionOutput(0, "Hi", [5], finish_reason="stop" if finished else None)], finished)
@@ -154,3 +156,30 @@ def test_openai_in_stream_error_is_unchanged(engine):
     errors = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {\"error\"")]
     assert errors == [{"error": {"message": "the engine loop crashed", "type": "service_unavailable_error",
                                  "param": None, "code": None}}]
+
+
+def test_an_unhandled_error_is_a_500_with_the_ids_and_is_counted(engine):
+    """An exception no handler takes answers 500 in the route's envelope from inside the middlewares: with
+    ``x-request-id`` (and Anthropic's ``request-id``, also in the body), and counted in /metrics. Starlette's
+    catch-all answered outside them: no ids, not counted."""
+    engine.mode = "bug"
+    app = build_app(engine, ServerSettings(api_keys=(KEY,)))
+    chat = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://dsinfer") as client:
+            openai = await client.post("/v1/chat/completions", headers=OPENAI, json=chat)
+            claude = await client.post("/v1/messages", headers=ANTHROPIC, json=ASK)
+            return openai, claude
+
+    openai, claude = asyncio.run(go())
+    assert openai.status_code == 500 and openai.headers["x-request-id"]
+    assert openai.json()["error"]["message"] == "internal server error"
+    assert "KeyError" not in openai.text and "no handler" not in openai.text  # nothing of the bug leaks
+    body = _anthropic_error(claude, 500, "api_error")
+    assert body["error"]["message"] == "internal server error"
+    counted = {(sample.labels["path"], sample.labels["status"]): sample.value
+               for metric in app.state.ctx.metrics.requests.collect() for sample in metric.samples
+               if sample.name.endswith("_total")}
+    assert counted[("/v1/chat/completions", "500")] == 1 and counted[("/v1/messages", "500")] == 1
+
