@@ -13,8 +13,8 @@ refused). Inside it:
   the paged latent cache by one fixed-order recipe (``layers.mla`` switches to it in this mode);
 - MoE (``moe.py``): experts ordered by id per token, weights normalized and the top-k pairs summed sequentially
   in that order, expert GEMMs with row-independent results (fixed Triton tiles on CUDA, FP8 linears too);
-- on CPU, the MoE router's sigmoid and SiLU come from ``elementwise.py``: torch's CPU kernels give an element
-  other bits in a vectorized loop's scalar tail, and where the tails fall depends on the batch;
+- on CPU, ``aten.sigmoid`` and ``aten.silu`` go to ``elementwise.py``: torch's CPU kernels give an element other
+  bits in a vectorized loop's scalar tail, and where the tails fall depends on the batch;
 - norms, rotary, other activations, sampling and logprobs are already per-row (one row's reduction never depends
   on other rows) and stay as they are.
 """

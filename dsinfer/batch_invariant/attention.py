@@ -4,7 +4,7 @@ Every query row is computed by one recipe that sees only its own sequence's keys
 padded (with zeros, masked) to a multiple of ``CHUNK`` keys, the max over them (exact), ``exp``, and the
 weighted sum of values done per fixed ``CHUNK``-key chunk and then accumulated over the chunks in order with a
 sequential ``cumsum`` (masked keys and padded chunks add exact zeros, so extra padding never changes a bit).
-Matmuls go through ``matmul.bmm_invariant`` (M padded to 16). Decode rows of a step are batched together (one
+Matmuls go through ``matmul.bmm_invariant`` (16-row blocks). Decode rows of a step are batched together (one
 padded query row per sequence); longer query chunks run per sequence in groups of up to 256 rows. On CUDA the
 Triton kernel in ``triton_kernels`` (one program per query row and head, fixed 64-key blocks in order).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.batch_invariant.matmul import MIN_ROWS, bmm_invariant
+from dsinfer.batch_invariant.matmul import bmm_invariant
 from dsinfer.ops.kv_cache import read_scales
 
 CHUNK = 64
@@ -92,11 +92,10 @@ def paged_attention_invariant(
         idx = torch.tensor(decode, device=q.device)
         rows = query_start_loc[idx].long()
         qd = q[rows].unsqueeze(1)  # [G, 1, Hq, D]
-        pad = torch.zeros(len(decode), MIN_ROWS - 1, *q.shape[1:], dtype=q.dtype, device=q.device)
         length = -(-max(lens[b] for b in decode) // CHUNK) * CHUNK
         k, v = _gather(kv_cache, block_tables[idx], seq_lens[idx], length)
-        q_pos = (seq_lens[idx] - 1).long().unsqueeze(1).expand(-1, MIN_ROWS)
-        res = _attend(torch.cat((qd, pad), 1), k, v, q_pos, seq_lens[idx], scale, sliding_window)
+        q_pos = (seq_lens[idx] - 1).long().unsqueeze(1)
+        res = _attend(qd, k, v, q_pos, seq_lens[idx], scale, sliding_window)
         out[rows] = (res[:, 0] * v_scale).to(q.dtype)
     for b, n in enumerate(q_lens):
         if n <= 1:

@@ -7,10 +7,13 @@ depends on the tensor's size and on how it is split between threads, that is on 
 companions. These versions use only operations that IEEE 754 rounds exactly (add, multiply, divide, round,
 exponent bits), in float64, and round once to the input's dtype, so every element gets the same bits on any
 machine, in any batch, vector lane or thread. They are within one unit in the last place of ``torch.sigmoid`` /
-``F.silu`` in float32. On CUDA every element runs the same instructions, so the GPU keeps torch's kernels.
+``F.silu`` in float32. The mode's dispatch hook (``mode.py``) sends ``aten.sigmoid`` / ``aten.silu`` here on CPU;
+on CUDA every element runs the same instructions, so the GPU keeps torch's kernels.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -18,7 +21,7 @@ _LN2_HI = 6.93147180369123816490e-01  # ln 2 split so that k * _LN2_HI is exact 
 _LN2_LO = 1.90821492927058770002e-10
 _INV_LN2 = 1.44269504088896338700e+00
 # 1/n! for n = 13..0: exp(r) on |r| <= ln(2)/2 by Horner's rule, error below 1e-17 relative
-_TAYLOR = [1.0 / float(torch.arange(1, n + 1, dtype=torch.float64).prod()) for n in range(13, -1, -1)]
+_TAYLOR = [1.0 / math.factorial(n) for n in range(13, -1, -1)]
 
 
 def _exp64(x: torch.Tensor) -> torch.Tensor:
@@ -39,8 +42,7 @@ def _sigmoid64(x: torch.Tensor) -> torch.Tensor:
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """``torch.sigmoid(x)`` with position-independent bits (see module doc); NaN stays NaN."""
-    out = _sigmoid64(x).to(x.dtype)
-    return torch.where(x.isnan(), x, out)
+    return _sigmoid64(x).to(x.dtype)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ CPU (MKL): every product is computed in calls of exactly ``ROWS`` rows (the last
 accumulation order over K depends on M for some shapes (on an AVX512 Xeon, [M, 960] @ [960, 2560] gives other
 bits for a row at M = 16 than at M = 256), but at a fixed M a row's bits do not depend on its position or on the
 other rows (checked for 16, 32 and 64 rows). So any row gets the same bits alone or in any batch. Batched products
-are one ``torch.bmm`` over 16-row blocks, never of a single item (which takes another path). CUDA:
+are one ``torch.bmm`` per 16-row block, never of a single item (which takes another path). CUDA:
 ``triton_kernels.matmul_invariant_triton`` (fixed tiles, no split-K; batched products in one launch).
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 ROWS = 16  # rows of every CPU call
-MIN_ROWS = ROWS  # the decode attention pads its query rows to this many (attention.py)
 
 
 def mm_invariant(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -23,8 +22,6 @@ def mm_invariant(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
         return matmul_invariant_triton(a, b)
     m = a.shape[0]
-    if m == ROWS:
-        return torch.mm(a, b)
     padded = -(-m // ROWS) * ROWS
     if padded != m:
         a = torch.cat((a, a.new_zeros(padded - m, a.shape[1])))
@@ -42,24 +39,23 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def bmm_invariant(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[G, M, K] @ [G, K, N]: each product in blocks of ``ROWS`` rows, all blocks in one ``torch.bmm`` of at least
-    two items (with one item, bmm takes the 2-D path, whose order can differ from the batched one)."""
+    """[G, M, K] @ [G, K, N]: one ``torch.bmm`` of G items per ``ROWS``-row block of M, never of a single item
+    (with one item, bmm takes the 2-D path, whose order can differ from the batched one)."""
     if a.is_cuda:
         from dsinfer.batch_invariant.triton_kernels import matmul_invariant_triton
 
         return matmul_invariant_triton(a, b)  # one launch, the same tiles as every 2-D product
     g, m, k = a.shape
-    n = b.shape[2]
-    blocks = max(-(-m // ROWS), 1)
-    padded = blocks * ROWS
+    padded = max(-(-m // ROWS), 1) * ROWS
     if padded != m:
         a = torch.cat((a, a.new_zeros(g, padded - m, k)), 1)
-    a = a.reshape(g * blocks, ROWS, k)
-    # row-major b whatever the caller's layout: MKL's kernel (and so the bits) depends on it
-    b = b.contiguous().unsqueeze(1).expand(g, blocks, k, n).reshape(g * blocks, k, n)
-    if g * blocks == 1:
+    b = b.contiguous()  # row-major whatever the caller's layout: MKL's kernel (and so the bits) depends on it
+    if g == 1:
         a, b = torch.cat((a, torch.zeros_like(a))), torch.cat((b, torch.zeros_like(b)))
-    return torch.bmm(a, b)[:g * blocks].view(g, padded, n)[:, :m]
+    out = a.new_empty(a.shape[0], padded, b.shape[2])
+    for start in range(0, padded, ROWS):  # each block contiguous, as every call's
+        out[:, start:start + ROWS] = torch.bmm(a[:, start:start + ROWS].contiguous(), b)
+    return out[:g, :m]
 
 
 def matmul_invariant(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The batch-invariant context: a flag read by ``ops.paged_attention`` and a dispatch mode for the matmuls."""
+"""The batch-invariant context: a flag read by ``ops.paged_attention`` and a dispatch mode for the matmuls (and, on
+CPU, sigmoid and SiLU)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,25 @@ from collections.abc import Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsinfer.batch_invariant import matmul
+from dsinfer.batch_invariant import elementwise, matmul
 
 _state = threading.local()
 aten = torch.ops.aten
+_ELEMENTWISE = {aten.sigmoid.default: elementwise.sigmoid, aten.silu.default: elementwise.silu}
 
 
 def is_enabled() -> bool:
     return getattr(_state, "enabled", False)
 
 
-class _InvariantMatmuls(TorchDispatchMode):
-    """Routes aten matmuls to ``matmul.py``; every other op runs unchanged."""
+class _InvariantOps(TorchDispatchMode):
+    """Routes aten matmuls to ``matmul.py``, and on CPU sigmoid and SiLU to ``elementwise.py`` (torch's CPU kernels
+    give an element other bits in a vectorized loop's scalar tail); every other op runs unchanged."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _ELEMENTWISE and not args[0].is_cuda:
+            return _ELEMENTWISE[func](args[0])
         if func is aten.linear.default:
             return matmul.linear_invariant(*args, **kwargs)
         if func is aten.mm.default:
@@ -47,7 +52,7 @@ def batch_invariant(enabled: bool = True) -> Iterator[None]:
         raise RuntimeError("batch_invariant() is already active on this thread; it does not nest")
     _state.enabled = True
     try:
-        with _InvariantMatmuls():
+        with _InvariantOps():
             yield
     finally:
         _state.enabled = False

@@ -5,23 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsinfer import batch_invariant
 from dsinfer.ops.dispatch import use_triton
-
-
-def silu(x: torch.Tensor) -> torch.Tensor:
-    """``F.silu``; in deterministic mode on CPU one whose bits do not depend on the batch
-    (``batch_invariant.elementwise``)."""
-    if batch_invariant.is_enabled() and not x.is_cuda:
-        from dsinfer.batch_invariant.elementwise import silu as silu_invariant
-
-        return silu_invariant(x)
-    return F.silu(x)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
-    return silu(gate) * up
+    return F.silu(gate) * up
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

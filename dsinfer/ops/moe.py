@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from dsinfer import batch_invariant
-from dsinfer.ops.activation import silu
 from dsinfer.ops.dispatch import use_triton
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -99,14 +98,7 @@ def select_experts_ref(
     """``select_experts`` in torch ops (the reference, the CPU path and the deterministic mode's path)."""
     r, n_group, topk_group = routing, routing.n_group, routing.topk_group
     logits = router_logits.float()
-    if r.scoring_func == "softmax":
-        scores = logits.softmax(dim=-1)
-    elif batch_invariant.is_enabled() and not logits.is_cuda:  # torch's CPU sigmoid depends on the batch
-        from dsinfer.batch_invariant.elementwise import sigmoid
-
-        scores = sigmoid(logits)
-    else:
-        scores = logits.sigmoid()
+    scores = logits.softmax(dim=-1) if r.scoring_func == "softmax" else logits.sigmoid()
     if r.topk_method == "noaux_tc":
         choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
         if n_group > 1:
@@ -181,7 +173,7 @@ def expert_outputs_by_expert(
             continue
         rows = slice(start, start + count)
         gate, up = linear(x[rows], w13[expert]).chunk(2, dim=-1)
-        out[rows] = linear(silu(gate) * up, w2[expert])
+        out[rows] = linear(F.silu(gate) * up, w2[expert])
         start += count
     return order, out
 

@@ -38,6 +38,8 @@ FP8_AS_F16 = True
 # An FP8 cache's value tiles go to fp16 in registers before the product (``_value_operand``). A module flag so the
 # sweep can compare.
 FP8_V_CVT = True
+_CVT_E4M3 = tl.constexpr("cvt.rn.f16x2.e4m3x2 $0, $1;")  # two FP8 values in, two fp16 out
+_CVT_E5M2 = tl.constexpr("cvt.rn.f16x2.e5m2x2 $0, $1;")
 _MIN_SPLIT_KEYS = 64  # fewest keys a decode split is worth (shorter splits keep batch 1 latency-bound chains short)
 
 
@@ -75,17 +77,15 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _value_operand(v, dtype: tl.constexpr, UPCAST: tl.constexpr, FP8_CVT: tl.constexpr):
+def _value_operand(v, dtype: tl.constexpr, FP8_CVT: tl.constexpr):
     """A value tile in the dot's operand type. An FP8 tile goes to fp16 here, in the loaded layout, through an
     opaque conversion: a plain cast lets Triton move it behind the shared-memory load into the dot-operand layout,
     which for values (keys-major, so transposed for the product) reads single bytes; the fp16 tile instead takes
     the 16-bit transposing path (ldmatrix.trans), as a bf16 cache does."""
-    if FP8_CVT and not UPCAST and dtype == tl.float16 and v.dtype == tl.float8e4nv:
-        return tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [v.to(tl.uint8, bitcast=True)],
-                                         dtype=tl.float16, is_pure=False, pack=2)
-    elif FP8_CVT and not UPCAST and dtype == tl.float16 and v.dtype == tl.float8e5:
-        return tl.inline_asm_elementwise("cvt.rn.f16x2.e5m2x2 $0, $1;", "=r,h", [v.to(tl.uint8, bitcast=True)],
-                                         dtype=tl.float16, is_pure=False, pack=2)
+    if FP8_CVT and dtype == tl.float16 and (v.dtype == tl.float8e4nv or v.dtype == tl.float8e5):
+        asm: tl.constexpr = _CVT_E4M3 if v.dtype == tl.float8e4nv else _CVT_E5M2
+        return tl.inline_asm_elementwise(asm, "=r,h", [v.to(tl.uint8, bitcast=True)], dtype=tl.float16,
+                                         is_pure=False, pack=2)
     else:
         return v.to(dtype)
 
@@ -127,7 +127,7 @@ def _attend_range(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_mask = n_valid[:, None] & d_valid[None, :]
         v = _value_operand(tl.load(base[:, None] + stride_c_kv + offs_d[None, :], mask=v_mask, other=0.0),
-                           q.dtype, UPCAST, FP8_CVT)
+                           q.dtype, FP8_CVT)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
     return acc, l_i, m_i

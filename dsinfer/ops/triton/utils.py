@@ -19,15 +19,17 @@ def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def has_fp8_convert(device: torch.device) -> bool:
     """Whether device converts FP8 pairs to fp16 in one instruction (``cvt.rn.f16x2.e4m3x2``: sm_89 and later)."""
-    if device.type != "cuda":
-        return False
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+    return device.type == "cuda" and _cuda_capability(_index(device)) >= (8, 9)
 
 
 def num_sms(device: torch.device) -> int:
     """Multiprocessors of device (cached); a small fixed number off CUDA."""
     if device.type != "cuda":
         return _CPU_SMS
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_sms(_index(device))
