@@ -77,9 +77,9 @@ def graph_ms(fn: Callable[[], object]) -> float:
 
 # ---- MLA ----
 
-def _latent_cache(batch: int, ctx: int, block_size: int = 64):
+def _latent_cache(batch: int, ctx: int, block_size: int = 64, dtype: torch.dtype = BF16):
     blocks = batch * (ctx // block_size)
-    cache = torch.randn(blocks, block_size, R + P, device="cuda", dtype=BF16)
+    cache = torch.randn(blocks, block_size, R + P, device="cuda", dtype=BF16).to(dtype)
     tables = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(batch, -1)
     seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     return cache, tables, seq_lens
@@ -89,15 +89,18 @@ def mla_decode_rows(sweep: bool, best: dict) -> list[Row]:
     from dsinfer.ops.triton.mla import decode_config, mla_decode_triton
 
     rows = []
-    for heads, batch, ctx in ((16, 128, 4096), (16, 1, 4096), (128, 128, 4096), (128, 32, 4096)):
-        cache, tables, seq_lens = _latent_cache(batch, ctx)
+    fp8 = torch.float8_e4m3fn  # an FP8 latent cache (kv_cache_dtype="fp8"): half the bytes per token
+    for heads, batch, ctx, dtype in ((16, 128, 4096, BF16), (16, 1, 4096, BF16), (128, 128, 4096, BF16),
+                                     (128, 32, 4096, BF16), (16, 128, 4096, fp8), (16, 256, 1024, BF16),
+                                     (16, 256, 1024, fp8), (128, 128, 4096, fp8)):
+        cache, tables, seq_lens = _latent_cache(batch, ctx, dtype=dtype)
         qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
         q = torch.randn(batch, heads, R, device="cuda", dtype=BF16)
         qp = torch.randn(batch, heads, P, device="cuda", dtype=BF16)
-        nbytes = batch * ctx * (R + P) * 2 + batch * heads * (2 * R + P) * 2
+        nbytes = batch * ctx * (R + P) * dtype.itemsize + batch * heads * (2 * R + P) * 2
         flops = 2 * batch * heads * ctx * (R + P + R)
         configs = [None]
-        if sweep and batch >= 32:
+        if sweep and batch >= 32 and dtype == BF16:
             configs += [dict(block_h=bh, block_n=bn, num_warps=w, num_stages=s)
                         for bh, bn, w, s in ((16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 4, 2), (64, 32, 8, 2),
                                              (64, 16, 8, 2), (32, 64, 8, 2)) if bh <= max(16, heads)]
@@ -112,9 +115,10 @@ def mla_decode_rows(sweep: bool, best: dict) -> list[Row]:
             if sweep and cfg is not None:
                 print(f"  mla decode h={heads} B={batch} cfg={cfg}: {results[-1][0]:.4f} ms", flush=True)
         ms, cfg = min(results, key=lambda r: r[0])
-        if batch >= 32:
+        if batch >= 32 and dtype == BF16:
             best.setdefault(str(heads), cfg)
-        rows.append(Row("mla decode", f"H={heads} B={batch} ctx={ctx}", ms, nbytes, flops, note=str(cfg)))
+        name = "mla decode" if dtype == BF16 else "mla decode, FP8 cache"
+        rows.append(Row(name, f"H={heads} B={batch} ctx={ctx}", ms, nbytes, flops, note=str(cfg)))
         del cache
     return rows
 

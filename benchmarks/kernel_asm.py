@@ -7,7 +7,7 @@ instructions: what a tile config or an FP8 cache turns into, before spending dev
 Triton compiles for a named target without a driver (ptxas ships in its wheel). Pointers and strides are
 declared 16-divisible, as the launcher specializes them in a real launch; without that Triton would emit byte
 loads for every tile. Session 13 found the FP8 decode's bottleneck this way: 128 single-byte shared-memory loads
-per 128-key tile, the value tile's transposed operand (``ops.triton.attention._value_operand``).
+per 128-key tile, the value tile's transposed operand (``ops.triton.attention.widen_fp8``).
 TRITON_INTERPRET must be unset: the interpreter replaces the kernels this compiles.
 """
 

@@ -48,6 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "step), over --batch sequences of --context cached tokens: no scheduler, no prefill")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e5m2")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also profile the host side (cProfile) of the same steps and print its top N functions")
     return p.parse_args(argv)

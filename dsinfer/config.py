@@ -127,7 +127,7 @@ class EngineArgs:
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
-    kv_cache_dtype: str = "auto"  # auto | fp8 (= fp8_e4m3) | fp8_e5m2: halves the KV bytes (GQA attention only)
+    kv_cache_dtype: str = "auto"  # auto | fp8 (= fp8_e4m3) | fp8_e5m2: halves the KV bytes (GQA and MLA caches)
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
@@ -187,7 +187,7 @@ class EngineArgs:
             model=model,
             cache=CacheConfig(_resolve_block_size(self.block_size, hf_config, device), self.enable_prefix_caching,
                               self.kv_cache_memory_gb, self.gpu_memory_utilization, self.num_kv_blocks,
-                              _resolve_cache_dtype(self.kv_cache_dtype, hf_config)),
+                              KV_CACHE_DTYPES[self.kv_cache_dtype]),
             scheduler=SchedulerConfig(self.max_num_seqs, batched, self.enable_chunked_prefill),
             load=LoadConfig(load_format, self.seed),
             # deterministic mode keeps CUDA graphs: the runner captures them inside the batch-invariant mode, and
@@ -275,14 +275,6 @@ def _resolve_block_size(block_size: int | None, hf_config: dict[str, Any], devic
     if block_size is not None:
         return block_size
     return 64 if device.type == "cuda" and hf_config.get("kv_lora_rank") else 16
-
-
-def _resolve_cache_dtype(name: str, hf_config: dict[str, Any]) -> torch.dtype | None:
-    dtype = KV_CACHE_DTYPES[name]
-    if dtype is not None and hf_config.get("kv_lora_rank"):
-        raise ValueError(f"kv_cache_dtype={name!r}: an FP8 KV cache is supported for GQA attention (Llama, Qwen, "
-                         "Mistral); the MLA latent cache of DeepSeek models stays in the model's dtype (use 'auto')")
-    return dtype
 
 
 # config.json's model_type -> architecture, for configs written without "architectures" (as transformers infers)

@@ -26,6 +26,7 @@ import torch
 from dsinfer.batch_invariant.attention import host_layout, padded_slots
 from dsinfer.batch_invariant.matmul import bmm_invariant
 from dsinfer.ops import dispatch
+from dsinfer.ops.mla import cache_rows
 
 CHUNK = 64
 MAX_SCORE_ROWS = 4096  # query rows x heads per CPU group (bounds memory only: rows never interact)
@@ -67,7 +68,7 @@ def mla_attention_invariant(
 def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor, length: int) -> torch.Tensor:
     """Cache rows of positions [0, length) per row of block_tables: [G, length, R + P]; positions >= lens are 0."""
     slots, valid = padded_slots(block_tables, lens, length, kv_cache.shape[1])
-    rows = kv_cache.view(-1, kv_cache.shape[-1])[slots].float()
+    rows = cache_rows(kv_cache, slots).float()
     return rows.masked_fill(~valid.unsqueeze(-1), 0.0)
 
 

@@ -16,7 +16,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e4m3 | fp8_e5m2 (GQA models)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e4m3 | fp8_e5m2")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:

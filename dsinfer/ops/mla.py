@@ -4,6 +4,10 @@ Cache layout (``MLASpec``): ``[num_blocks, block_size, R + P]``; a token's row i
 ``c`` (R = kv_lora_rank) followed by its roped key ``k_pe`` (P = qk_rope_head_dim), shared by all heads.
 Expanded per-head keys/values are never stored.
 
+An FP8 cache (``kv_cache_dtype="fp8"`` / ``"fp8_e5m2"``) holds the rows as they are, saturated at the format's
+largest finite value (scale 1.0, vLLM's default for MLA; DeepSeek checkpoints carry no KV scales); readers
+convert them to the query's dtype.
+
 Two ways to attend, both exact:
 - ``mla_decode`` (absorbed): the caller folds W_UK into the query
   (``q_nope_absorbed[h] = q_nope[h] @ W_UK[h]``, [T, H, R]); scores are
@@ -24,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from dsinfer.ops.dispatch import use_triton
+from dsinfer.ops.kv_cache import FP8_DTYPES, quantize
 from dsinfer.ops.norm import rms_norm
 from dsinfer.ops.rotary import apply_rotary
 
@@ -44,10 +49,12 @@ def store_mla_kv_ref(
 ) -> None:
     """Torch path of ``store_mla_kv``."""
     flat = kv_cache.view(-1, kv_cache.shape[-1])
-    rows = torch.cat((kv_c, k_pe), dim=-1).to(kv_cache.dtype)
+    rows = quantize(torch.cat((kv_c, k_pe), dim=-1), 1.0, kv_cache.dtype)
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         rows, slot_mapping = rows[keep], slot_mapping[keep]
+    if kv_cache.element_size() == 1:  # index_copy_ has no FP8 kernel on CPU: copy the bytes
+        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
     flat.index_copy_(0, slot_mapping, rows)
 
 
@@ -79,12 +86,21 @@ def rope_norm_store_mla(
     return q_pe
 
 
+def cache_rows(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The cache rows ``slots`` ([...] int64) -> [..., R + P] in the cache's dtype (an FP8 cache is indexed as
+    bytes: a plain gather on every device and torch build)."""
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    if kv_cache.dtype in FP8_DTYPES:
+        return flat.view(torch.uint8)[slots].view(kv_cache.dtype)
+    return flat[slots]
+
+
 def gather_mla_context(kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
     """Cache rows of positions [0, length) of every sequence in block_tables: [B, length, R + P]."""
     block_size = kv_cache.shape[1]
     pos = torch.arange(length, device=block_tables.device)
     slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size
-    return kv_cache.view(-1, kv_cache.shape[-1])[slots]
+    return cache_rows(kv_cache, slots)
 
 
 def _causal_mask(q_pos: torch.Tensor, length: int) -> torch.Tensor:
@@ -113,7 +129,9 @@ def mla_decode_ref(
     one by one.
     """
     rank = q_nope_absorbed.shape[-1]
-    q = torch.cat((q_nope_absorbed, q_pe), dim=-1).to(kv_cache.dtype)
+    # the cache's dtype (a test's float64 reference), except an FP8 cache, read in the query's
+    dtype = q_nope_absorbed.dtype if kv_cache.dtype in FP8_DTYPES else kv_cache.dtype
+    q = torch.cat((q_nope_absorbed, q_pe), dim=-1).to(dtype)
     out = q_nope_absorbed.new_empty(q_nope_absorbed.shape)
     seqs = _sequences(query_start_loc, seq_lens)
     single = [s for s in seqs if s[2] == 1]
@@ -121,14 +139,14 @@ def mla_decode_ref(
         idx = torch.tensor([s[0] for s in single], device=q.device)
         rows = query_start_loc[idx].long()
         length = max(s[3] for s in single)
-        ctx = gather_mla_context(kv_cache, block_tables[idx], length).unsqueeze(1)  # [B, 1, L, R + P]
+        ctx = gather_mla_context(kv_cache, block_tables[idx], length).to(dtype).unsqueeze(1)  # [B, 1, L, R + P]
         mask = _causal_mask((seq_lens[idx] - 1).unsqueeze(1), length)
         att = F.scaled_dot_product_attention(
             q[rows].unsqueeze(2), ctx, ctx[..., :rank], attn_mask=mask, scale=scale, enable_gqa=True
         )  # [B, H, 1, R]
         out[rows] = att.squeeze(2).to(out.dtype)
     for b, first, n, length in (s for s in seqs if s[2] > 1):
-        ctx = gather_mla_context(kv_cache, block_tables[b : b + 1], length).unsqueeze(1)
+        ctx = gather_mla_context(kv_cache, block_tables[b : b + 1], length).to(dtype).unsqueeze(1)
         q_pos = torch.arange(length - n, length, device=q.device).unsqueeze(0)
         att = F.scaled_dot_product_attention(
             q[first : first + n].transpose(0, 1).unsqueeze(0),

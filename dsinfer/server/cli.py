@@ -175,7 +175,7 @@ def _add_vllm_args(grp: Any) -> None:
         grp.add_argument(flag, action="store_true", default=None, help=why)
     grp.add_argument("--kv-cache-dtype", default=None,
                      help="auto (the model's dtype) | fp8 = fp8_e4m3 | fp8_e5m2: an FP8 cache holds twice the tokens "
-                          "(GQA models; per-layer k/v scales from the checkpoint, else 1.0)")
+                          "(GQA models: per-layer k/v scales from the checkpoint, else 1.0; MLA: scale 1.0)")
     grp.add_argument("--quantization", "-q", default=None,
                      help="fp8 for an FP8 checkpoint, gguf for a .gguf file (the checkpoint's own format); "
                           "dsinfer does not quantize on load")

@@ -80,11 +80,11 @@ def _target(seed):
     return rng, [rng.randrange(256) for _ in range(TARGET_LEN)]
 
 
-@pytest.mark.parametrize("arch,chunked", [("v2", True), ("v3", False)])
-def test_outputs_identical_alone_and_in_batches(request, arch, chunked):
+@pytest.mark.parametrize("arch,chunked,cache", [("v2", True, "auto"), ("v3", False, "auto"), ("v2", True, "fp8")])
+def test_outputs_identical_alone_and_in_batches(request, arch, chunked, cache):
     path, _ = request.getfixturevalue(f"{arch}_ckpt")
     kwargs = dict(max_num_batched_tokens=48) if chunked else dict(enable_chunked_prefill=False)
-    llm = LLM(str(path), dtype="float32", deterministic=True, **kwargs)
+    llm = LLM(str(path), dtype="float32", deterministic=True, kv_cache_dtype=cache, **kwargs)
     rng, target = _target(0)
     results = {_run(llm, target, rng, k) for k in (0, 1, 9, 64)}
     assert len(results) == 1

@@ -1,9 +1,8 @@
 """kv_cache_dtype (vLLM's --kv-cache-dtype): an FP8 KV cache end to end on the tiny Llama, its checkpoint scales,
-and the errors for values dsinfer cannot honour."""
+and the errors for values dsinfer cannot honour (DeepSeek's FP8 latent cache: tests/models/test_deepseek.py)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -81,12 +80,3 @@ def test_bad_checkpoint_kv_scale_names_the_tensor(tiny_llama_dir, tmp_path):
 def test_unknown_kv_cache_dtype_is_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineArgs(model=str(tiny_llama_dir), kv_cache_dtype="int8").create_engine_config()
-
-
-def test_fp8_cache_for_mla_models_is_refused(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-        "v_head_dim": 8, "intermediate_size": 64}))
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'.*MLA"):
-        EngineArgs(model=str(tmp_path), load_format="dummy", kv_cache_dtype="fp8").create_engine_config()

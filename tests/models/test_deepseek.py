@@ -11,6 +11,7 @@ default init (std 0.02) leaves the residual stream almost equal to the embedding
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dsinfer import LLM, SamplingParams
+from dsinfer.config import KV_CACHE_DTYPES
 from dsinfer.models.deepseek import DeepseekV3ForCausalLM
 from dsinfer.models.weights import iterate_safetensors
 from dsinfer.ops.fp8 import FP8_DTYPE, block_dequantize, block_quantize
@@ -531,3 +533,53 @@ def test_q_and_kv_a_projections_load_into_one_gemm(q_lora_rank, bias, fused):
         assert attn.fused_qkv_a_proj is None
         assert routed == [("layers.0.self_attn.q_proj.weight", None),
                           ("layers.0.self_attn.kv_a_proj_with_mqa.weight", None)]
+
+
+@contextlib.contextmanager
+def _hf_reads_fp8_latent(hf, dtype: torch.dtype):
+    """HF's attention expands K/V from its (normalized) latent and roped key in ``expand_kv``: rounding both there
+    through ``dtype`` gives the model an FP8 latent cache computes (each value rounded once, as stored)."""
+    cls = type(hf.model.layers[0].self_attn)
+    expand = cls.expand_kv
+
+    def rounded(self, kv_nope, k_rot):
+        return expand(self, kv_nope.to(dtype).to(kv_nope.dtype), k_rot.to(dtype).to(k_rot.dtype))
+
+    cls.expand_kv = rounded
+    try:
+        yield
+    finally:
+        cls.expand_kv = expand
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_latent_cache_matches_hf_over_fp8_rounded_latents(ckpt, kv_cache_dtype):
+    """An FP8 latent cache holds a quarter of the float32 cache's bytes per token and computes what HF computes
+    with its latent and rope key rounded to FP8: prompts, cached prefixes read back and decode alike."""
+    dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+    auto = LLM(str(ckpt.path), kv_cache_memory_gb=0.01)
+    llm = LLM(str(ckpt.path), kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gb=0.01, enable_prefix_caching=True)
+    runner = llm.engine.runner
+    assert {layer.kv_cache.dtype for layer in runner.model.attention_layers()} == {dtype}
+    assert runner.kv_bytes_per_token * 4 == auto.engine.runner.kv_bytes_per_token
+    want_lp, want_tokens = {}, {}
+    with _hf_reads_fp8_latent(ckpt.hf, dtype), torch.no_grad():
+        for i in ALL:
+            ids = torch.tensor([ckpt.prompts[i]])
+            logits = ckpt.hf(ids).logits[0].float()
+            want_lp[i] = logits.log_softmax(-1)[:-1].gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1)
+            out = ckpt.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                   min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+            want_tokens[i] = out[0, ids.shape[1]:].tolist()
+    worst = 0.0
+    for out, i in zip(_run(llm, ckpt, ALL), ALL):
+        ids = ckpt.prompts[i]
+        ours = torch.tensor([out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))])
+        worst = max(worst, float((ours - want_lp[i]).abs().max()))
+        assert out.outputs[0].token_ids == want_tokens[i], f"prompt {i} diverged"
+    PARITY[f"{ckpt.arch}/{kv_cache_dtype} cache"] = worst
+    assert worst < 1e-4, f"prompt logprobs differ by {worst:.3g}"
+    hits = llm.engine.get_stats()["prefix_cache_hits"]
+    second = _run(llm, ckpt, ALL, prompt_logprobs=False)  # the prompts again: prefixes read back from FP8 rows
+    assert llm.engine.get_stats()["prefix_cache_hits"] > hits
+    assert [o.outputs[0].token_ids for o in second] == [want_tokens[i] for i in ALL]

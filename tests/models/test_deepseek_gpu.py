@@ -119,6 +119,24 @@ def test_cuda_float32_greedy_matches_cpu_and_hf(arch, mode, request, monkeypatch
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("arch", ["v2", "v3"])
+def test_cuda_fp8_latent_cache_matches_cpu(arch, request, monkeypatch):
+    """An FP8 latent cache through the Triton store, the TMA-capable decode kernel (in CUDA graphs) and the prefill
+    kernel gives the CPU path's greedy tokens over the same FP8 cache; float32 values a few bits apart on the two
+    devices may round to neighbouring FP8 values, hence a looser logprob bound than TOL."""
+    ckpt = request.getfixturevalue(arch)
+    cpu = _generate(LLM(str(ckpt.path), device="cpu", dtype="float32", kv_cache_dtype="fp8"), ckpt, ALL)
+    llm = LLM(str(ckpt.path), device="cuda", dtype="float32", kv_cache_dtype="fp8")
+    assert llm.engine.runner.graphs.graphs, "decode CUDA graphs were not captured"
+    replays = _count_replays(llm, monkeypatch)
+    ours = _generate(llm, ckpt, ALL)
+    assert replays[0] >= NEW_TOKENS - 1
+    assert ours.tokens == cpu.tokens
+    assert _worst(ours, cpu) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["v2", "v3"])
 def test_cuda_bfloat16_smoke(arch, request, monkeypatch):
     """dtype auto: the float32 checkpoint runs in bf16 on CUDA; close to float32 HF, not identical."""
     ckpt = request.getfixturevalue(arch)

@@ -188,29 +188,36 @@ def test_store_mla_kv_writes_rows_and_skips_padding(device):
     assert cache.view(-1, 24)[1].abs().sum() == 0  # the padded token wrote nothing
 
 
-@pytest.mark.parametrize("is_neox", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_norm_store_matches_unfused_reference(dtype, is_neox, device, poisoned, assert_close):
+def rope_norm_store_case(dtype, cache_dtype, is_neox, device, seed=3, kv_scale=1.0):
+    """The fused rope / latent norm / store on 5 tokens (one of them padding) and the unfused torch reference:
+    (q_out, q_ref, cache, cache_ref); the reference runs on CPU."""
     heads, nope, rope, rank, tokens = 3, 16, 8, 32, 5
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(seed)
     q = torch.randn(tokens, heads, nope + rope, generator=gen).to(dtype).to(device)
     q_pe = q[..., nope:]  # strided, as after the split
-    kv = torch.randn(tokens, rank + rope, generator=gen).to(dtype).to(device)
+    kv = (torch.randn(tokens, rank + rope, generator=gen) * kv_scale).to(dtype).to(device)
     kv_c, k_pe = kv.split([rank, rope], dim=-1)
     weight = (1 + 0.1 * torch.randn(rank, generator=gen)).to(dtype).to(device)
     cos_sin = torch.randn(64, rope, generator=gen).to(device)
     positions = torch.tensor([3, 0, 63, 17, 5], device=device)
     slots = torch.tensor([7, -1, 0, 11, 2], device=device)
-    cache = torch.zeros(3, 4, rank + rope, dtype=dtype, device=device)
-    cache_ref = torch.zeros(3, 4, rank + rope, dtype=dtype)
+    cache = torch.zeros(3, 4, rank + rope, dtype=cache_dtype, device=device)
+    cache_ref = torch.zeros(3, 4, rank + rope, dtype=cache_dtype)
     q_out = rope_norm_store_mla(positions, q_pe, k_pe, kv_c, weight, 1e-6, cos_sin, is_neox, cache, slots)
     cpu = [t.cpu() for t in (positions, q_pe, k_pe, kv_c, weight, cos_sin, slots)]
     q_ref, k_ref = apply_rotary_ref(cpu[0], cpu[1], cpu[2].unsqueeze(1), cpu[5], is_neox)
     store_mla_kv_ref(rms_norm_ref(cpu[3], cpu[4], 1e-6), k_ref.squeeze(1), cache_ref, cpu[6])
+    assert cache.cpu().view(-1, rank + rope)[1].float().abs().sum() == 0  # the padded token wrote nothing
+    return q_out, q_ref, cache, cache_ref
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_norm_store_matches_unfused_reference(dtype, is_neox, device, poisoned, assert_close):
+    q_out, q_ref, cache, cache_ref = rope_norm_store_case(dtype, dtype, is_neox, device)
     assert q_out.dtype == dtype and q_out.is_contiguous()
     assert_close(q_out, q_ref, dtype)
     assert_close(cache, cache_ref, dtype)
-    assert cache.view(-1, rank + rope)[1].abs().sum() == 0  # the padded token wrote nothing
 
 
 # ---- GPU, real shapes ----

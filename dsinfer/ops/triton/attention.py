@@ -16,7 +16,7 @@ the ``max_seq_len`` hint only, so the decode path reads no tensor contents on th
 
 An FP8 cache (``ops.kv_cache``) is read as such and converted in registers; its key scale is folded into the softmax
 scale and its value scale into the output. Keys convert inside the dot-operand layout; value tiles convert to fp16
-before the product (``_value_operand``), since values are the transposed operand and FP8 has no transposing
+before the product (``widen_fp8``), since values are the transposed operand and FP8 has no transposing
 shared-memory load. H200, batch 256 at 4k: 0.68 ms against 1.02 ms over a bf16 cache, 74% of the FP8 bytes' floor.
 """
 
@@ -35,7 +35,7 @@ _LOG2E = 1.4426950408889634
 # element past fp16's 65504 would overflow; attention queries stay orders of magnitude below it. A module flag so
 # the sweep can compare.
 FP8_AS_F16 = True
-# An FP8 cache's value tiles go to fp16 in registers before the product (``_value_operand``). A module flag so the
+# An FP8 cache's value tiles go to fp16 in registers before the product (``widen_fp8``). A module flag so the
 # sweep can compare.
 FP8_V_CVT = True
 _CVT_E4M3 = tl.constexpr("cvt.rn.f16x2.e4m3x2 $0, $1;")  # two FP8 values in, two fp16 out
@@ -77,11 +77,12 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _value_operand(v, dtype: tl.constexpr, FP8_CVT: tl.constexpr):
+def widen_fp8(v, dtype: tl.constexpr, FP8_CVT: tl.constexpr):
     """A value tile in the dot's operand type. An FP8 tile goes to fp16 here, in the loaded layout, through an
     opaque conversion: a plain cast lets Triton move it behind the shared-memory load into the dot-operand layout,
     which for values (keys-major, so transposed for the product) reads single bytes; the fp16 tile instead takes
-    the 16-bit transposing path (ldmatrix.trans), as a bf16 cache does."""
+    the 16-bit transposing path (ldmatrix.trans), as a bf16 cache does. Shared with the MLA decode kernels, whose
+    latent tiles are keys and values at once."""
     if FP8_CVT and dtype == tl.float16 and (v.dtype == tl.float8e4nv or v.dtype == tl.float8e5):
         asm: tl.constexpr = _CVT_E4M3 if v.dtype == tl.float8e4nv else _CVT_E5M2
         return tl.inline_asm_elementwise(asm, "=r,h", [v.to(tl.uint8, bitcast=True)], dtype=tl.float16,
@@ -126,8 +127,8 @@ def _attend_range(
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_mask = n_valid[:, None] & d_valid[None, :]
-        v = _value_operand(tl.load(base[:, None] + stride_c_kv + offs_d[None, :], mask=v_mask, other=0.0),
-                           q.dtype, FP8_CVT)
+        v = widen_fp8(tl.load(base[:, None] + stride_c_kv + offs_d[None, :], mask=v_mask, other=0.0),
+                      q.dtype, FP8_CVT)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
     return acc, l_i, m_i

@@ -28,8 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.triton.attention import find_tile_seq
-from dsinfer.ops.triton.utils import num_sms
+from dsinfer.ops.kv_cache import FP8_DTYPES
+from dsinfer.ops.mla import cache_rows
+from dsinfer.ops.triton import attention as gqa
+from dsinfer.ops.triton.attention import find_tile_seq, widen_fp8
+from dsinfer.ops.triton.utils import has_fp8_convert, num_sms
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT = 16  # tl.dot needs every tile dimension >= 16 on the GPU; smaller head dims are padded and masked
@@ -128,7 +131,7 @@ def _mla_decode_kernel(
     stride_c_blk, stride_c_off, stride_bt, block_size, stride_ot, stride_oh,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, RELOAD_Q: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr, FP8_CVT: tl.constexpr,
 ):
     head_tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -146,8 +149,13 @@ def _mla_decode_kernel(
     row64 = row.to(tl.int64)
     qn_ptrs = qn_ptr + row64 * stride_qn_t + offs_h[:, None] * stride_qn_h + offs_r[None, :]
     qp_ptrs = qp_ptr + row64 * stride_qp_t + offs_h[:, None] * stride_qp_h + offs_p[None, :]
-    qn = tl.load(qn_ptrs, mask=h_valid[:, None] & r_valid[None, :], other=0.0).to(cache_ptr.dtype.element_ty)
-    qp = tl.load(qp_ptrs, mask=h_valid[:, None] & p_valid[None, :], other=0.0).to(cache_ptr.dtype.element_ty)
+    # products in the cache's dtype; an FP8 cache's tiles go to the query's dtype instead, or to fp16 (F16)
+    qn = tl.load(qn_ptrs, mask=h_valid[:, None] & r_valid[None, :], other=0.0)
+    qp = tl.load(qp_ptrs, mask=h_valid[:, None] & p_valid[None, :], other=0.0)
+    if not FP8:
+        qn, qp = qn.to(cache_ptr.dtype.element_ty), qp.to(cache_ptr.dtype.element_ty)
+    elif F16:
+        qn, qp = qn.to(tl.float16), qp.to(tl.float16)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_R), tl.float32)
@@ -157,9 +165,10 @@ def _mla_decode_kernel(
         n_valid = offs_n < end
         block = tl.load(block_row_ptr + offs_n // block_size, mask=n_valid, other=0).to(tl.int64)
         base = cache_ptr + block * stride_c_blk + (offs_n % block_size) * stride_c_off
-        k_pe = tl.load(base[:, None] + RANK + offs_p[None, :], mask=n_valid[:, None] & p_valid[None, :],
-                       other=0.0)
-        c = tl.load(base[:, None] + offs_r[None, :], mask=n_valid[:, None] & r_valid[None, :], other=0.0)
+        k_pe = widen_fp8(tl.load(base[:, None] + RANK + offs_p[None, :], mask=n_valid[:, None] & p_valid[None, :],
+                                 other=0.0), qn.dtype, FP8_CVT)
+        c = widen_fp8(tl.load(base[:, None] + offs_r[None, :], mask=n_valid[:, None] & r_valid[None, :], other=0.0),
+                      qn.dtype, FP8_CVT)
         if RELOAD_Q:  # the query re-read (from L1) each step: not held in registers across the loop
             qn = tl.load(qn_ptrs, mask=h_valid[:, None] & r_valid[None, :], other=0.0).to(c.dtype)
             qp = tl.load(qp_ptrs, mask=h_valid[:, None] & p_valid[None, :], other=0.0).to(c.dtype)
@@ -211,7 +220,7 @@ def decode_num_splits(num_rows: int, head_tiles: int, max_seq_len: int, device: 
 
 
 def _launch_decode(grid, q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, out, part_out,
-                   part_lse, scale: float, num_splits: int, block_h: int, cfg: dict) -> None:
+                   part_lse, scale: float, num_splits: int, block_h: int, cfg: dict, fp8: dict) -> None:
     """The pointer-load decode kernel (any shape; ``ops.triton.mla_tma`` serves the shapes TMA can)."""
     num_heads, rank, rope = q_nope_absorbed.shape[1], q_nope_absorbed.shape[2], q_pe.shape[-1]
     _mla_decode_kernel[grid](
@@ -222,8 +231,17 @@ def _launch_decode(grid, q_nope_absorbed, q_pe, kv_cache, block_tables, query_st
         out.stride(0), out.stride(1),
         RANK=rank, ROPE=rope, BLOCK_R=_tile(rank), BLOCK_P=_tile(rope), BLOCK_H=block_h, BLOCK_N=cfg["block_n"],
         SINGLE=num_splits == 1, RELOAD_Q=cfg.get("reload_q", False), UPCAST=not q_nope_absorbed.is_cuda,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+
+
+def _fp8_flags(q: torch.Tensor, kv_cache: torch.Tensor) -> dict:
+    """The decode kernels' FP8-cache switches: FP8 (the cache is), F16 (a bf16 query and the tiles multiply in
+    fp16 on the GPU, as the GQA kernel's ``FP8_AS_F16``), FP8_CVT (tiles widened by ``widen_fp8``'s opaque
+    conversion)."""
+    fp8 = kv_cache.dtype in FP8_DTYPES
+    return dict(FP8=fp8, F16=bool(fp8 and gqa.FP8_AS_F16 and q.is_cuda and q.dtype == torch.bfloat16),
+                FP8_CVT=bool(fp8 and gqa.FP8_V_CVT and has_fp8_convert(q.device)))
 
 
 def mla_decode_triton(
@@ -266,6 +284,7 @@ def mla_decode_triton(
         part_out = torch.empty(num_rows, num_heads, num_splits, rank, dtype=torch.float32, device=out.device)
         part_lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=out.device)
     grid = (head_tiles, num_splits, num_rows)
+    fp8 = _fp8_flags(q_nope_absorbed, kv_cache)
     chunks = None
     if cfg.get("tma"):
         from dsinfer.ops.triton.mla_tma import launch_tma_decode, tma_chunks
@@ -273,10 +292,10 @@ def mla_decode_triton(
         chunks = tma_chunks(rank, _tile(rope), kv_cache, cfg["block_n"])
     if chunks:
         launch_tma_decode(grid, q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, out,
-                          part_out, part_lse, scale * _LOG2E, num_splits, chunks, _tile(rope), block_h, cfg)
+                          part_out, part_lse, scale * _LOG2E, num_splits, chunks, _tile(rope), block_h, cfg, fp8)
     else:
         _launch_decode(grid, q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, out,
-                       part_out, part_lse, scale, num_splits, block_h, cfg)
+                       part_out, part_lse, scale, num_splits, block_h, cfg, fp8)
     if not single:
         _mla_reduce_kernel[(num_rows, num_heads)](
             part_out, part_lse, query_start_loc, out, num_seqs, num_heads, num_splits,
@@ -375,7 +394,7 @@ def _context_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_siz
 def _gather_contexts(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor):
     """Every sequence's context rows packed back to back: ([L_total, R + P], cu [B + 1])."""
     slots, cu = _context_slots(block_tables, seq_lens, kv_cache.shape[1])
-    return kv_cache.view(-1, kv_cache.shape[-1])[slots], cu
+    return cache_rows(kv_cache, slots), cu
 
 
 def mla_prefill_triton(

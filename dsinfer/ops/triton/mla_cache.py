@@ -3,6 +3,9 @@ per-step preamble that ropes, normalizes and stores in one kernel.
 
 Preamble (``rope_norm_store_mla_triton``): one program per token ropes the query's rope part and the shared rope
 key, RMS-normalizes the latent and stores ``[c | k_pe]``: one kernel where rotary, norm and store were three.
+
+An FP8 cache gets the rows saturated at the format's largest finite value (``to_cache`` with scale 1.0, see
+``ops.mla``).
 """
 
 from __future__ import annotations
@@ -11,12 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
+from dsinfer.ops.kv_cache import fp8_max
+from dsinfer.ops.triton.kv_cache import to_cache
 from dsinfer.ops.triton.rotary import _cos_sin_at, _pair_offsets, _rotate_heads
 
 
 @triton.jit
 def _store_kernel(kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, stride_c, stride_p, stride_slot,
-                  RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+                  RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                  FP8_MAX: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -26,8 +32,8 @@ def _store_kernel(kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, stride_c, stride_p, s
     c = tl.load(kv_c_ptr + t.to(tl.int64) * stride_c + offs_r, mask=offs_r < RANK)
     p = tl.load(k_pe_ptr + t.to(tl.int64) * stride_p + offs_p, mask=offs_p < ROPE)
     row = cache_ptr + slot * stride_slot
-    tl.store(row + offs_r, c.to(cache_ptr.dtype.element_ty), mask=offs_r < RANK)
-    tl.store(row + RANK + offs_p, p.to(cache_ptr.dtype.element_ty), mask=offs_p < ROPE)
+    tl.store(row + offs_r, to_cache(c, 1.0, cache_ptr, FP8_MAX), mask=offs_r < RANK)
+    tl.store(row + RANK + offs_p, to_cache(p, 1.0, cache_ptr, FP8_MAX), mask=offs_p < ROPE)
 
 
 def store_mla_kv_triton(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -43,7 +49,7 @@ def store_mla_kv_triton(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.
     _store_kernel[(num_tokens,)](
         kv_c, k_pe, flat, slot_mapping, kv_c.stride(0), k_pe.stride(0), flat.stride(0),
         RANK=rank, ROPE=rope, BLOCK_R=triton.next_power_of_2(rank), BLOCK_P=triton.next_power_of_2(rope),
-        num_warps=4,
+        FP8_MAX=fp8_max(kv_cache.dtype), num_warps=4,
     )
 
 
@@ -55,6 +61,7 @@ def _rope_norm_store_kernel(
     stride_qp_t, stride_qp_h, stride_qo_t, stride_qo_h, stride_c, stride_p, stride_cs, stride_slot, eps,
     NUM_HEADS: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)[None, :]
@@ -66,7 +73,6 @@ def _rope_norm_store_kernel(
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         row = cache_ptr + slot * stride_slot
-        cache_ty = cache_ptr.dtype.element_ty
         # the latent: RMSNorm as ops.rms_norm (float32 statistics, rounded to x's dtype, times the weight)
         offs_r = tl.arange(0, BLOCK_R)
         r_valid = offs_r < RANK
@@ -75,7 +81,7 @@ def _rope_norm_store_kernel(
         inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / RANK + eps)
         normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
         w = tl.load(norm_w_ptr + offs_r, mask=r_valid, other=0.0).to(tl.float32)
-        tl.store(row + offs_r, (w * normed).to(x.dtype).to(cache_ty), mask=r_valid)
+        tl.store(row + offs_r, to_cache((w * normed).to(x.dtype), 1.0, cache_ptr, FP8_MAX), mask=r_valid)
         # the shared rope key, rounded to its own dtype first (as rotary, then the store, would)
         i1, i2 = _pair_offsets(j, HALF, IS_NEOX)
         k_row = k_pe_ptr + t * stride_p
@@ -83,8 +89,9 @@ def _rope_norm_store_kernel(
         k2 = tl.load(k_row + i2, mask=j_valid, other=0.0)
         k_ty = k1.dtype
         k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
-        tl.store(row + RANK + i1, (k1f * cos - k2f * sin).to(k_ty).to(cache_ty), mask=j_valid)
-        tl.store(row + RANK + i2, (k2f * cos + k1f * sin).to(k_ty).to(cache_ty), mask=j_valid)
+        k1_out, k2_out = (k1f * cos - k2f * sin).to(k_ty), (k2f * cos + k1f * sin).to(k_ty)
+        tl.store(row + RANK + i1, to_cache(k1_out, 1.0, cache_ptr, FP8_MAX), mask=j_valid)
+        tl.store(row + RANK + i2, to_cache(k2_out, 1.0, cache_ptr, FP8_MAX), mask=j_valid)
 
 
 def rope_norm_store_mla_triton(
@@ -110,6 +117,6 @@ def rope_norm_store_mla_triton(
         cache.stride(0), flat.stride(0), eps,
         NUM_HEADS=num_heads, RANK=rank, HALF=half, BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_R=triton.next_power_of_2(rank), BLOCK_HALF=triton.next_power_of_2(half), IS_NEOX=is_neox,
-        num_warps=4,
+        FP8_MAX=fp8_max(kv_cache.dtype), num_warps=4,
     )
     return q_out

@@ -11,8 +11,12 @@ of a split takes the masked pointer loads (rows past the context may hold anythi
 
 The latent rank is split in ``NUM_C`` chunks of ``BLOCK_C`` columns (a TMA box is at most 256 wide): two score
 dots and two value accumulators at rank 512. On the H200 at H=16 (V2-Lite), B=128, 4k context, tuned and
-CUDA-graph timed: 0.185 ms (78% of the copy rate); the pointer-load kernel took 0.230 ms in the same tuner a
-session earlier (docs/benchmarks.md, session 5).
+CUDA-graph timed: 0.162 ms (89% of the copy rate) with 6 pipeline stages, which give the copies two shared buffers
+(4 stages: one buffer, 0.186 ms); the pointer-load kernel took 0.230 ms in session 5 (docs/benchmarks.md).
+
+An FP8 cache (``ops.mla``) is fetched as FP8 and widened to fp16 (a bf16 query, multiplied in fp16) or to the
+query's dtype before the products: 0.216 ms at the same shape, slower than a bf16 cache, since the latent tile is
+wgmma's shared-memory operand of both products and each widened tile goes back through shared memory.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsinfer.ops.triton.attention import widen_fp8
 from dsinfer.ops.triton.mla import _dot, _row_split, _softmax_step, _softmax_totals
 
 _MAX_BOX = 256  # widest TMA box dimension (elements)
@@ -34,6 +39,28 @@ def tma_chunks(rank: int, rope_tile: int, cache: torch.Tensor, block_n: int) -> 
             or row_bytes % 16 or cache.data_ptr() % 16 or cache.shape[1] % block_n):
         return None
     return max(1, rank // _MAX_BOX)
+
+
+@triton.jit
+def _widen(c0, c1, k_pe, qn_ptr, NUM_C: tl.constexpr, F16: tl.constexpr, FP8_CVT: tl.constexpr):
+    """An FP8 cache tile (latent chunks, rope key) in the products' dtype: fp16 (``F16``, a bf16 query on the GPU,
+    which ``_attend`` then casts to fp16 too) or the query's dtype."""
+    if F16:
+        c0 = widen_fp8(c0, tl.float16, FP8_CVT)
+        if NUM_C == 2:
+            c1 = widen_fp8(c1, tl.float16, FP8_CVT)
+        else:
+            c1 = c0
+        k_pe = widen_fp8(k_pe, tl.float16, FP8_CVT)
+    else:
+        ty = qn_ptr.dtype.element_ty
+        c0 = c0.to(ty)
+        if NUM_C == 2:
+            c1 = c1.to(ty)
+        else:
+            c1 = c0
+        k_pe = k_pe.to(ty)
+    return c0, c1, k_pe
 
 
 @triton.jit
@@ -78,6 +105,7 @@ def _mla_decode_tma_kernel(
     stride_c_blk, stride_c_off, stride_bt, block_size, stride_ot, stride_oh,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_C: tl.constexpr, NUM_C: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, UPCAST: tl.constexpr,
+    FP8: tl.constexpr, F16: tl.constexpr, FP8_CVT: tl.constexpr,
 ):
     head_tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -111,6 +139,8 @@ def _mla_decode_tma_kernel(
         else:
             c1 = c0
         k_pe = p_desc.load([r0, RANK])  # columns past R + P come back as zeros
+        if FP8:  # an FP8 cache's tiles are multiplied in the query's dtype
+            c0, c1, k_pe = _widen(c0, c1, k_pe, qn_ptr, NUM_C, F16, FP8_CVT)
         m_i, l_i, acc0, acc1 = _attend(qn_ptrs, qp_ptrs, q_mask, qp_mask, c0, c1, k_pe, all_valid, m_i, l_i,
                                        acc0, acc1, scale_log2, BLOCK_C, NUM_C, UPCAST)
     if full_end < end:  # the partial last tile: masked loads, rows past the context read as zeros
@@ -125,6 +155,8 @@ def _mla_decode_tma_kernel(
             c1 = c0
         k_pe = tl.load(base[:, None] + RANK + offs_p[None, :], mask=n_valid[:, None] & p_valid[None, :],
                        other=0.0)
+        if FP8:
+            c0, c1, k_pe = _widen(c0, c1, k_pe, qn_ptr, NUM_C, F16, FP8_CVT)
         m_i, l_i, acc0, acc1 = _attend(qn_ptrs, qp_ptrs, q_mask, qp_mask, c0, c1, k_pe, n_valid, m_i, l_i,
                                        acc0, acc1, scale_log2, BLOCK_C, NUM_C, UPCAST)
     denom, lse = _softmax_totals(m_i, l_i)
@@ -139,7 +171,7 @@ def _mla_decode_tma_kernel(
 
 def launch_tma_decode(grid, q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, out,
                       part_out, part_lse, scale_log2: float, num_splits: int, num_chunks: int, block_p: int,
-                      block_h: int, cfg: dict) -> None:
+                      block_h: int, cfg: dict, fp8: dict) -> None:
     """Launch the TMA kernel (``ops.triton.mla.mla_decode_triton`` decides when and sizes everything)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -157,5 +189,5 @@ def launch_tma_decode(grid, q_nope_absorbed, q_pe, kv_cache, block_tables, query
         out.stride(0), out.stride(1),
         RANK=rank, ROPE=q_pe.shape[-1], BLOCK_C=block_c, NUM_C=num_chunks, BLOCK_P=block_p, BLOCK_H=block_h,
         BLOCK_N=block_n, SINGLE=num_splits == 1, UPCAST=not q_nope_absorbed.is_cuda,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
