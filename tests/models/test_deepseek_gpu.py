@@ -120,9 +120,10 @@ def test_cuda_float32_greedy_matches_cpu_and_hf(arch, mode, request, monkeypatch
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("arch", ["v2", "v3"])
 def test_cuda_fp8_latent_cache_matches_cpu(arch, request, monkeypatch):
-    """An FP8 latent cache through the Triton store, the TMA-capable decode kernel (in CUDA graphs) and the prefill
-    kernel gives the CPU path's greedy tokens over the same FP8 cache; float32 values a few bits apart on the two
-    devices may round to neighbouring FP8 values, hence a looser logprob bound than TOL."""
+    """An FP8 latent cache through the Triton store, decode (in CUDA graphs; the tiny models' 4 heads take the
+    pointer-load kernel, the TMA one is covered in tests/ops/test_mla_fp8_cache.py) and prefill kernels gives the
+    CPU path's greedy tokens over the same FP8 cache; float32 values a few bits apart on the two devices may round
+    to neighbouring FP8 values, hence a looser logprob bound than TOL."""
     ckpt = request.getfixturevalue(arch)
     cpu = _generate(LLM(str(ckpt.path), device="cpu", dtype="float32", kv_cache_dtype="fp8"), ckpt, ALL)
     llm = LLM(str(ckpt.path), device="cuda", dtype="float32", kv_cache_dtype="fp8")
