@@ -45,6 +45,14 @@ def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tenso
     return x.to(dtype) * scale
 
 
+def copy_rows(dst: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """``dst.index_copy_(0, index, rows)`` for any cache dtype (index_copy_ has no FP8 kernel on CPU: an FP8
+    cache's rows are copied as bytes)."""
+    if dst.element_size() == 1:
+        dst, rows = dst.view(torch.uint8), rows.view(torch.uint8)
+    dst.index_copy_(0, index, rows)
+
+
 def _stored_rows(slot_mapping: torch.Tensor) -> torch.Tensor | None:
     """Rows with a real slot, or None when all have one; every layer of a step passes the same slot_mapping."""
     global _last
@@ -63,11 +71,8 @@ def store_kv_ref(
     keep = _stored_rows(slot_mapping)
     if keep is not None:
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    k, v = quantize(k, kv_scales[0], kv_cache.dtype), quantize(v, kv_scales[1], kv_cache.dtype)
-    if kv_cache.element_size() == 1:  # index_copy_ has no FP8 kernel on CPU: copy the bytes
-        flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
-    flat[0].index_copy_(0, slot_mapping, k)
-    flat[1].index_copy_(0, slot_mapping, v)
+    copy_rows(flat[0], slot_mapping, quantize(k, kv_scales[0], kv_cache.dtype))
+    copy_rows(flat[1], slot_mapping, quantize(v, kv_scales[1], kv_cache.dtype))
 
 
 def store_kv(

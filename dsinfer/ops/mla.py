@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from dsinfer.ops.dispatch import use_triton
-from dsinfer.ops.kv_cache import FP8_DTYPES, quantize
+from dsinfer.ops.kv_cache import FP8_DTYPES, copy_rows, quantize
 from dsinfer.ops.norm import rms_norm
 from dsinfer.ops.rotary import apply_rotary
 
@@ -53,9 +53,7 @@ def store_mla_kv_ref(
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         rows, slot_mapping = rows[keep], slot_mapping[keep]
-    if kv_cache.element_size() == 1:  # index_copy_ has no FP8 kernel on CPU: copy the bytes
-        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
-    flat.index_copy_(0, slot_mapping, rows)
+    copy_rows(flat, slot_mapping, rows)
 
 
 def rope_norm_store_mla(

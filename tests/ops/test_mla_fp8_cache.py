@@ -29,10 +29,6 @@ def _fp8_cache(q_lens, ctx_lens, heads, rank, rope, block_size, fp8, device):
     return (cache * 3).clamp(-limit, limit).to(fp8), tables, qsl, seq_lens, gen  # NaN rows stay NaN
 
 
-def _widened(cache: torch.Tensor) -> torch.Tensor:
-    return _clean(cache.float())
-
-
 @pytest.mark.parametrize("fp8", FP8, ids=lambda d: str(d)[-6:])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("tma", [False, True], ids=["loads", "tma"])
@@ -49,7 +45,7 @@ def test_mla_decode_over_fp8_cache(fp8, q_dtype, tma, device, poisoned, assert_c
     cfg = dict(block_h=16, block_n=16, num_warps=4, num_stages=2, tma=tma)
     out = mla_decode_triton(q_nope, q_pe, cache, tables, qsl, seq_lens, 0.3, num_splits=3, config=cfg)
     assert out.dtype == q_dtype
-    ref = mla_decode_ref(q_nope.double().cpu(), q_pe.double().cpu(), _widened(cache), tables.cpu(), qsl.cpu(),
+    ref = mla_decode_ref(q_nope.double().cpu(), q_pe.double().cpu(), _clean(cache), tables.cpu(), qsl.cpu(),
                          seq_lens.cpu(), 0.3)
     assert_close(out, ref, q_dtype)
 
@@ -74,7 +70,7 @@ def test_mla_prefill_over_fp8_cache_with_cached_prefix(fp8, device, poisoned, as
     q_pe = torch.randn(sum(q_lens), heads, rope, generator=gen).bfloat16().to(device)
     w_kv_b = (torch.randn(heads, nope + vdim, rank, generator=gen) / rank**0.5).bfloat16().to(device)
     out = mla_prefill(q_nope, q_pe, cache, tables, qsl, seq_lens, w_kv_b, 0.2)
-    ref = mla_prefill_ref(q_nope.double().cpu(), q_pe.double().cpu(), _widened(cache), tables.cpu(), qsl.cpu(),
+    ref = mla_prefill_ref(q_nope.double().cpu(), q_pe.double().cpu(), _clean(cache), tables.cpu(), qsl.cpu(),
                           seq_lens.cpu(), w_kv_b.double().cpu(), 0.2)
     assert_close(out, ref, torch.bfloat16)
 

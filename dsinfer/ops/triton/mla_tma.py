@@ -46,21 +46,15 @@ def _widen(c0, c1, k_pe, qn_ptr, NUM_C: tl.constexpr, F16: tl.constexpr, FP8_CVT
     """An FP8 cache tile (latent chunks, rope key) in the products' dtype: fp16 (``F16``, a bf16 query on the GPU,
     which ``_attend`` then casts to fp16 too) or the query's dtype."""
     if F16:
-        c0 = widen_fp8(c0, tl.float16, FP8_CVT)
-        if NUM_C == 2:
-            c1 = widen_fp8(c1, tl.float16, FP8_CVT)
-        else:
-            c1 = c0
-        k_pe = widen_fp8(k_pe, tl.float16, FP8_CVT)
+        ty: tl.constexpr = tl.float16
     else:
-        ty = qn_ptr.dtype.element_ty
-        c0 = c0.to(ty)
-        if NUM_C == 2:
-            c1 = c1.to(ty)
-        else:
-            c1 = c0
-        k_pe = k_pe.to(ty)
-    return c0, c1, k_pe
+        ty: tl.constexpr = qn_ptr.dtype.element_ty
+    c0 = widen_fp8(c0, ty, FP8_CVT)
+    if NUM_C == 2:
+        c1 = widen_fp8(c1, ty, FP8_CVT)
+    else:
+        c1 = c0
+    return c0, c1, widen_fp8(k_pe, ty, FP8_CVT)
 
 
 @triton.jit
