@@ -109,7 +109,7 @@ def mla_decode_rows(sweep: bool, best: dict) -> list[Row]:
             fn = functools.partial(mla_decode_triton, q, qp, cache, tables, qsl, seq_lens, 192**-0.5,
                                    max_seq_len=ctx, config=cfg)
             try:
-                results.append((graph_ms(fn), cfg or decode_config(heads, True)))
+                results.append((graph_ms(fn), cfg or decode_config(heads, True, dtype != BF16)))
             except Exception as exc:  # noqa: BLE001 (a config that does not compile)
                 print(f"  mla decode h={heads} cfg={cfg}: failed {type(exc).__name__}: {str(exc)[:100]}")
             if sweep and cfg is not None:

@@ -104,3 +104,19 @@ def test_rope_norm_store_into_fp8_cache(fp8, dtype, device, poisoned):
     # that may differ in their last bits
     step = 2.0 ** -(3 if fp8 == torch.float8_e4m3fn else 2)
     torch.testing.assert_close(cache.cpu().float(), cache_ref.float(), rtol=step, atol=1e-3)
+
+
+def test_fp8_cache_takes_its_own_decode_tile_where_the_table_has_one(monkeypatch):
+    """``decode_config``: an FP8 cache picks ``"<heads>,fp8"`` when tuned, else the head count's tile; a bf16
+    cache never picks the FP8 entry."""
+    from dsinfer.ops.triton import mla
+
+    table = {"128": dict(block_h=64, tma=True), "128,fp8": dict(block_h=64, tma=False), "16": dict(block_h=16)}
+    monkeypatch.setattr(mla, "_decode_configs", lambda: table)
+    assert mla.decode_config(128, True, fp8_cache=True) == table["128,fp8"]
+    assert mla.decode_config(128, True) == table["128"]
+    assert mla.decode_config(16, True, fp8_cache=True) == table["16"]
+    assert mla.decode_config(16, False, fp8_cache=True)["num_stages"] == 1  # the interpreter's own tile
+    chosen = mla.decode_config(128, True, fp8_cache=True)
+    chosen["tma"] = True  # a copy: the caller may edit it
+    assert table["128,fp8"]["tma"] is False
