@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help='JSON merged into config.json, e.g. \'{"num_hidden_layers": 8}\'')
     p.add_argument("--hf-num-prompts", type=int, default=None, help="HF runs only this many prompts (subset)")
     p.add_argument("--hf-output-len", type=int, default=None, help="output length of the HF subset")
+    p.add_argument("--step-breakdown", action="store_true",
+                   help="CUDA: GPU time of the last dsinfer run's steps, prompt steps apart from decode steps by batch")
     args = p.parse_args(argv)
     if args.output_len_range and not 1 <= args.output_len_range[0] <= args.output_len_range[1]:
         p.error(f"--output-len-range needs 1 <= MIN <= MAX, got {args.output_len_range}")
@@ -112,6 +114,30 @@ def run_dsinfer(llm, prompts: list[list[int]], lengths: list[int], ignore_eos: b
     tokens = [o.outputs[0].token_ids for o in outputs]
     produced = sum(len(t) for t in tokens)
     return Result("dsinfer", elapsed, cpu, len(prompts), sum(map(len, prompts)), produced, produced), tokens
+
+
+def summarize_steps(steps: list[tuple[float, float, int]]) -> list[tuple[str, int, float]]:
+    """``steps``: per engine step in order, (GPU ms, GPU idle ms before it, its decode batch or -1 when it has
+    prompt tokens) -> rows (kind, steps, seconds): steps with prompt tokens, decode steps at the largest batch
+    seen, smaller decode steps, and the idle time between steps (host work the GPU waited for)."""
+    full = max((n for _, _, n in steps), default=0)
+    rows: dict[str, list[float]] = {}
+    for ms, _, n in steps:
+        kind = "steps with prompt tokens" if n < 0 else f"decode steps, B={full}" if n == full else \
+            f"decode steps, B<{full}"
+        entry = rows.setdefault(kind, [0, 0.0])
+        entry[0] += 1
+        entry[1] += ms / 1e3
+    out = [(kind, int(n), sec) for kind, (n, sec) in rows.items()]
+    return out + [("GPU idle between steps", len(steps), sum(idle for _, idle, _ in steps) / 1e3)]
+
+
+def step_breakdown(runner) -> list[tuple[str, int, float]]:
+    """``summarize_steps`` of the CUDA events the runner recorded (``runner.step_events``)."""
+    events = runner.step_events or []
+    steps = [(start.elapsed_time(done), events[i - 1][1].elapsed_time(start) if i else 0.0, n)
+             for i, (start, done, n) in enumerate(events)]
+    return summarize_steps(steps)
 
 
 def load_hf(model_dir: Path, dtype, device: str):
@@ -294,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         report |= compare_with_hf_subset(llm, args, prompts, lengths)
     hf_model = load_hf(config.path, config.dtype, args.device) if args.compare_hf and not subset else None
     ours = hf = None
+    breakdown = args.step_breakdown and args.device == "cuda"
     for _ in range(args.repeat):
+        if breakdown:
+            llm.engine.runner.step_events = []  # filled by the runner: (start, done, decode batch or -1)
         run, our_tokens = run_dsinfer(llm, prompts, lengths, args.ignore_eos)
         ours = run if ours is None or run.elapsed_s < ours.elapsed_s else ours
         print(f"  dsinfer run: {run.elapsed_s:.2f} s")
@@ -312,6 +341,14 @@ def main(argv: list[str] | None = None) -> int:
         report["ratio_cpu_time"] = hf.cpu_s / ours.cpu_s
         report["identical_outputs"] = same
     print_table(results)
+    if breakdown:
+        import torch
+
+        torch.cuda.synchronize()
+        print("where the last dsinfer run's GPU time went:")
+        for kind, n, sec in step_breakdown(llm.engine.runner):
+            print(f"  {kind:28s} {n:6d} steps {sec:8.2f} s ({1e3 * sec / max(n, 1):.3f} ms/step)")
+        llm.engine.runner.step_events = None
     if subset:
         ratio = ours.output_tok_s / report["subset"]["hf_output_tok_s"]
         report["ratio_full_vs_hf_subset"] = ratio
