@@ -17,6 +17,7 @@ _TYPES: dict[int, tuple[str, str]] = {
     429: ("rate_limit_error", "rate_limit_error"),
     500: ("server_error", "api_error"),
     503: ("service_unavailable_error", "overloaded_error"),
+    529: ("service_unavailable_error", "overloaded_error"),  # Anthropic's "temporarily overloaded"
 }
 
 

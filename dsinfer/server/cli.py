@@ -93,7 +93,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help='JSON sampling values over the generation config\'s, e.g. \'{"temperature": 0.5}\' '
                           "(temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps max_tokens)")
     srv = parser.add_argument_group("server")
-    srv.add_argument("--max-waiting-requests", type=int, default=256, help="queued requests before 429")
+    srv.add_argument("--max-waiting-requests", type=int, default=256,
+                     help="queued requests before 429 (529 on Anthropic routes)")
     srv.add_argument("--max-body-mb", type=float, default=8.0, help="request bodies above this get 413")
     srv.add_argument("--max-json-depth", type=int, default=64, help="deeper JSON nesting gets 400")
     srv.add_argument(

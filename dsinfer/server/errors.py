@@ -126,7 +126,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineOverloadedError)
     async def _overloaded(request: Request, exc: EngineOverloadedError) -> JSONResponse:
-        return _reply(request, 429, str(exc), headers={"Retry-After": "1"})
+        # a full queue: OpenAI's API answers 429, Anthropic's 529 overloaded_error (its SDK's OverloadedError);
+        # both SDKs retry either, after Retry-After
+        anthropic = family_for(request.url.path, request.headers) == "anthropic"
+        return _reply(request, 529 if anthropic else 429, str(exc), headers={"Retry-After": "1"})
 
     @app.exception_handler(EngineDrainingError)
     async def _draining(request: Request, exc: EngineDrainingError) -> JSONResponse:

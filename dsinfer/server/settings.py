@@ -13,7 +13,7 @@ class ServerSettings:
     api_keys: tuple[str, ...] = ()  # accepted keys; () = no authentication
     max_body_bytes: int = 8 << 20  # larger request bodies are answered 413
     max_json_depth: int = 64  # deeper JSON nesting is answered 400 before parsing
-    max_waiting_requests: int = 256  # requests queued beyond this are answered 429
+    max_waiting_requests: int = 256  # requests queued beyond this are answered 429 (529 on Anthropic routes)
     drain_timeout_s: float = 30.0  # on SIGTERM, how long in-flight requests may finish
     chat_template: str | None = None  # template text overriding the model's
     chat_format: str = "auto"  # built-in format when the model has no template: auto | chatml | deepseek_v3

@@ -30,7 +30,8 @@ ASK = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content"
 
 
 class _Engine:
-    """``mode``: "ok" finishes after one output, "overloaded" refuses at once (429), "dies" fails after its first
+    """``mode``: "ok" finishes after one output, "overloaded" refuses at once (429; Anthropic's routes 529), "dies"
+    fails after its first
     output (the stream has started: an in-stream error event), "bug" raises what no handler takes (a 500)."""
 
     def __init__(self, tokenizer: Tokenizer):
@@ -95,7 +96,7 @@ def _anthropic_error(r: httpx.Response, status: int, kind: str) -> dict:
     ("no key", 401, "authentication_error"),
     ("no route", 404, "not_found_error"),
     ("too large", 413, "request_too_large"),
-    ("overloaded", 429, "rate_limit_error"),
+    ("overloaded", 529, "overloaded_error"),  # a full queue: Anthropic's status (OpenAI's routes answer 429)
     ("draining", 503, "overloaded_error"),
 ])
 def test_anthropic_error_bodies_carry_the_request_id_header(engine, case, status, kind):
@@ -145,8 +146,41 @@ def test_openai_error_bodies_are_unchanged(engine, case):
     engine.mode = "overloaded" if case == "overloaded" else "ok"
     engine.draining = case == "draining"
     r = _call(engine, "POST", "/v1/chat/completions", headers, json=body)
+    assert r.status_code == {"bad field": 400, "no key": 401, "overloaded": 429, "draining": 503}[case]
     assert "request-id" not in r.headers and r.headers["x-request-id"]
     assert set(r.json()) == {"error"} and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def _sdk_http_client(sdk, app):
+    """An in-process client for ``app`` of the HTTP package the SDK is built on (httpx, or httpx2 in newer SDKs,
+    which refuse the other's objects)."""
+    http = getattr(sdk._base_client, "httpx2", None) or sdk._base_client.httpx
+    return http.AsyncClient(transport=http.ASGITransport(app=app), base_url="http://dsinfer")
+
+
+def test_a_full_queue_is_the_anthropic_sdks_overloaded_error_and_openai_s_rate_limit(engine):
+    """Each SDK, without retries, raises its own exception for a full queue: ``anthropic.OverloadedError``
+    (529), ``openai.RateLimitError`` (429); both answers say when to retry."""
+    import openai
+
+    engine.mode = "overloaded"
+    app = build_app(engine, ServerSettings(api_keys=(KEY,)))
+
+    async def go() -> None:
+        async with _sdk_http_client(anthropic, app) as http:
+            claude = anthropic.AsyncAnthropic(api_key=KEY, base_url="http://dsinfer", http_client=http,
+                                              max_retries=0)
+            with pytest.raises(anthropic.OverloadedError) as caught:
+                await claude.messages.create(**ASK)
+        assert caught.value.response.headers["retry-after"] == "1"
+        assert caught.value.body["error"]["type"] == "overloaded_error"
+        async with _sdk_http_client(openai, app) as http:
+            gpt = openai.AsyncOpenAI(api_key=KEY, base_url="http://dsinfer/v1", http_client=http, max_retries=0)
+            with pytest.raises(openai.RateLimitError) as caught:
+                await gpt.chat.completions.create(model="tiny", messages=ASK["messages"], max_tokens=4)
+        assert caught.value.response.headers["retry-after"] == "1"
+
+    asyncio.run(go())
 
 
 def test_openai_in_stream_error_is_unchanged(engine):
