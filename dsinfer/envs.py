@@ -138,6 +138,13 @@ SIDE_STREAM = _declare(
     "stream, in sequence).",
     _parse_bool,
 )
+ROUTER_GEMV = _declare(
+    "DSINFER_ROUTER_GEMV", "bool", False,
+    "DeepSeek MoE on CUDA: batches of up to 64 tokens get their gate logits from a split-K Triton GEMV whose "
+    "partial sums the routing kernel adds (off: cuBLAS's GEMV, in one thread block at these sizes). Off until "
+    "timed on the GPU against cuBLAS (docs/benchmarks.md, session 15).",
+    _parse_bool,
+)
 USE_TRITON = _declare(
     "DSINFER_USE_TRITON", "str", "auto",
     "Use Triton kernels: auto (on CUDA), always (also TRITON_INTERPRET on CPU) or never.",

@@ -26,7 +26,7 @@ from dsinfer import batch_invariant
 from dsinfer.layers.fp8_linear import BlockScaledShards, Fp8Config
 from dsinfer.ops.activation import silu_and_mul
 from dsinfer.ops.fp8 import FP8_DTYPE, fp8_block_linear
-from dsinfer.ops.moe import Routing, fused_moe, select_experts
+from dsinfer.ops.moe import Routing, fused_moe, route_hidden, select_experts
 
 SHARDS = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", 0)}
 SHARED = "shared"  # the expert index of a shard of the shared experts' MLP: ("shared", "gate" | "up" | "down")
@@ -104,13 +104,13 @@ class Router(nn.Module):
 
     def forward(self, hidden: torch.Tensor, with_shared: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_weights, topk_ids): the routed choice, plus the shared-expert columns when ``with_shared``."""
+        shared = self.cfg.num_shared if with_shared else 0
         if (self.weight_16bit is not None and hidden.dtype == self.dtype and hidden.dim() == 2
                 and not batch_invariant.is_enabled()):  # that mode's invariant matmuls take float32 here
-            logits = torch.mm(hidden, self.weight_16bit.t(), out_dtype=torch.float32)
-        else:
-            logits = torch.nn.functional.linear(hidden.float(), self.weight)
-        return select_experts(logits, self.cfg.top_k, self.cfg.routing, self.e_score_correction_bias,
-                              self.cfg.num_shared if with_shared else 0)
+            return route_hidden(hidden, self.weight_16bit, self.cfg.top_k, self.cfg.routing,
+                                self.e_score_correction_bias, shared)
+        logits = torch.nn.functional.linear(hidden.float(), self.weight)
+        return select_experts(logits, self.cfg.top_k, self.cfg.routing, self.e_score_correction_bias, shared)
 
 
 class FusedExperts(nn.Module):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dsinfer import batch_invariant
+from dsinfer import batch_invariant, envs
 from dsinfer.ops.dispatch import use_triton
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -86,6 +86,32 @@ def select_experts(
         if router.supports(router_logits.shape[-1], top_k, routing.n_group, num_shared):
             return router.select_experts_triton(router_logits, top_k, routing, e_score_correction_bias, num_shared)
     return select_experts_ref(router_logits, top_k, routing, e_score_correction_bias, num_shared)
+
+
+def route_hidden(
+    hidden: torch.Tensor,
+    weight_16bit: torch.Tensor,
+    top_k: int,
+    routing: Routing = Routing(),
+    e_score_correction_bias: torch.Tensor | None = None,
+    num_shared: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_experts`` of the gate logits ``hidden @ weight_16bit.T``, accumulated in float32 (16-bit products
+    are exact in it, so this is the float32 product up to summation order). On the Triton path, with
+    ``DSINFER_ROUTER_GEMV``, a batch of up to ``GEMV_MAX_TOKENS`` rows takes a split-K GEMV whose partials the
+    routing kernel sums; otherwise one GEMM writes float32 logits."""
+    if use_triton(hidden) and envs.ROUTER_GEMV.get() and not batch_invariant.is_enabled():
+        from dsinfer.ops.triton import router
+
+        if router.gemv_supports(hidden, weight_16bit) and router.supports(
+                weight_16bit.shape[0], top_k, routing.n_group, num_shared):
+            return router.route_hidden_triton(hidden, weight_16bit, top_k, routing, e_score_correction_bias,
+                                              num_shared)
+    if hidden.is_cuda:
+        logits = torch.mm(hidden, weight_16bit.t(), out_dtype=torch.float32)
+    else:  # torch has no CPU kernel of a 16-bit GEMM with a float32 output
+        logits = hidden.float() @ weight_16bit.float().t()
+    return select_experts(logits, top_k, routing, e_score_correction_bias, num_shared)
 
 
 def select_experts_ref(

@@ -30,6 +30,7 @@ def _router_kernel(
     E_PAD: tl.constexpr, G_PAD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, NUM_SHARED: tl.constexpr, S_PAD: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NOAUX: tl.constexpr, NORM: tl.constexpr,
+    NUM_PARTS: tl.constexpr = 1, PART_CHUNK: tl.constexpr = 1,
 ):
     """NOAUX: groups scored by their top-2 sum and dropped groups' experts at -inf, else by their max and at 0.0
     (group_limited_greedy, as the reference's masked scores). Output rows are TOP_K + NUM_SHARED wide; the shared
@@ -37,7 +38,16 @@ def _router_kernel(
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     valid = e < num_experts
-    x = tl.load(logits_ptr + row * stride_l + e, mask=valid, other=-float("inf")).to(tl.float32)
+    if NUM_PARTS == 1:
+        x = tl.load(logits_ptr + row * stride_l + e, mask=valid, other=-float("inf")).to(tl.float32)
+    else:  # the split-K GEMV's partial logits [NUM_PARTS, E_PAD] of this row (``_router_gemv_kernel``), summed
+        x = tl.zeros([E_PAD], tl.float32)
+        for p0 in tl.static_range(0, NUM_PARTS, PART_CHUNK):  # unrolled: every chunk's load issued up front
+            part = p0 + tl.arange(0, PART_CHUNK)
+            tile = tl.load(logits_ptr + (row * NUM_PARTS + part[:, None]) * E_PAD + e[None, :],
+                           mask=part[:, None] < NUM_PARTS, other=0.0)
+            x += tl.sum(tile, axis=0)
+        x = tl.where(valid, x, -float("inf"))
     if SIGMOID:
         scores = 1.0 / (1.0 + tl.exp(-x))
     else:
@@ -100,9 +110,15 @@ def select_experts_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``ops.moe.select_experts``: (topk_weights [T, k + S] float32, topk_ids [T, k + S] int64),
     the S = ``num_shared`` shared-expert columns written by the same kernel."""
-    n_group, topk_group, topk_method = routing.n_group, routing.topk_group, routing.topk_method
-    num_tokens, num_experts = router_logits.shape
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    return _route(logits, logits.shape[0], logits.shape[1], 1, top_k, routing, e_score_correction_bias,
+                  num_shared)
+
+
+def _route(logits: torch.Tensor, num_tokens: int, num_experts: int, num_parts: int, top_k: int, routing: Routing,
+           e_score_correction_bias: torch.Tensor | None, num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing kernel over ``logits`` [T, E] (``num_parts`` 1) or the GEMV's partials [T, num_parts, E_PAD]."""
+    n_group, topk_group, topk_method = routing.n_group, routing.topk_group, routing.topk_method
     weights = torch.empty(num_tokens, top_k + num_shared, dtype=torch.float32, device=logits.device)
     ids = torch.empty(num_tokens, top_k + num_shared, dtype=torch.int64, device=logits.device)
     if num_tokens == 0:
@@ -110,7 +126,7 @@ def select_experts_triton(
     grouped = topk_method in ("group_limited_greedy", "noaux_tc") and n_group > 1
     noaux = topk_method == "noaux_tc"
     has_bias = noaux and e_score_correction_bias is not None
-    e_pad = max(16, triton.next_power_of_2(num_experts))
+    e_pad = _experts_pad(num_experts)
     _router_kernel[(num_tokens,)](
         logits, e_score_correction_bias if has_bias else logits, weights, ids, num_experts,
         num_experts // n_group if grouped else num_experts, logits.stride(0), float(routing.routed_scaling_factor),
@@ -119,6 +135,73 @@ def select_experts_triton(
         K_PAD=max(2, triton.next_power_of_2(top_k)), NUM_SHARED=num_shared,
         S_PAD=max(2, triton.next_power_of_2(num_shared)), SIGMOID=routing.scoring_func == "sigmoid",
         HAS_BIAS=has_bias, NOAUX=noaux, NORM=routing.norm_topk_prob,
+        NUM_PARTS=num_parts, PART_CHUNK=min(8, max(2, triton.next_power_of_2(num_parts))),
         num_warps=4 if e_pad >= 128 else 2,
     )
     return weights, ids
+
+
+def _experts_pad(num_experts: int) -> int:
+    return max(16, triton.next_power_of_2(num_experts))
+
+
+# ---- the gate GEMV of small batches ----------------------------------------------------------------------------
+
+# cuBLAS multiplies a decode step's few rows by the gate (V2-Lite: 64 x 2048 bf16, 256 KB) in one thread block:
+# 5 us a layer on an H200, 5% of V2-Lite's batch-1 step. Split over the hidden dimension, a program per 128
+# columns (and 16 rows) reads 16 KB. Past GEMV_MAX_TOKENS rows cuBLAS has thread blocks enough.
+GEMV_MAX_TOKENS, _GEMV_BLOCK_T, _GEMV_BLOCK_K = 64, 16, 128
+
+
+@triton.jit
+def _router_gemv_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidden, stride_x, stride_w,
+                        NUM_PARTS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """part[t, s, e] = sum over the columns k of split s of x[t, k] * w[e, k], in float32 (16-bit products are
+    exact in it); program (i, s): rows i * BLOCK_T.., split s."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    split = tl.program_id(1)
+    k = split * BLOCK_K + tl.arange(0, BLOCK_K)
+    e = tl.arange(0, E_PAD)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :],
+                mask=(rows[:, None] < num_tokens) & (k[None, :] < hidden), other=0.0)
+    w = tl.load(w_ptr + e[:, None] * stride_w + k[None, :], mask=(e[:, None] < num_experts) & (k[None, :] < hidden),
+                other=0.0)
+    if UPCAST:  # Triton's CPU interpreter multiplies bf16 tiles wrongly
+        x, w = x.to(tl.float32), w.to(tl.float32)
+    acc = tl.dot(x, tl.trans(w))  # [BLOCK_T, E_PAD]
+    tl.store(part_ptr + (rows[:, None].to(tl.int64) * NUM_PARTS + split) * E_PAD + e[None, :], acc,
+             mask=rows[:, None] < num_tokens)
+
+
+def gemv_supports(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``route_hidden_triton`` takes this batch: a few 16-bit rows, a gate the routing kernel covers."""
+    return (hidden.dim() == 2 and hidden.shape[0] <= GEMV_MAX_TOKENS and hidden.dtype == weight.dtype
+            and hidden.dtype in (torch.bfloat16, torch.float16) and weight.shape[0] <= MAX_EXPERTS)
+
+
+def route_hidden_triton(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    top_k: int,
+    routing: Routing = Routing(),
+    e_score_correction_bias: torch.Tensor | None = None,
+    num_shared: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_experts`` of the gate logits ``hidden @ weight.T`` [T, E] (float32), for a batch
+    ``gemv_supports`` takes: the split-K GEMV writes [T, splits, E] partial logits, which the routing kernel
+    sums (in split order) before it scores and picks. Two launches, as cuBLAS's GEMV and the routing kernel."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts = weight.shape[0]
+    x = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    e_pad = _experts_pad(num_experts)
+    num_parts = triton.cdiv(hidden_size, _GEMV_BLOCK_K)
+    parts = torch.empty(num_tokens, num_parts, e_pad, dtype=torch.float32, device=hidden.device)
+    if num_tokens:
+        _router_gemv_kernel[(triton.cdiv(num_tokens, _GEMV_BLOCK_T), num_parts)](
+            x, w, parts, num_tokens, num_experts, hidden_size, x.stride(0), w.stride(0),
+            NUM_PARTS=num_parts, E_PAD=e_pad, BLOCK_T=_GEMV_BLOCK_T, BLOCK_K=_GEMV_BLOCK_K,
+            UPCAST=not hidden.is_cuda, num_warps=4 if e_pad <= 64 else 8,
+        )
+    return _route(parts, num_tokens, num_experts, num_parts, top_k, routing, e_score_correction_bias, num_shared)
