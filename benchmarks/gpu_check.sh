@@ -12,7 +12,8 @@
 #             (MLA decode/prefill, fused MoE bf16/FP8, FP8 GEMM)
 #   llama     Llama-3.1-8B dummy bf16: latency.py (decode step vs batch at 1k context, prefill vs length, GPU idle
 #             between engine steps); throughput.py (512 x 1000 in / 1000 out, two runs, the faster kept; HF on
-#             32 x 1000 / 300 beside dsinfer on the same subset); the same 512 x 1000 / 1000 with an FP8 KV cache
+#             32 x 1000 / 1000, the workload's lengths, beside dsinfer on the same subset); the same 512 x 1000 /
+#             1000 with an FP8 KV cache
 #   deepseek  DeepSeek-V2-Lite dummy bf16 and DeepSeek-V3 dummy FP8 cut to 5 layers (3 dense + 2 MoE, no MTP):
 #             latency.py (decode B=1/64/256 at 1k context vs the floor of the experts actually routed to, prefill);
 #             throughput.py (V2-Lite 512 x 1000 / 100 with HF on 32 prompts; V3 256 x 1000 / 100; two runs
@@ -94,7 +95,7 @@ if want llama; then
         --json-out "$OUT/latency.json"
     step throughput "$PY" benchmarks/throughput.py "${DUMMY[@]}" --model "$LLAMA" \
         --num-prompts 512 --input-len 1000 --output-len 1000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
-        --gpu-memory-utilization 0.8 --compare-hf --hf-num-prompts 32 --hf-output-len 300 --repeat 2 \
+        --gpu-memory-utilization 0.8 --compare-hf --hf-num-prompts 32 --hf-output-len 1000 --repeat 2 \
         --json-out "$OUT/throughput.json"
     step throughput-fp8kv "$PY" benchmarks/throughput.py "${DUMMY[@]}" --model "$LLAMA" \
         --num-prompts 512 --input-len 1000 --output-len 1000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
