@@ -124,7 +124,8 @@ def _fp8_weights(e: int, rows: int, cols: int):
     for i in range(0, e, 16):
         chunk = torch.randn(min(16, e - i), rows, cols, device=tuning.DEV, dtype=torch.bfloat16)
         w[i:i + 16] = (chunk * 64).to(w.dtype)
-    s = torch.rand(e, rows // BLOCK[0], cols // BLOCK[1], device=tuning.DEV) * 2e-4 + 1e-4
+    # a scale per 128 x 128 block, the last ones partial (V3's fused q_a + kv_a projection has 2112 rows)
+    s = torch.rand(e, -(-rows // BLOCK[0]), -(-cols // BLOCK[1]), device=tuning.DEV) * 2e-4 + 1e-4
     return w, s
 
 
@@ -305,35 +306,65 @@ def _bucket(rows_per_expert: float) -> str:
     return str(round(rows_per_expert)) if rows_per_expert >= 1 else f"{rows_per_expert:.2g}"
 
 
-def tune_dense(budget: Budget, table: dict) -> None:
+# V3's FP8 linears that a decode step runs as dense GEMMs, (N, K): the fused q_a + kv_a projection, q_b, o_proj,
+# the dense layers' gate/up and down. At decode sizes the untuned tile (64 columns a program) leaves the narrow
+# ones with one program per SM or fewer (o_proj: 112 programs; 64 x 7168 x 16384 ran at 42% of the bandwidth).
+DENSE_DECODE_SHAPES = [(2112, 7168), (24576, 1536), (7168, 16384), (36864, 7168), (7168, 18432)]
+
+
+def dense_grid(rows: int) -> list[dict]:
+    """FP8 dense candidates for ``rows`` activation rows: prefill tiles past 256 rows; below, weight-streaming
+    tiles (narrower column tiles for more programs, K tiles of 128 or 256, deep pipelines, with and without TMA)."""
+    if rows > 256:
+        return [_cfg(*c) for c in ((128, 128, 128, 8, 8, 3), (64, 128, 128, 8, 4, 3, "tma"),
+                                   (128, 128, 128, 8, 8, 3, "tma"), (128, 128, 128, 8, 8, 4), (64, 256, 128, 8, 8, 3),
+                                   (64, 128, 128, 8, 4, 4), (128, 128, 128, 8, 8, 4, "tma"), (128, 64, 128, 8, 4, 4))]
+    bm = max(16, min(64, 1 << (rows - 1).bit_length()))  # one row tile: the weights stream once
+    grid = [(bm, 32, 128, 1, 4, 4), (bm, 16, 128, 1, 4, 5), (bm, 64, 128, 1, 4, 4, "bk256"),
+            (bm, 32, 128, 1, 4, 4, "bk256"), (bm, 16, 128, 1, 4, 4, "bk256"), (bm, 32, 128, 1, 4, 6),
+            (bm, 128, 128, 1, 4, 3), (bm, 64, 128, 1, 4, 4, "tma"), (bm, 32, 128, 1, 4, 4, "tma"),
+            (bm, 128, 128, 1, 8, 3, "tma"), (bm, 32, 128, 1, 2, 5)]
+    if bm > 16:  # several row tiles: more programs, the weight tile read again from L2
+        grid += [(16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (32, 32, 128, 1, 4, 4)]
+    return [_cfg(*c) for c in grid]
+
+
+def tune_dense(budget: Budget, table: dict, rows_list=(4096,)) -> None:
+    """The FP8 block-scaled dense GEMM: V3's o_proj at prefill rows, every decode shape (``DENSE_DECODE_SHAPES``)
+    at decode rows (timed as CUDA-graph replays: tens of microseconds). Entries merge into
+    ``dense,N,K,fp8`` under the row count."""
     from dsinfer.ops.triton.fp8 import dense_config, per_token_group_quant
     from dsinfer.ops.triton.moe import grouped_gemm
 
-    m, n, k = (64, 256, 512) if tuning.SMOKE else (4096, 7168, 16384)
-    w, s = _fp8_weights(1, n, k)
-    w, s = w[0], s[0]
-    x = torch.randn(m, k, device=tuning.DEV, dtype=torch.bfloat16)
-    a, a_s = per_token_group_quant(x, BLOCK[1])
-    out = torch.empty(m, n, device=tuning.DEV, dtype=torch.bfloat16)
-    rows = torch.arange(0, m, 37, device=tuning.DEV)
-    ref = _dequant_a(a[rows], a_s[rows]) @ (w.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)).T
-    current = dense_config(m, True, n, k)
-    grid = [_cfg(*c) for c in ((128, 128, 128, 8, 8, 3), (64, 128, 128, 8, 4, 3, "tma"),
-                               (128, 128, 128, 8, 8, 3, "tma"),
-                               (128, 128, 128, 8, 8, 4), (64, 256, 128, 8, 8, 3), (64, 128, 128, 8, 4, 4),
-                               (128, 128, 128, 8, 8, 4, "tma"), (128, 64, 128, 8, 4, 4))]
-    cands = [current] + [c for c in grid if c != current]
+    for m in rows_list:
+        if tuning.SMOKE:
+            shapes, m = [(256, 512)], min(m, 64)
+        else:
+            shapes = [(7168, 16384)] if m > 256 else DENSE_DECODE_SHAPES
+        for n, k in shapes:
+            w, s = _fp8_weights(1, n, k)
+            w, s = w[0], s[0]
+            x = torch.randn(m, k, device=tuning.DEV, dtype=torch.bfloat16)
+            a, a_s = per_token_group_quant(x, BLOCK[1])
+            out = torch.empty(m, n, device=tuning.DEV, dtype=torch.bfloat16)
+            rows = torch.arange(0, m, 37, device=tuning.DEV)
+            ref = _dequant_a(a[rows], a_s[rows]) @ (
+                w.float() * s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]).T
+            current = dense_config(m, True, n, k)
+            cands = [current] + [c for c in dense_grid(m) if c != current]
 
-    def run(cfg):
-        grouped_gemm(a, w, out, cfg, a_scale=a_s, b_scale=s, block_size=BLOCK)
+            def run(cfg, a=a, a_s=a_s, w=w, s=s, out=out):
+                grouped_gemm(a, w, out, cfg, a_scale=a_s, b_scale=s, block_size=BLOCK)
 
-    res = sweep(f"fp8 dense {m}x{n}x{k}", cands, run, lambda: rel_err(out[rows], ref), budget)
-    if not res:
-        return
-    t, cfg = min(res, key=lambda r: r[0])
-    table[f"dense,{n},{k},fp8"] = {str(m): cfg}
-    TABLE.append(f"| fp8 dense | {m}x{n}x{k} | {res[0][0]:.4f} | {t:.4f} | "
-                 f"{rate_note(t, n * k + m * k * 3 + m * n * 2, 2 * m * n * k, True)} | {cfg} |")
+            timer = tuning.graph_bench if m <= 256 else tuning.bench
+            res = sweep(f"fp8 dense {m}x{n}x{k}", cands, run, lambda out=out, rows=rows, ref=ref:
+                        rel_err(out[rows], ref), budget, timer=timer)
+            if not res:
+                continue
+            t, cfg = min(res, key=lambda r: r[0])
+            table.setdefault(f"dense,{n},{k},fp8", {})[str(m)] = cfg
+            TABLE.append(f"| fp8 dense | {m}x{n}x{k} | {res[0][0]:.4f} | {t:.4f} | "
+                         f"{rate_note(t, n * k + m * k * 3 + m * n * 2, 2 * m * n * k, True)} | {cfg} |")
 
 
 # ---- main ----
@@ -352,6 +383,9 @@ def main() -> None:
                         help="MoE token counts to tune (the first gets most of the budget)")
     parser.add_argument("--mla-shapes", type=_batch_by_context, nargs="+", default=MLA_SHAPES,
                         help="MLA decode shapes BxCTX (the first picks the tiles), e.g. 256x1024 256x4096")
+    parser.add_argument("--dense-rows", type=int, nargs="+", default=[4096],
+                        help="activation rows of the FP8 dense GEMM tuning: 4096 tunes V3's o_proj at prefill, "
+                             "rows <= 256 every V3 decode shape (e.g. --dense-rows 1 16 64)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device (tests this script)")
     args = parser.parse_args()
     mla_shapes = args.mla_shapes
@@ -388,7 +422,7 @@ def main() -> None:
         ("mla", lambda b: tune_mla(b, mla_table, mla_shapes)),
         ("lite", lambda b: tune_moe("V2-Lite bf16", *lite, fp8=False, token_counts=tokens, budget=b,
                                     table=moe_table)),
-        ("dense", lambda b: tune_dense(b, moe_table)),
+        ("dense", lambda b: tune_dense(b, moe_table, args.dense_rows)),
     ]
     for name, fn in sections:
         if name not in only:
