@@ -107,7 +107,7 @@ def run_dsinfer(llm, prompts: list[list[int]], lengths: list[int], ignore_eos: b
 
     inputs = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(inputs[:2], [params(4)] * min(2, len(inputs)), use_tqdm=False)  # warm-up
-    if getattr(llm.engine.runner, "step_events", None) is not None:  # --step-breakdown: the timed steps only
+    if llm.engine.runner.step_events is not None:  # --step-breakdown: the timed steps only
         llm.engine.runner.step_events.clear()
     llm.engine.kv_manager.pool.reset_prefix_cache()  # a repeat must not hit the previous run's prefixes
     started, cpu = time.perf_counter(), time.process_time()

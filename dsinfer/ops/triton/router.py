@@ -147,9 +147,10 @@ def _experts_pad(num_experts: int) -> int:
 
 # ---- the gate GEMV of small batches ----------------------------------------------------------------------------
 
-# cuBLAS multiplies a decode step's few rows by the gate (V2-Lite: 64 x 2048 bf16, 256 KB) in one thread block:
-# 5 us a layer on an H200, 5% of V2-Lite's batch-1 step. Split over the hidden dimension, a program per 128
-# columns (and 16 rows) reads 16 KB. Past GEMV_MAX_TOKENS rows cuBLAS has thread blocks enough.
+# cuBLAS multiplies a decode step's few rows by the gate (V2-Lite: 64 x 2048 bf16, 256 KB) with one 64 x 8 tile,
+# so one thread block (going by its kernel's name): 5 us a layer on an H200, 5% of V2-Lite's batch-1 step. Split
+# over the hidden dimension, a program per 128 columns (and 16 rows) reads 16 KB. Past GEMV_MAX_TOKENS rows cuBLAS
+# has thread blocks enough.
 GEMV_MAX_TOKENS, _GEMV_BLOCK_T, _GEMV_BLOCK_K = 64, 16, 128
 
 
@@ -175,9 +176,10 @@ def _router_gemv_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidden,
 
 
 def gemv_supports(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``route_hidden_triton`` takes this batch: a few 16-bit rows, a gate the routing kernel covers."""
+    """Whether the GEMV takes this batch: a few 16-bit rows times a gate of their dtype (``supports`` decides
+    whether the routing kernel covers the gate)."""
     return (hidden.dim() == 2 and hidden.shape[0] <= GEMV_MAX_TOKENS and hidden.dtype == weight.dtype
-            and hidden.dtype in (torch.bfloat16, torch.float16) and weight.shape[0] <= MAX_EXPERTS)
+            and hidden.dtype in (torch.bfloat16, torch.float16))
 
 
 def route_hidden_triton(
