@@ -64,6 +64,8 @@ def _cfg(bm, bn, bk, gm, w, st, mode=None) -> dict:
     for flag in flags:
         if flag.startswith("bk"):  # "bk128": a K tile of its own
             cfg["block_k"] = int(flag[2:])
+        elif flag.startswith("sk"):  # "sk4": K split over 4 programs (dense only, ``ops.triton.split_k``)
+            cfg["split_k"] = int(flag[2:])
     if "sorted" in flags:
         cfg["sorted"] = True
     return cfg
@@ -326,6 +328,9 @@ def dense_grid(rows: int) -> list[dict]:
             (bm, 128, 128, 1, 8, 3, "tma"), (bm, 32, 128, 1, 2, 5)]
     if bm > 16:  # several row tiles: more programs, the weight tile read again from L2
         grid += [(16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (32, 32, 128, 1, 4, 4)]
+    if rows <= 64:  # K split: programs for the SMs the column tiles leave idle, each with a shorter loop
+        grid += [(bm, bn, 128, 1, 4, 4, f"{mode}+sk{split}".lstrip("+")) for split in (2, 4, 8, 16)
+                 for bn, mode in ((64, ""), (32, ""), (64, "tma"), (128, "tma"))]
     return [_cfg(*c) for c in grid]
 
 
@@ -350,7 +355,7 @@ def tune_dense(budget: Budget, table: dict, rows_list=(4096,)) -> None:
             rows = torch.arange(0, m, 37, device=tuning.DEV)
             ref = _dequant_a(a[rows], a_s[rows]) @ (
                 w.float() * s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]).T
-            current = dense_config(m, True, n, k)
+            current = dense_config(m, torch.device(tuning.DEV), n, k)
             cands = [current] + [c for c in dense_grid(m) if c != current]
 
             def run(cfg, a=a, a_s=a_s, w=w, s=s, out=out):

@@ -139,10 +139,10 @@ SIDE_STREAM = _declare(
     _parse_bool,
 )
 ROUTER_GEMV = _declare(
-    "DSINFER_ROUTER_GEMV", "bool", False,
+    "DSINFER_ROUTER_GEMV", "bool", True,
     "DeepSeek MoE on CUDA: batches of up to 64 tokens get their gate logits from a split-K Triton GEMV whose "
-    "partial sums the routing kernel adds (off: cuBLAS's GEMV, in one thread block at these sizes). Off until "
-    "timed on the GPU against cuBLAS (docs/benchmarks.md, session 15).",
+    "partial sums the routing kernel adds (off: cuBLAS's GEMV, in one thread block at these sizes). V2-Lite "
+    "decode at batch 1 / 16 / 64: 0.08-0.11 ms a step faster (docs/benchmarks.md, session 16).",
     _parse_bool,
 )
 USE_TRITON = _declare(

@@ -56,6 +56,74 @@ def test_fp8_block_linear_tile_configs(tma, device, poisoned, assert_close):
     assert_close(out, _emulated(x, w_q, w_s, block), torch.float32, tol=1e-5)
 
 
+@pytest.mark.parametrize("split_k, num_rows", [(2, 1), (4, 19), (16, 3)])
+def test_fp8_block_linear_split_k(split_k, num_rows, device, poisoned, assert_close):
+    """K split over programs whose float32 partials are summed in split order, then the bias: 160 columns are
+    5 K tiles of 32, so 2 splits take 3 + 2 tiles, 4 shrink to 3 (2 + 2 + 1), 16 to 5 of one tile each."""
+    from dsinfer.ops.triton.fp8 import fp8_block_linear_triton
+
+    gen = torch.Generator().manual_seed(split_k)
+    block = (16, 32)
+    w_q, w_s = block_quantize(torch.randn(40, 160, generator=gen), block)
+    x = torch.randn(num_rows, 160, generator=gen)
+    bias = torch.randn(40, generator=gen)
+    cfg = dict(block_m=16, block_n=16, block_k=32, group_m=1, num_warps=4, num_stages=1, split_k=split_k)
+    out = fp8_block_linear_triton(x.to(device), w_q.to(device), w_s.to(device), block, bias.to(device), config=cfg)
+    assert_close(out, _emulated(x, w_q, w_s, block) + bias.double(), torch.float32, tol=1e-5)
+
+
+def test_split_sizes_and_the_default_split():
+    from dsinfer.ops.triton.split_k import default_split, split_sizes
+
+    assert split_sizes(160, 32, 1) == (160, 1)
+    assert split_sizes(160, 32, 2) == (96, 2)
+    assert split_sizes(160, 32, 4) == (64, 3)  # no split left empty
+    assert split_sizes(160, 32, 16) == (32, 5)
+    assert split_sizes(7168, 128, 8) == (896, 8)
+    cpu = torch.device("cpu")  # 8 notional SMs off CUDA
+    assert default_split(33, 7168, 128, cpu) == 1  # 33 tiles already fill 16 program slots
+    assert default_split(2, 7168, 128, cpu) == 8  # 16 // 2
+    assert default_split(1, 7168, 128, cpu) == 8  # 16 // 1 = 16, a power of two, but 56 K tiles // 4 = 14 -> 8
+    assert default_split(1, 512, 128, cpu) == 1  # 4 K tiles: one split's worth
+
+
+def test_a_decode_buckets_split_is_dropped_past_64_rows(monkeypatch):
+    """The tuned table's nearest bucket serves up to 4x its rows: 256 rows may get the 64-row entry, whose split
+    would write 4 x 256 rows of float32 partials."""
+    from dsinfer.ops.triton import fp8
+
+    tuned = dict(block_m=64, block_n=128, block_k=128, group_m=1, num_warps=4, num_stages=4, split_k=4)
+    monkeypatch.setattr(fp8, "nearest_config", lambda key, rows, is_cuda: dict(tuned))
+    cuda = torch.device("cuda")  # only names the device: the tuned branch asks nothing of it
+    assert fp8.dense_config(64, cuda, 7168, 16384)["split_k"] == 4
+    assert "split_k" not in fp8.dense_config(65, cuda, 7168, 16384)
+
+
+def test_split_k_is_refused_where_the_epilogue_needs_whole_sums(device):
+    from dsinfer.ops.triton.moe import grouped_gemm
+
+    a = torch.randn(4, 64, device=device)
+    b = torch.randn(2, 32, 64, device=device)
+    out = torch.empty(4, 16, device=device)
+    cfg = dict(block_m=16, block_n=16, block_k=32, group_m=1, num_warps=4, num_stages=1, split_k=2)
+    with pytest.raises(ValueError, match="split_k"):
+        grouped_gemm(a, b[0], out, cfg, gated=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k", [2, 4, 16])
+def test_fp8_block_linear_split_k_at_v3_o_proj(split_k, assert_close):
+    from dsinfer.ops.triton.fp8 import fp8_block_linear_triton
+
+    gen = torch.Generator().manual_seed(5)
+    block = (128, 128)
+    w_q, w_s = block_quantize(torch.randn(7168, 16384, generator=gen) * 0.02, block)
+    x = torch.randn(1, 16384, generator=gen).bfloat16()
+    cfg = dict(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4, split_k=split_k)
+    out = fp8_block_linear_triton(x.cuda(), w_q.cuda(), w_s.cuda(), block, config=cfg)
+    assert_close(out, _emulated(x, w_q, w_s, block), torch.bfloat16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_rows", [1, 64, 1000])
 def test_fp8_block_linear_real_shapes(num_rows, assert_close):

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from dsinfer.ops.triton.moe import grouped_gemm, nearest_config
+from dsinfer.ops.triton.split_k import SPLIT_MAX_ROWS, default_split
 
 FP8_MAX = 448.0
 
@@ -78,15 +79,22 @@ def per_token_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, to
     return q, s
 
 
-def dense_config(num_rows: int, is_cuda: bool, n: int = 0, k: int = 0) -> dict:
-    """Tuned ("dense,N,K,fp8" in ``configs/moe.json``, buckets = rows) or default tile config."""
+def dense_config(num_rows: int, device: torch.device, n: int = 0, k: int = 0) -> dict:
+    """Tuned ("dense,N,K,fp8" in ``configs/moe.json``, buckets = rows) or default tile config (split K below 65
+    rows, ``split_k.default_split``)."""
+    is_cuda = device.type == "cuda"
     tuned = nearest_config(f"dense,{n},{k},fp8", num_rows, is_cuda)
     if tuned:
+        if num_rows > SPLIT_MAX_ROWS:  # a decode bucket's split at more rows: partials that outweigh the fill
+            tuned.pop("split_k", None)
         return tuned
     if not is_cuda:
         return dict(block_m=16, block_n=16, block_k=16, group_m=1, num_warps=4, num_stages=1)
-    if num_rows <= 16:
-        return dict(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+    if num_rows <= SPLIT_MAX_ROWS:  # a few rows stream the weight: split K when the column tiles leave SMs idle
+        cfg = dict(block_m=16 if num_rows <= 16 else 64, block_n=64, block_k=128, group_m=1, num_warps=4,
+                   num_stages=4)
+        cfg["split_k"] = default_split(triton.cdiv(n, cfg["block_n"]), k, cfg["block_k"], device)
+        return cfg
     if num_rows <= 128:
         return dict(block_m=64, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
     return dict(block_m=64, block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=3)
@@ -110,6 +118,6 @@ def fp8_block_linear_triton(
     if x2.shape[0] == 0:
         return out.view(*lead, n)
     a, a_s = per_token_group_quant(x2, block_size[1])
-    cfg = config or dense_config(x2.shape[0], x.is_cuda, n, k)
+    cfg = config or dense_config(x2.shape[0], x.device, n, k)
     grouped_gemm(a, weight, out, cfg, a_scale=a_s, b_scale=weight_scale_inv, block_size=block_size, bias=bias)
     return out.view(*lead, n)

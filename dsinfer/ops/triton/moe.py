@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from dsinfer.ops.triton.moe_align import moe_align
+from dsinfer.ops.triton.split_k import split_sizes, sum_partials
 
 _CONFIGS = Path(__file__).parent / "configs" / "moe.json"
 
@@ -106,14 +107,15 @@ def _scale(a_s, b_s, SCALAR_BS: tl.constexpr):
 def _gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, bias_ptr, weight_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-    M, N, K, num_pairs, up_offset,
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    M, N, K, num_pairs, up_offset, k_split,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_cs,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     A_DIV: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr, FUSE_GU: tl.constexpr,
     MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr,
     GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SCALAR_BS: tl.constexpr, A_DESC: tl.constexpr,
     B_DESC: tl.constexpr, UPCAST: tl.constexpr, A_SORTED: tl.constexpr, C_SORTED: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """C[rows] = A[rows] @ B[e]^T (rows: pairs sorted by expert when GATHER, else 0..M); see module doc.
 
@@ -127,8 +129,17 @@ def _gemm_kernel(
     past N read the next rows (the next expert's, or zeros past the end), never stored; not with FUSE_GU.
     A_SORTED / C_SORTED (with GATHER): A's / C's rows are already in sorted order (row = position in
     ``sorted_ids``, ``ops.triton.moe_permute``), so a tile's A rows are consecutive (a TMA tile with A_DESC) and
-    C is stored at the sorted positions (padding rows included; they are zeros)."""
+    C is stored at the sorted positions (padding rows included; they are zeros).
+    SPLIT_K > 1 (dense, not GATED, no MUL_WEIGHT or bias): program_id(1) takes K elements [s * k_split,
+    (s + 1) * k_split) (k_split a multiple of BLOCK_K) and stores its float32 partial at C + s * stride_cs; the
+    caller sums the partials (``split_k.sum_partials``)."""
     pid = tl.program_id(0)
+    if SPLIT_K > 1:
+        k_lo = tl.program_id(1) * k_split
+        k_hi = tl.minimum(K, k_lo + k_split)
+    else:
+        k_lo = 0
+        k_hi = K
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     width = GROUP_M * num_n
@@ -163,11 +174,12 @@ def _gemm_kernel(
         b_rows = tl.where(col_n < N, col_n, 0)
     offs_k = tl.arange(0, BLOCK_K)
     if not A_DESC:
-        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k_lo + offs_k[None, :]) * stride_ak
     if B_DESC:
         b_row0 = expert32 * (stride_be // stride_bn) + pid_n * BLOCK_N
     else:
-        b_ptrs = b_ptr + expert * stride_be + b_rows[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+        b_ptrs = (b_ptr + expert * stride_be + b_rows[None, :].to(tl.int64) * stride_bn
+                  + (k_lo + offs_k[:, None]) * stride_bk)
     as_ptrs = a_scale_ptr + a_rows * stride_asm
     if SCALAR_BS:
         bs_ptrs = b_scale_ptr + expert * stride_bse + (pid_n * BLOCK_N // GROUP_N) * stride_bsn
@@ -177,7 +189,7 @@ def _gemm_kernel(
         bs_up_ptrs = b_scale_ptr + expert * stride_bse + ((b_rows + up_offset) // GROUP_N) * stride_bsn
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N if GATED and FUSE_GU else BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k_valid = offs_k < K - k0
         if A_DESC:
             a = a_ptr.load([pid_m * BLOCK_M, k0])
@@ -229,7 +241,11 @@ def _gemm_kernel(
         acc = acc * tl.load(weight_ptr + rows, mask=m_valid, other=0.0)[:, None]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
-    if C_SORTED:  # every row of a block below num_padded is a sorted position
+    if SPLIT_K > 1:
+        c_ptrs = (c_ptr + tl.program_id(1) * stride_cs + rows[:, None].to(tl.int64) * stride_cm
+                  + offs_n[None, :] * stride_cn)
+        tl.store(c_ptrs, acc, mask=m_valid[:, None] & n_valid[None, :])
+    elif C_SORTED:  # every row of a block below num_padded is a sorted position
         c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_valid[None, :])
     else:
@@ -290,7 +306,13 @@ def grouped_gemm(
     dummy = out
     a_s = a_scale if fp8 else dummy
     b_s = b_scale if fp8 else dummy
-    grid = (triton.cdiv(rows, cfg["block_m"]) * triton.cdiv(n_out, cfg["block_n"]),)
+    k_split, split = split_sizes(k, block_k, cfg.get("split_k", 1))
+    target = out
+    if split > 1:
+        if align is not None or gated or topk_weights is not None:
+            raise ValueError("split_k applies to the dense GEMM only (no expert gather, gating or top-k weights)")
+        target = torch.empty(split, rows, n_out, dtype=torch.float32, device=out.device)
+    grid = (triton.cdiv(rows, cfg["block_m"]) * triton.cdiv(n_out, cfg["block_n"]), split)
     a_arg, b_arg = a, b
     if b_desc:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -299,23 +321,26 @@ def grouped_gemm(
         if a_desc:
             a_arg = TensorDescriptor.from_tensor(a, [cfg["block_m"], block_k])
     _gemm_kernel[grid](
-        a_arg, a_s, b_arg, b_s, out, bias if bias is not None else dummy,
+        a_arg, a_s, b_arg, b_s, target, bias if bias is not None else dummy,
         topk_weights if topk_weights is not None else dummy,
         sorted_ids, expert_ids, num_padded,
-        rows, n_out, k, num_pairs, n_out if gated else 0,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+        rows, n_out, k, num_pairs, n_out if gated else 0, k_split,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), target.stride(-2), target.stride(-1),
+        target.stride(0) if split > 1 else 0,
         a_s.stride(0) if fp8 else 0, a_s.stride(1) if fp8 else 0,
         b_s.stride(0) if fp8 else 0, b_s.stride(1) if fp8 else 0, b_s.stride(2) if fp8 else 0,
         A_DIV=a_div, GATHER=align is not None, GATED=gated, FUSE_GU=fuse_gu, MUL_WEIGHT=topk_weights is not None,
-        HAS_BIAS=bias is not None, FP8=fp8,
+        HAS_BIAS=bias is not None and split == 1, FP8=fp8,
         GROUP_N=block_size[0] if fp8 else 1, GROUP_K=block_size[1] if fp8 else 1,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k, GROUP_M=cfg["group_m"],
         EVEN_K=k % block_k == 0, SCALAR_BS=fp8 and not fuse_gu and block_size[0] % cfg["block_n"] == 0,
         A_DESC=a_desc, B_DESC=b_desc,
         UPCAST=not a.is_cuda or (fp8 and block_k < 32),
-        A_SORTED=sorted_a and align is not None, C_SORTED=sorted_out and align is not None,
+        A_SORTED=sorted_a and align is not None, C_SORTED=sorted_out and align is not None, SPLIT_K=split,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if split > 1:
+        sum_partials(target, out, bias)
     return out
 
 
