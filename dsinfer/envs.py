@@ -145,6 +145,12 @@ ROUTER_GEMV = _declare(
     "decode at batch 1 / 16 / 64: 0.08-0.11 ms a step faster (docs/benchmarks.md, session 16).",
     _parse_bool,
 )
+TRITON_GEMV = _declare(
+    "DSINFER_TRITON_GEMV", "bool", True,
+    "Linear layers of up to 64 rows on CUDA run the Triton tile that benchmarks/tune_gemv.py stored for their "
+    "weight shape where it beat cuBLAS on the GPU (configs/moe.json, dense,N,K,<dtype>); off: always cuBLAS.",
+    _parse_bool,
+)
 USE_TRITON = _declare(
     "DSINFER_USE_TRITON", "str", "auto",
     "Use Triton kernels: auto (on CUDA), always (also TRITON_INTERPRET on CPU) or never.",

@@ -7,8 +7,9 @@ ranges by shard id.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from dsinfer.ops.linear import linear
 
 
 class Linear(nn.Module):
@@ -37,4 +38,4 @@ class Linear(nn.Module):
         target.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)

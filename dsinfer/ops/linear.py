@@ -1,0 +1,31 @@
+"""Dense linear ``y = x W^T (+ b)``: cuBLAS, except where the tuner measured a Triton tile beating it.
+
+At a few rows (batch-1 to batch-64 decode) a linear layer is a weight-streaming GEMV. cuBLAS runs some of these
+shapes well below the bandwidth (Llama-3.1-8B's o_proj at 58% of it, session 16). ``benchmarks/tune_gemv.py``
+times cuBLAS against tiles of the grouped GEMM kernel (with split-K) on the GPU, per shape and row bucket, and
+writes the winner to ``configs/moe.json`` under ``dense,N,K,<dtype>``: a Triton tile, or ``{"cublas": true}``.
+Shapes with no entry, CPU, and the batch-invariant mode (its own fixed-tile matmul) take ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsinfer import batch_invariant, envs
+from dsinfer.ops.dispatch import use_triton
+
+GEMV_MAX_ROWS = 64  # past this a linear is a GEMM, cuBLAS's ground
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; see the module doc for when a Triton tile runs it instead."""
+    if x.is_cuda and x.dim() >= 1 and envs.TRITON_GEMV.get() and use_triton(x) and not batch_invariant.is_enabled():
+        rows = x.numel() // max(1, x.shape[-1])
+        if 0 < rows <= GEMV_MAX_ROWS:
+            from dsinfer.ops.triton import gemv
+
+            cfg = gemv.tuned_config(rows, weight)
+            if cfg is not None:
+                return gemv.linear_triton(x, weight, bias, cfg)
+    return F.linear(x, weight, bias)

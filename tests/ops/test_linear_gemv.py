@@ -1,0 +1,86 @@
+"""Few-row linears on the grouped GEMM kernel (``ops.linear``, ``ops.triton.gemv``): the tile against float64,
+split-K included; the dispatch takes a tuned tile only where the table names one, on CUDA, outside the
+batch-invariant mode, at up to 64 rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsinfer.ops.linear import GEMV_MAX_ROWS, linear
+
+HAS_CUDA = torch.cuda.is_available()
+TILE = dict(block_m=16, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split_k, tma", [(1, False), (2, False), (4, True)])
+def test_tile_matches_float64(dtype, split_k, tma, device, poisoned, assert_close):
+    from dsinfer.ops.triton.gemv import linear_triton
+
+    gen = torch.Generator().manual_seed(split_k)
+    w = torch.randn(72, 160, generator=gen).to(dtype)  # a partial column tile; 5 K tiles
+    x = torch.randn(3, 160, generator=gen).to(dtype)
+    bias = torch.randn(72, generator=gen).to(dtype)
+    out = linear_triton(x.to(device), w.to(device), bias.to(device), dict(TILE, split_k=split_k, tma=tma))
+    assert out.dtype == dtype and out.shape == (3, 72)
+    assert_close(out, x.double() @ w.double().t() + bias.double(), dtype)
+
+
+def test_leading_dims_and_a_strided_input(device, assert_close):
+    from dsinfer.ops.triton.gemv import linear_triton
+
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 64, generator=gen)
+    x = torch.randn(2, 3, 128, generator=gen)[..., ::2]  # last dim strided: copied first
+    out = linear_triton(x.to(device), w.to(device), None, dict(TILE, split_k=2))
+    assert out.shape == (2, 3, 40)
+    assert_close(out, x.double() @ w.double().t(), torch.float32)
+
+
+def test_table_entries(monkeypatch):
+    from dsinfer.ops.triton import gemv
+
+    entries = {"dense,48,64,bfloat16": {"cublas": True}, "dense,32,64,bfloat16": dict(TILE, split_k=2)}
+    monkeypatch.setattr(gemv, "nearest_config", lambda key, rows, is_cuda: dict(entries[key]) if key in entries
+                        else None)
+    gemv._tuned.cache_clear()
+    try:
+        bf16 = torch.bfloat16
+        assert gemv.tuned_config(1, torch.empty(48, 64, dtype=bf16)) is None  # cuBLAS won there
+        assert gemv.tuned_config(1, torch.empty(32, 64, dtype=bf16))["split_k"] == 2
+        assert gemv.tuned_config(1, torch.empty(16, 64, dtype=bf16)) is None  # never tuned
+        assert gemv.tuned_config(1, torch.empty(64, 32, dtype=bf16).t()) is None  # not contiguous
+        assert gemv.tuned_config(1, torch.empty(32, 64, dtype=torch.float8_e4m3fn)) is None
+    finally:
+        gemv._tuned.cache_clear()
+
+
+def test_cpu_takes_torch():
+    x, w, b = torch.randn(2, 8), torch.randn(4, 8), torch.randn(4)
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_dispatch_on_cuda(monkeypatch):
+    from dsinfer.batch_invariant import batch_invariant
+    from dsinfer.ops.triton import gemv
+
+    calls = []
+    real = gemv.linear_triton
+    monkeypatch.setattr(gemv, "tuned_config", lambda rows, weight: dict(TILE, block_k=128, split_k=2))
+    monkeypatch.setattr(gemv, "linear_triton", lambda *a: calls.append(a[0].shape) or real(*a))
+    w = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(GEMV_MAX_ROWS + 1, 512, device="cuda", dtype=torch.bfloat16)
+    out = linear(x[:1], w)
+    torch.testing.assert_close(out.float(), (x[:1].double() @ w.double().t()).float(), rtol=2e-2, atol=2e-2)
+    assert calls == [(1, 512)]
+    linear(x, w)  # 65 rows: a GEMM
+    monkeypatch.setenv("DSINFER_TRITON_GEMV", "0")
+    linear(x[:1], w)
+    monkeypatch.delenv("DSINFER_TRITON_GEMV")
+    with batch_invariant(True):
+        linear(x[:1], w)
+    assert calls == [(1, 512)]
