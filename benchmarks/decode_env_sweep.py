@@ -1,0 +1,106 @@
+"""Decode step time at small batches with one ``DSINFER_*`` variable swept, in one process (CUDA only).
+
+The model loads once; for each value the decode CUDA graphs of the batch sizes asked for are captured again (the
+variables these sweeps are for are read while a graph is captured), then timed as ``latency.py`` times them: the
+graph replay (median of 40) and the pipelined step (best of three 30-step runs), beside the floor. The logits of
+one fixed token per row are compared with the first value's: 0 when the variable changes no value, a few units
+in the last place of bf16 when it changes a summation order. Values repeat to show the noise (``0 1 0 1``).
+
+    python3 benchmarks/decode_env_sweep.py --var DSINFER_ROUTER_GEMV --values 0 1 0 1 \\
+        --model benchmarks/configs/deepseek-v2-lite --batch-sizes 1 16 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.latency import (  # noqa: E402
+    DEFAULT_MODEL,
+    Sequences,
+    decode_floor_ms,
+    make_llm,
+    pipelined_ms,
+    timed_ms,
+    weight_shape,
+)
+from benchmarks.roofline import measure_bandwidth  # noqa: E402
+from dsinfer import envs  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--var", required=True, help="a declared DSINFER_* variable (`dsinfer env` lists them)")
+    p.add_argument("--values", nargs="+", required=True)
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="directory holding a config.json")
+    p.add_argument("--hf-overrides", type=json.loads, default=None)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    args = p.parse_args(argv)
+    declared = {var.name: var for var in envs.all_vars()}
+    if args.var not in declared:
+        p.error(f"--var {args.var!r} is not a declared DSINFER_* variable")
+    for value in args.values:  # each value must parse before the model loads
+        os.environ[args.var] = value
+        declared[args.var].get()
+    args.device, args.dtype = "cuda", None
+    return args
+
+
+def main(argv=None) -> None:
+    from dsinfer.runner.cuda_graphs import DecodeGraphs
+    from dsinfer.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("decode_env_sweep.py needs a CUDA device")
+    os.environ[args.var] = args.values[0]
+    llm = make_llm(args.model, args, max_num_seqs=max(args.batch_sizes))
+    runner = llm.engine.runner
+    bandwidth = measure_bandwidth()
+    shape = weight_shape(runner.model)
+    print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s; {args.var} over {args.values}")
+    steps = {}
+    for batch in args.batch_sizes:
+        seqs = Sequences(llm, [args.context] * batch, f"b{batch}-")
+        seqs.randomize_kv(runner)
+        steps[batch] = SchedulerOutput([ScheduledRequest(r, 1, args.context - 1) for r in seqs.requests])
+    first = runner.graphs
+    reference: dict[int, torch.Tensor] = {}
+    print("| value | batch | graph ms | step ms | floor ms | graph / floor | max logit diff vs the first value |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for value in args.values:
+        os.environ[args.var] = value
+        graphs = DecodeGraphs(runner.model, max(args.batch_sizes), first.block_tables.shape[1], first.max_seq_len,
+                              runner.device, sizes=tuple(sorted(args.batch_sizes)))
+        graphs.capture(torch.cuda.graph_pool_handle(), torch.cuda.Stream(runner.device))
+        runner.graphs = graphs
+        for batch, sched in steps.items():
+            for _ in range(3):
+                runner.execute(sched)
+            size = graphs.padded_size(batch)
+            replay = functools.partial(graphs.replay, size)
+            graph_ms = statistics.median(timed_ms(replay, runner.device) for _ in range(40))
+            step_ms = min(pipelined_ms(runner, sched, 30) for _ in range(3))
+            graphs.input_ids[:batch].fill_(7)  # one fixed token: the logits depend on nothing else that changed
+            logits = graphs.replay(size)[:batch].float().clone()
+            diff = (logits - reference.setdefault(batch, logits)).abs().max().item()
+            floor = decode_floor_ms(shape, batch, args.context, runner.kv_bytes_per_token, bandwidth)
+            print(f"| {value} | {batch} | {graph_ms:.3f} | {step_ms:.3f} | {floor:.3f} | {graph_ms / floor:.3f} | "
+                  f"{diff:.3g} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
