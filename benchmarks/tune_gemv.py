@@ -5,7 +5,8 @@ q + kv_a, o, dense MLP and LM head; DeepSeek-V3's LM head) at each row count, th
 (``F.linear``) run as a chain over distinct copies of the weight (at least 512 MB, so L2 holds none of it), in
 one CUDA graph, as a decode step streams its layers. The table gets the best tile where it beat cuBLAS by at
 least ``--margin`` (default 3%), else ``{"cublas": true}``; ``ops.linear`` then takes the tile on CUDA for rows
-in the bucket's range (``moe.nearest_config``: within 4x). Every candidate's output is checked against float64.
+in the bucket's range (``moe.nearest_config``: within 4x) that fit the tile's one row tile. Every candidate's
+output is checked against float64.
 
     python benchmarks/tune_gemv.py [--models llama,v2-lite,v3] [--rows 1 16] [--budget-s 120] [--out DIR]
                                    [--smoke]
@@ -45,7 +46,7 @@ SHAPES = {  # (name, N, K) of the weights a decode step streams through F.linear
 CHAIN_BYTES = 512 << 20
 
 
-def candidates(rows: int, n: int, sms: int = 132) -> list[dict]:
+def candidates(rows: int, n: int, sms: int) -> list[dict]:
     """Column tiles of 32-128, K tiles of 128 (and 256 without TMA), K split 1-8; one row tile of 16 or 64.
     Ordered by how near their programs come to two per SM (the budget may cut the list short)."""
     bm = 16 if rows <= 16 else 64
@@ -60,6 +61,7 @@ def candidates(rows: int, n: int, sms: int = 132) -> list[dict]:
 
 def tune_shape(label: str, n: int, k: int, rows: int, budget: Budget, table: dict, margin: float) -> None:
     from dsinfer.ops.triton.gemv import linear_triton, table_key
+    from dsinfer.ops.triton.utils import num_sms
 
     dev, dtype = tuning.DEV, torch.bfloat16
     copies = 2 if tuning.SMOKE else max(2, min(64, math.ceil(CHAIN_BYTES / (n * k * 2))))
@@ -79,7 +81,7 @@ def tune_shape(label: str, n: int, k: int, rows: int, budget: Budget, table: dic
         return tuning.graph_bench(fn) / copies
 
     cublas_ms = per_call_ms(functools.partial(chain, F.linear))
-    res = sweep(f"{label} {rows}x{n}x{k}", candidates(rows, n),
+    res = sweep(f"{label} {rows}x{n}x{k}", candidates(rows, n, num_sms(torch.device(dev))),
                 lambda cfg: chain(lambda a, w: linear_triton(a, w, None, cfg)),
                 lambda: rel_err(out, ref), budget, timer=per_call_ms)
     floor_ms = n * k * 2 / tuning.ceilings()["copy"] * 1e3

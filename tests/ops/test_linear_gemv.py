@@ -50,6 +50,8 @@ def test_table_entries(monkeypatch):
         bf16 = torch.bfloat16
         assert gemv.tuned_config(1, torch.empty(48, 64, dtype=bf16)) is None  # cuBLAS won there
         assert gemv.tuned_config(1, torch.empty(32, 64, dtype=bf16))["split_k"] == 2
+        assert gemv.tuned_config(16, torch.empty(32, 64, dtype=bf16))["split_k"] == 2  # one row tile of 16
+        assert gemv.tuned_config(17, torch.empty(32, 64, dtype=bf16)) is None  # two row tiles: untimed
         assert gemv.tuned_config(1, torch.empty(16, 64, dtype=bf16)) is None  # never tuned
         assert gemv.tuned_config(1, torch.empty(64, 32, dtype=bf16).t()) is None  # not contiguous
         assert gemv.tuned_config(1, torch.empty(32, 64, dtype=torch.float8_e4m3fn)) is None

@@ -19,12 +19,15 @@ def table_key(n: int, k: int, dtype: torch.dtype) -> str:
 @functools.lru_cache(maxsize=4096)
 def _tuned(rows: int, n: int, k: int, dtype: torch.dtype) -> dict | None:
     cfg = nearest_config(table_key(n, k, dtype), rows, True)
-    return None if cfg is None or cfg.get("cublas") else cfg
+    if cfg is None or cfg.get("cublas") or rows > cfg["block_m"]:
+        return None
+    return cfg
 
 
 def tuned_config(rows: int, weight: torch.Tensor) -> dict | None:
     """The tuned tile of ``rows`` x weight^T (nearest row bucket within 4x), or None: cuBLAS (the tuner found it
-    faster, or measured nothing for this shape)."""
+    faster, measured nothing for this shape, or tuned a tile of fewer rows: past one row tile the weight streams
+    once per tile, a cost the tuner did not time)."""
     if weight.dim() != 2 or weight.dtype not in DTYPE_NAMES or not weight.is_contiguous():
         return None
     return _tuned(rows, weight.shape[0], weight.shape[1], weight.dtype)
