@@ -63,7 +63,8 @@ def run_model(model: str, token_counts: list[int], bw: float, pairs: list[int] |
     from dsinfer import envs
     from dsinfer.models.deepseek.blocks import FUSED_SHARED_MAX_TOKENS, FUSED_SHARED_MAX_TOKENS_BESIDE
     from dsinfer.ops.moe import with_shared
-    from dsinfer.ops.triton.moe import _config_table, fused_moe_triton, moe_config
+    from dsinfer.ops.triton.moe import _config_table, moe_config
+    from dsinfer.ops.triton.moe_fused import fused_moe_triton
 
     routed, shared, hidden, inter, top_k, fp8, num_layers = MODELS[model]
     e = routed + shared

@@ -52,7 +52,7 @@ def _pairs_torch(hidden, w13, w2, topk_weights, topk_ids):
 
 
 def _pairs_triton(hidden, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size):
-    from dsinfer.ops.triton.moe import expert_pair_outputs
+    from dsinfer.ops.triton.moe_fused import expert_pair_outputs
 
     cfg = gemm_config(hidden.is_cuda)  # one fixed tile config for both GEMMs: row results independent of the batch
     down = expert_pair_outputs(hidden, w13, w2, topk_weights, topk_ids, cfg, cfg, w13_scale_inv=w13_scale_inv,

@@ -230,7 +230,7 @@ def fused_moe(
                                   w2_scale_inv=w2_scale_inv, block_size=block_size, use_triton=use_triton(hidden))
         return out if addend is None else out + addend()
     if use_triton(hidden):
-        from dsinfer.ops.triton.moe import fused_moe_triton
+        from dsinfer.ops.triton.moe_fused import fused_moe_triton
 
         return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, w13_scale_inv=w13_scale_inv,
                                 w2_scale_inv=w2_scale_inv, block_size=block_size, addend=addend)

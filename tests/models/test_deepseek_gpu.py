@@ -178,7 +178,7 @@ def test_triton_interpreter_v3_greedy_matches_hf(v3, monkeypatch):  # noqa: F811
     """V3 (MLA decode + prefill, fused MoE, noaux_tc routing, rope, norms, sampler) on every Triton kernel under
     TRITON_INTERPRET=1, with async scheduling's placeholder path on: HF's greedy tokens and prompt logprobs."""
     import dsinfer.ops.triton.mla as mla_kernels
-    import dsinfer.ops.triton.moe as moe_kernels
+    import dsinfer.ops.triton.moe_fused as moe_kernels
     import dsinfer.ops.triton.router as router_kernels
 
     monkeypatch.setenv("DSINFER_USE_TRITON", "always")

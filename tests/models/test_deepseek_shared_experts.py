@@ -143,11 +143,11 @@ def test_large_batches_run_the_shared_slots_beside_the_grouped_gemm(arch, shared
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through Triton's interpreter")
 def test_fused_shared_experts_through_the_triton_kernels(monkeypatch):
     """The same layer with the router and grouped GEMM kernels (Triton's interpreter on CPU)."""
-    from dsinfer.ops.triton import moe, router
+    from dsinfer.ops.triton import moe_fused, router
 
     monkeypatch.setenv("DSINFER_USE_TRITON", "always")
     calls = []
-    for module, fn in ((router, "select_experts_triton"), (moe, "fused_moe_triton")):
+    for module, fn in ((router, "select_experts_triton"), (moe_fused, "fused_moe_triton")):
         kernel = getattr(module, fn)
         monkeypatch.setattr(module, fn, lambda *a, kernel=kernel, fn=fn, **k: calls.append(fn) or kernel(*a, **k))
     _check_fused_layer("v2", 2)

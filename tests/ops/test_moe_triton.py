@@ -286,7 +286,7 @@ def test_fused_moe_fp8_v3_expert_shapes(num_tokens, assert_close):
 def test_fused_moe_fp8_v3_tile_modes(mode, assert_close):
     """The tuner's tile modes at V3 expert shapes: gate/up in one dot, weights through TMA descriptors,
     activations in expert order (TMA tiles)."""
-    from dsinfer.ops.triton.moe import fused_moe_triton
+    from dsinfer.ops.triton.moe_fused import fused_moe_triton
 
     gen = torch.Generator().manual_seed(4)
     num_experts, hidden, inter, block = 8, 7168, 2048, (128, 128)
@@ -313,7 +313,7 @@ def test_fused_moe_tile_configs_agree(fuse_gu, tma, sorted_rows, device, poisone
     """Gate and up in one interleaved dot or two; weights through TMA descriptors (the last N tile reads the
     next expert's rows); the down GEMM with its own tile and alignment (block_m; sorted rows keep gate/up's);
     activations copied into expert order first (sorted), with TMA also for them."""
-    from dsinfer.ops.triton.moe import fused_moe_triton
+    from dsinfer.ops.triton.moe_fused import fused_moe_triton
 
     gen = torch.Generator().manual_seed(7)
     num_experts, hidden, inter, top_k, block = 4, 64, 48, 2, (16, 16)
@@ -339,9 +339,53 @@ def test_fused_moe_tile_configs_agree(fuse_gu, tma, sorted_rows, device, poisone
     assert_close(out, emulated, torch.bfloat16, tol=3e-2)
 
 
+@pytest.mark.parametrize("top_k, sorted_rows", [(2, False), (2, True), (1, False)])
+def test_fused_moe_down_split_k(top_k, sorted_rows, device, poisoned, assert_close):
+    """The down GEMM split over K (batch-1 decode tiles): float32 partials per split, summed with the top-k
+    rows by ``topk_sum`` (top_k 1 too, which otherwise skips the sum); bf16 and FP8 experts."""
+    from dsinfer.ops.triton.moe_fused import fused_moe_triton
+
+    gen = torch.Generator().manual_seed(11)
+    num_experts, hidden, inter, block = 4, 64, 48, (16, 16)
+    w13, w2 = _experts(num_experts, hidden, inter, gen)
+    x = torch.randn(5, hidden, generator=gen).bfloat16()
+    weights, ids = _route(5, num_experts, top_k, gen, device)
+    # K = 48: bf16 K tiles of 32 split in 2 (32 + 16, a masked tail); FP8 tiles of 16 (the scale block) in 2
+    cfg = dict(block_m=16, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=1, sorted=sorted_rows,
+               down=dict(block_n=16, split_k=2))
+    out = fused_moe_triton(x.to(device), w13.bfloat16().to(device), w2.bfloat16().to(device), weights, ids,
+                           config=cfg)
+    assert out.dtype == torch.bfloat16 and out.shape == (5, hidden)
+    ref = fused_moe_ref(x.double(), w13.bfloat16().double(), w2.bfloat16().double(), weights.double().cpu(),
+                        ids.cpu())
+    assert_close(out, ref, torch.bfloat16)
+    w13_q, w13_s = _quantize_stack(w13, block)
+    w2_q, w2_s = _quantize_stack(w2, block)
+    out = fused_moe_triton(x.to(device), w13_q.to(device), w2_q.to(device), weights, ids,
+                           w13_scale_inv=w13_s.to(device), w2_scale_inv=w2_s.to(device), block_size=block,
+                           config=cfg)
+    w13_d = block_dequantize(w13_q, w13_s, block, torch.float64)
+    w2_d = block_dequantize(w2_q, w2_s, block, torch.float64)
+    assert_close(out, _emulated_fp8_moe(x, w13_d, w2_d, weights.cpu(), ids.cpu(), block[1]), torch.bfloat16,
+                 tol=3e-2)
+
+
+def test_split_partials_are_checked(device):
+    from dsinfer.ops.triton.moe import grouped_gemm
+
+    a, b = torch.randn(4, 64, device=device), torch.randn(32, 64, device=device)
+    cfg = dict(block_m=16, block_n=16, block_k=32, group_m=1, num_warps=4, num_stages=1, split_k=2)
+    with pytest.raises(ValueError, match="float32 partials"):
+        grouped_gemm(a, b, torch.empty(3, 4, 32, device=device), cfg)  # 2 splits, not 3
+    with pytest.raises(ValueError, match="float32 partials"):
+        grouped_gemm(a, b, torch.empty(2, 4, 32, device=device, dtype=torch.bfloat16), cfg)
+    parts = grouped_gemm(a, b, torch.empty(2, 4, 32, device=device), cfg)
+    torch.testing.assert_close(parts.sum(0).cpu(), (a @ b.t()).cpu(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_topk_sum_matches_torch_sum(dtype, device):
-    from dsinfer.ops.triton.moe import topk_sum
+    from dsinfer.ops.triton.moe_fused import topk_sum
 
     gen = torch.Generator().manual_seed(3)
     for tokens, top_k, hidden in [(5, 6, 96), (1, 8, 2048), (3, 2, 1500)]:  # 1500: a partial last tile
@@ -351,6 +395,11 @@ def test_topk_sum_matches_torch_sum(dtype, device):
         assert out.dtype == dtype and out.shape == (tokens, hidden)
         # bf16: one rounding of the float32 sum (the CPU interpreter may round it the other way: one ulp)
         torch.testing.assert_close(out.cpu(), ref, rtol=0 if dtype == torch.float32 else 2**-7, atol=0)
+    parts = torch.randn(3, 4 * 2, 96, generator=gen)  # K-split partials [splits, pairs, H], float32
+    out = topk_sum(parts.to(device), 4, 2, out_dtype=dtype)
+    ref = parts.view(3, 4, 2, 96).sum((0, 2))
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float().cpu(), ref.to(dtype).float(), rtol=2**-7, atol=1e-5)
 
 
 def test_router_16bit_gemm_only_for_exact_cuda_weights():

@@ -1,4 +1,5 @@
-"""Fused MoE in Triton: the (token, expert) pairs aligned by expert, then one grouped GEMM kernel used twice.
+"""The grouped GEMM kernel of the fused MoE (``moe_fused``) and of the dense FP8 / few-row linears, and its tile
+configs. The fused MoE: the (token, expert) pairs aligned by expert, then this kernel used twice.
 
 1. ``moe_align`` (``ops.triton.moe_align``): the pairs sorted by expert, each expert's run padded to a
    multiple of ``BLOCK_M``, with the expert of every block of rows.
@@ -24,14 +25,12 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.triton.moe_align import moe_align
 from dsinfer.ops.triton.split_k import split_sizes, sum_partials
 
 _CONFIGS = Path(__file__).parent / "configs" / "moe.json"
@@ -282,24 +281,25 @@ def grouped_gemm(
     FP8 when ``a_scale`` / ``b_scale`` are given (scales per [block_size] of b, per (row, block_size[1]) of a).
     ``sorted_a`` / ``sorted_out``: a's / out's rows are in sorted order (``moe_permute.permute_rows``), not
     pair (or token) order; ``num_pairs`` (default out's rows) is then needed when ``sorted_out``.
+    ``cfg["split_k"]`` splits K (``split_k``): a dense 2-D ``out`` gets the partials summed by a second kernel;
+    a float32 ``out`` of [``gemm_splits(...)``, rows, N] gets the partials themselves, for the caller to sum
+    (``moe_fused.topk_sum`` adds them with the top-k rows).
     """
     if b.dim() == 2:
         b = b.unsqueeze(0)
         b_scale = b_scale.unsqueeze(0) if b_scale is not None else None
-    n_out = out.shape[1]
+    n_out = out.shape[-1]
     k = b.shape[2]
     fp8 = a_scale is not None
     if fp8 and (block_size is None or block_size[1] % cfg["block_k"] and cfg["block_k"] % block_size[1]):
         raise ValueError(f"block_k={cfg['block_k']} must divide the scale block {block_size} along K")
-    # An e4m3 dot needs K >= 32 on CUDA: smaller scale blocks (tiny test checkpoints) multiply as float32, exact
-    # for e4m3 operands (UPCAST below)
-    block_k = min(cfg["block_k"], block_size[1]) if fp8 else cfg["block_k"]
+    block_k = _block_k(cfg, block_size if fp8 else None)
     b_desc = cfg.get("tma", False) and _tma_ok(b)
     a_desc = b_desc and (align is None or sorted_a) and _tma_ok(a)
     fuse_gu = gated and cfg.get("fuse_gu", not a.is_cuda) and not b_desc
     if align is not None:
         sorted_ids, expert_ids, num_padded = align
-        rows, num_pairs = sorted_ids.shape[0], out.shape[0] if num_pairs is None else num_pairs
+        rows, num_pairs = sorted_ids.shape[0], out.shape[-2] if num_pairs is None else num_pairs
     else:
         sorted_ids = expert_ids = num_padded = out  # unused
         rows = num_pairs = a.shape[0]
@@ -307,11 +307,19 @@ def grouped_gemm(
     a_s = a_scale if fp8 else dummy
     b_s = b_scale if fp8 else dummy
     k_split, split = split_sizes(k, block_k, cfg.get("split_k", 1))
+    partials = out.dim() == 3
+    if gated and split > 1:
+        raise ValueError("split_k cannot split the gated GEMM: SiLU(gate) * up needs whole sums")
     target = out
-    if split > 1:
-        if align is not None or gated or topk_weights is not None:
-            raise ValueError("split_k applies to the dense GEMM only (no expert gather, gating or top-k weights)")
-        target = torch.empty(split, rows, n_out, dtype=torch.float32, device=out.device)
+    if partials:
+        if out.dtype != torch.float32 or out.shape[0] != split or sorted_out or bias is not None:
+            raise ValueError(f"a [splits, rows, N] out takes float32 partials in pair order without a bias, "
+                             f"{split} splits here; got {out.dtype} {tuple(out.shape)}"
+                             f"{' sorted' if sorted_out else ''}{' and a bias' if bias is not None else ''}")
+    elif split > 1:
+        if align is not None or topk_weights is not None:
+            raise ValueError("split_k over expert rows gives partials: pass a float32 [splits, rows, N] out")
+        target = torch.empty(split, out.shape[0], n_out, dtype=torch.float32, device=out.device)
     grid = (triton.cdiv(rows, cfg["block_m"]) * triton.cdiv(n_out, cfg["block_n"]), split)
     a_arg, b_arg = a, b
     if b_desc:
@@ -339,149 +347,17 @@ def grouped_gemm(
         A_SORTED=sorted_a and align is not None, C_SORTED=sorted_out and align is not None, SPLIT_K=split,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if split > 1:
+    if split > 1 and not partials:
         sum_partials(target, out, bias)
     return out
 
 
-def expert_pair_outputs(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    cfg: dict,
-    cfg2: dict,
-    *,
-    w13_scale_inv: torch.Tensor | None = None,
-    w2_scale_inv: torch.Tensor | None = None,
-    block_size: tuple[int, int] | None = None,
-) -> torch.Tensor:
-    """[T * k, H]: each (token, expert) pair's weighted expert output, in pair order (token-major), by the two
-    grouped GEMMs (gate/up with SiLU-mul under ``cfg``, down times the top-k weight under ``cfg2``). The fused
-    op sums a token's k rows; the deterministic mode sums them in its own fixed order."""
-    num_tokens, hidden_size = hidden.shape
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    top_k = topk_ids.shape[1]
-    num_pairs = num_tokens * top_k
-    fp8 = w13.dtype == torch.float8_e4m3fn
-    if fp8 and (w13_scale_inv is None or w2_scale_inv is None or block_size is None):
-        raise ValueError("FP8 experts need w13_scale_inv, w2_scale_inv and block_size")
-    if fp8 and inter % block_size[0]:
-        raise ValueError(f"FP8 fused MoE needs the intermediate size ({inter}) to be a multiple of "
-                         f"the scale block height {block_size[0]} (gate and up share the scale grid)")
-    align = moe_align(topk_ids, num_experts, cfg["block_m"])
-    weights = topk_weights.reshape(-1).float()  # the router's float32 [T, k]: a view, no kernel
-    if cfg.get("sorted"):
-        if cfg2["block_m"] != cfg["block_m"]:
-            raise ValueError("sorted MoE tiles need one block_m for gate/up and down (see down_config)")
-        return _sorted_pair_outputs(hidden, w13, w2, weights, align, top_k, cfg, cfg2, w13_scale_inv,
-                                    w2_scale_inv, block_size if fp8 else None)
-    align2 = align if cfg2["block_m"] == cfg["block_m"] else moe_align(topk_ids, num_experts, cfg2["block_m"])
-    inter_out = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    down = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    if fp8:
-        from dsinfer.ops.triton.fp8 import per_token_group_quant
-
-        a, a_s = per_token_group_quant(hidden, block_size[1])
-        grouped_gemm(a, w13, inter_out, cfg, a_scale=a_s, b_scale=w13_scale_inv, block_size=block_size,
-                     align=align, a_div=top_k, gated=True)
-        a2, a2_s = per_token_group_quant(inter_out, block_size[1])
-        grouped_gemm(a2, w2, down, cfg2, a_scale=a2_s, b_scale=w2_scale_inv, block_size=block_size,
-                     align=align2, topk_weights=weights)
-    else:
-        grouped_gemm(hidden, w13, inter_out, cfg, align=align, a_div=top_k, gated=True)
-        grouped_gemm(inter_out, w2, down, cfg2, align=align2, topk_weights=weights)
-    return down
+def _block_k(cfg: dict, block_size: tuple[int, int] | None) -> int:
+    """The K tile ``grouped_gemm`` runs: the config's, capped by an FP8 scale block's width. (An e4m3 dot needs
+    K >= 32 on CUDA: smaller scale blocks, in tiny test checkpoints, multiply as float32, exact for e4m3.)"""
+    return min(cfg["block_k"], block_size[1]) if block_size is not None else cfg["block_k"]
 
 
-def sorted_gate_up(hidden: torch.Tensor, w13: torch.Tensor, cfg: dict, align, top_k: int,
-                   w13_scale_inv: torch.Tensor | None = None, block_size: tuple[int, int] | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """The gate/up GEMM of ``sorted`` tiles: the hidden rows copied (and quantized for FP8) per pair into
-    ``align``'s expert order, then ``silu(gate) * up`` per row of that order ([capacity, I], padding rows zero)."""
-    from dsinfer.ops.triton.moe_permute import permute_rows
-
-    a, a_s = permute_rows(hidden, align, a_div=top_k, group=block_size[1] if block_size else None)
-    if out is None:
-        out = torch.empty(align[0].shape[0], w13.shape[1] // 2, dtype=hidden.dtype, device=hidden.device)
-    return grouped_gemm(a, w13, out, cfg, a_scale=a_s, b_scale=w13_scale_inv, block_size=block_size, align=align,
-                        gated=True, sorted_a=True, sorted_out=True, num_pairs=hidden.shape[0] * top_k)
-
-
-def _sorted_pair_outputs(hidden, w13, w2, weights, align, top_k, cfg, cfg2, w13_scale_inv, w2_scale_inv,
-                         block_size) -> torch.Tensor:
-    """``expert_pair_outputs`` through activations in expert order (``sorted_gate_up``), the down GEMM reading
-    the intermediate in that order and storing in pair order."""
-    from dsinfer.ops.triton.moe_permute import permute_rows
-
-    inter_out = sorted_gate_up(hidden, w13, cfg, align, top_k, w13_scale_inv, block_size)
-    down = torch.empty(hidden.shape[0] * top_k, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-    group = block_size[1] if block_size else None
-    a2, a2_s = permute_rows(inter_out, align, gather=False, group=group) if group else (inter_out, None)
-    grouped_gemm(a2, w2, down, cfg2, a_scale=a2_s, b_scale=w2_scale_inv, block_size=block_size, align=align,
-                 topk_weights=weights, sorted_a=True)
-    return down
-
-
-@triton.jit
-def _topk_sum_kernel(x_ptr, add_ptr, out_ptr, hidden_size, TOP_K: tl.constexpr, HAS_ADD: tl.constexpr,
-                     BLOCK_H: tl.constexpr):
-    """out[t] = sum_j x[t * TOP_K + j] (+ add[t]) in float32, j in order, the addend last, rounded once."""
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    valid = offs < hidden_size
-    acc = tl.zeros((BLOCK_H,), tl.float32)
-    for j in tl.static_range(TOP_K):
-        acc += tl.load(x_ptr + (t * TOP_K + j) * hidden_size + offs, mask=valid, other=0.0).to(tl.float32)
-    if HAS_ADD:
-        acc += tl.load(add_ptr + t * hidden_size + offs, mask=valid, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * hidden_size + offs, acc.to(out_ptr.dtype.element_ty), mask=valid)
-
-
-def topk_sum(pair_rows: torch.Tensor, num_tokens: int, top_k: int, add: torch.Tensor | None = None) -> torch.Tensor:
-    """[T * k, H] (token-major) -> [T, H]: each token's k rows summed in float32, plus ``add`` [T, H] when given
-    (the shared experts' output: no separate add kernel). One pass at the copy rate (``torch.sum`` over the
-    middle dim of [T, k, H] ran at ~30% of it)."""
-    hidden_size = pair_rows.shape[1]
-    out = pair_rows.new_empty(num_tokens, hidden_size)
-    if add is not None and (add.shape != out.shape or not add.is_contiguous()):
-        raise ValueError(f"topk_sum: add must be a contiguous {tuple(out.shape)} tensor, got {tuple(add.shape)}")
-    block_h = min(1024, triton.next_power_of_2(hidden_size))
-    _topk_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
-        pair_rows, pair_rows if add is None else add, out, hidden_size, TOP_K=top_k, HAS_ADD=add is not None,
-        BLOCK_H=block_h, num_warps=4,
-    )
-    return out
-
-
-def fused_moe_triton(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    *,
-    w13_scale_inv: torch.Tensor | None = None,
-    w2_scale_inv: torch.Tensor | None = None,
-    block_size: tuple[int, int] | None = None,
-    config: dict | None = None,
-    addend: Callable[[], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """See ``ops.moe.fused_moe``; FP8 experts (e4m3 ``w13``/``w2``) take their block scales."""
-    num_tokens, hidden_size = hidden.shape
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    top_k = topk_ids.shape[1]
-    num_pairs = num_tokens * top_k
-    if num_tokens == 0:
-        return hidden.new_zeros(0, hidden_size) + (addend() if addend is not None else 0)
-    fp8 = w13.dtype == torch.float8_e4m3fn
-    dtype = "fp8" if fp8 else str(w13.dtype).removeprefix("torch.")
-    cfg = config or moe_config(f"{num_experts},{inter},{hidden_size},{dtype}", num_pairs / num_experts, fp8,
-                               hidden.is_cuda)
-    down = expert_pair_outputs(hidden, w13, w2, topk_weights, topk_ids, cfg, down_config(cfg),
-                               w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv, block_size=block_size)
-    add = addend() if addend is not None else None  # called only now: its producer may run beside the experts
-    if top_k == 1:
-        return down if add is None else down.add_(add)
-    return topk_sum(down, num_tokens, top_k, add)
+def gemm_splits(cfg: dict, k: int, block_size: tuple[int, int] | None = None) -> int:
+    """How many K splits ``grouped_gemm`` runs for ``cfg`` over K = k (``block_size`` for FP8 weights)."""
+    return split_sizes(k, _block_k(cfg, block_size), cfg.get("split_k", 1))[1]
