@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsinfer.ops.triton.activation import silu_mul
 from dsinfer.ops.triton.split_k import split_sizes, sum_partials
 
 _CONFIGS = Path(__file__).parent / "configs" / "moe.json"
@@ -114,7 +115,7 @@ def _gemm_kernel(
     GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SCALAR_BS: tl.constexpr, A_DESC: tl.constexpr,
     B_DESC: tl.constexpr, UPCAST: tl.constexpr, A_SORTED: tl.constexpr, C_SORTED: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, SILU_A: tl.constexpr,
 ):
     """C[rows] = A[rows] @ B[e]^T (rows: pairs sorted by expert when GATHER, else 0..M); see module doc.
 
@@ -131,7 +132,10 @@ def _gemm_kernel(
     C is stored at the sorted positions (padding rows included; they are zeros).
     SPLIT_K > 1 (dense, not GATED, no MUL_WEIGHT or bias): program_id(1) takes K elements [s * k_split,
     (s + 1) * k_split) (k_split a multiple of BLOCK_K) and stores its float32 partial at C + s * stride_cs; the
-    caller sums the partials (``split_k.sum_partials``)."""
+    caller sums the partials (``split_k.sum_partials``).
+    SILU_A (dense, not FP8): A's rows hold [gate | up], K columns each, and the product reads SiLU(gate) * up
+    (``activation.silu_mul``, rounded to A's dtype as ``silu_and_mul`` stores it): the down projection without
+    the activation's kernel and its round trip through memory."""
     pid = tl.program_id(0)
     if SPLIT_K > 1:
         k_lo = tl.program_id(1) * k_split
@@ -192,10 +196,16 @@ def _gemm_kernel(
         k_valid = offs_k < K - k0
         if A_DESC:
             a = a_ptr.load([pid_m * BLOCK_M, k0])
+            if SILU_A:
+                a = silu_mul(a, a_ptr.load([pid_m * BLOCK_M, K + k0])).to(a.dtype)
         elif EVEN_K:
             a = tl.load(a_ptrs)
+            if SILU_A:
+                a = silu_mul(a, tl.load(a_ptrs + K * stride_ak)).to(a.dtype)
         else:
             a = tl.load(a_ptrs, mask=k_valid[None, :], other=0.0)
+            if SILU_A:
+                a = silu_mul(a, tl.load(a_ptrs + K * stride_ak, mask=k_valid[None, :], other=0.0)).to(a.dtype)
         if B_DESC:
             b = tl.trans(b_ptr.load([b_row0, k0]))
         elif EVEN_K:
@@ -274,6 +284,7 @@ def grouped_gemm(
     sorted_a: bool = False,
     sorted_out: bool = False,
     num_pairs: int | None = None,
+    silu_a: bool = False,
 ) -> torch.Tensor:
     """out[rows, :N] = f(a[rows // a_div] @ b[expert]^T); b [E, N(*2 if gated), K] (or [N, K] for dense).
 
@@ -284,6 +295,7 @@ def grouped_gemm(
     ``cfg["split_k"]`` splits K (``split_k``): a dense 2-D ``out`` gets the partials summed by a second kernel;
     a float32 ``out`` of [``gemm_splits(...)``, rows, N] gets the partials themselves, for the caller to sum
     (``moe_fused.topk_sum`` adds them with the top-k rows).
+    ``silu_a`` (dense, not FP8): ``a`` is [rows, 2K], [gate | up], and the product takes SiLU(gate) * up.
     """
     if b.dim() == 2:
         b = b.unsqueeze(0)
@@ -291,6 +303,9 @@ def grouped_gemm(
     n_out = out.shape[-1]
     k = b.shape[2]
     fp8 = a_scale is not None
+    if silu_a and (fp8 or align is not None or a.shape[1] != 2 * k):
+        raise ValueError(f"silu_a takes a dense, unquantized [rows, 2K] input: K={k}, a {tuple(a.shape)}"
+                         f"{', FP8' if fp8 else ''}{', expert rows' if align is not None else ''}")
     if fp8 and (block_size is None or block_size[1] % cfg["block_k"] and cfg["block_k"] % block_size[1]):
         raise ValueError(f"block_k={cfg['block_k']} must divide the scale block {block_size} along K")
     block_k = _block_k(cfg, block_size if fp8 else None)
@@ -345,6 +360,7 @@ def grouped_gemm(
         A_DESC=a_desc, B_DESC=b_desc,
         UPCAST=not a.is_cuda or (fp8 and block_k < 32),
         A_SORTED=sorted_a and align is not None, C_SORTED=sorted_out and align is not None, SPLIT_K=split,
+        SILU_A=silu_a,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split > 1 and not partials:
