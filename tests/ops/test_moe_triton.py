@@ -306,25 +306,19 @@ def test_fused_moe_fp8_v3_tile_modes(mode, assert_close):
     assert_close(out, ref, torch.bfloat16, tol=0.15)
 
 
-@pytest.mark.parametrize("fuse_gu, tma, sorted_rows", [(False, False, False), (True, False, False),
-                                                      (False, True, False), (True, False, True),
-                                                      (False, True, True)])
-def test_fused_moe_tile_configs_agree(fuse_gu, tma, sorted_rows, device, poisoned, assert_close):
-    """Gate and up in one interleaved dot or two; weights through TMA descriptors (the last N tile reads the
-    next expert's rows); the down GEMM with its own tile and alignment (block_m; sorted rows keep gate/up's);
-    activations copied into expert order first (sorted), with TMA also for them."""
+def _check_bf16_and_fp8_stacks(num_tokens, top_k, cfg, seed, device, assert_close):
+    """fused_moe_triton under ``cfg`` over a tiny stack (4 experts, hidden 64, inter 48; FP8 scale blocks of
+    16 x 16) in bf16, against float64, and in FP8, against the exact w8a8 emulation."""
     from dsinfer.ops.triton.moe_fused import fused_moe_triton
 
-    gen = torch.Generator().manual_seed(7)
-    num_experts, hidden, inter, top_k, block = 4, 64, 48, 2, (16, 16)
+    gen = torch.Generator().manual_seed(seed)
+    num_experts, hidden, inter, block = 4, 64, 48, (16, 16)
     w13, w2 = _experts(num_experts, hidden, inter, gen)
-    x = torch.randn(11, hidden, generator=gen).bfloat16()
-    weights, ids = _route(11, num_experts, top_k, gen, device)
-    # bf16 down: K 48 in steps of 32 (a masked K tail)
-    cfg = dict(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1, fuse_gu=fuse_gu,
-               tma=tma, sorted=sorted_rows, down=dict(block_m=32, block_n=16))
+    x = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
+    weights, ids = _route(num_tokens, num_experts, top_k, gen, device)
     out = fused_moe_triton(x.to(device), w13.bfloat16().to(device), w2.bfloat16().to(device), weights, ids,
                            config=cfg)
+    assert out.dtype == torch.bfloat16 and out.shape == (num_tokens, hidden)
     ref = fused_moe_ref(x.double(), w13.bfloat16().double(), w2.bfloat16().double(), weights.double().cpu(),
                         ids.cpu())
     assert_close(out, ref, torch.bfloat16)
@@ -339,35 +333,27 @@ def test_fused_moe_tile_configs_agree(fuse_gu, tma, sorted_rows, device, poisone
     assert_close(out, emulated, torch.bfloat16, tol=3e-2)
 
 
+@pytest.mark.parametrize("fuse_gu, tma, sorted_rows", [(False, False, False), (True, False, False),
+                                                      (False, True, False), (True, False, True),
+                                                      (False, True, True)])
+def test_fused_moe_tile_configs_agree(fuse_gu, tma, sorted_rows, device, poisoned, assert_close):
+    """Gate and up in one interleaved dot or two; weights through TMA descriptors (the last N tile reads the
+    next expert's rows); the down GEMM with its own tile and alignment (block_m; sorted rows keep gate/up's);
+    activations copied into expert order first (sorted), with TMA also for them."""
+    # bf16 down: K 48 in steps of 32 (a masked K tail)
+    cfg = dict(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1, fuse_gu=fuse_gu,
+               tma=tma, sorted=sorted_rows, down=dict(block_m=32, block_n=16))
+    _check_bf16_and_fp8_stacks(11, 2, cfg, 7, device, assert_close)
+
+
 @pytest.mark.parametrize("top_k, sorted_rows", [(2, False), (2, True), (1, False)])
 def test_fused_moe_down_split_k(top_k, sorted_rows, device, poisoned, assert_close):
     """The down GEMM split over K (batch-1 decode tiles): float32 partials per split, summed with the top-k
     rows by ``topk_sum`` (top_k 1 too, which otherwise skips the sum); bf16 and FP8 experts."""
-    from dsinfer.ops.triton.moe_fused import fused_moe_triton
-
-    gen = torch.Generator().manual_seed(11)
-    num_experts, hidden, inter, block = 4, 64, 48, (16, 16)
-    w13, w2 = _experts(num_experts, hidden, inter, gen)
-    x = torch.randn(5, hidden, generator=gen).bfloat16()
-    weights, ids = _route(5, num_experts, top_k, gen, device)
     # K = 48: bf16 K tiles of 32 split in 2 (32 + 16, a masked tail); FP8 tiles of 16 (the scale block) in 2
     cfg = dict(block_m=16, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=1, sorted=sorted_rows,
                down=dict(block_n=16, split_k=2))
-    out = fused_moe_triton(x.to(device), w13.bfloat16().to(device), w2.bfloat16().to(device), weights, ids,
-                           config=cfg)
-    assert out.dtype == torch.bfloat16 and out.shape == (5, hidden)
-    ref = fused_moe_ref(x.double(), w13.bfloat16().double(), w2.bfloat16().double(), weights.double().cpu(),
-                        ids.cpu())
-    assert_close(out, ref, torch.bfloat16)
-    w13_q, w13_s = _quantize_stack(w13, block)
-    w2_q, w2_s = _quantize_stack(w2, block)
-    out = fused_moe_triton(x.to(device), w13_q.to(device), w2_q.to(device), weights, ids,
-                           w13_scale_inv=w13_s.to(device), w2_scale_inv=w2_s.to(device), block_size=block,
-                           config=cfg)
-    w13_d = block_dequantize(w13_q, w13_s, block, torch.float64)
-    w2_d = block_dequantize(w2_q, w2_s, block, torch.float64)
-    assert_close(out, _emulated_fp8_moe(x, w13_d, w2_d, weights.cpu(), ids.cpu(), block[1]), torch.bfloat16,
-                 tol=3e-2)
+    _check_bf16_and_fp8_stacks(5, top_k, cfg, 11, device, assert_close)
 
 
 def test_split_partials_are_checked(device):
