@@ -85,7 +85,7 @@ def dense_config(num_rows: int, device: torch.device, n: int = 0, k: int = 0) ->
     is_cuda = device.type == "cuda"
     tuned = nearest_config(f"dense,{n},{k},fp8", num_rows, is_cuda)
     if tuned:
-        if num_rows > SPLIT_MAX_ROWS:  # a decode bucket's split at more rows: partials that outweigh the fill
+        if num_rows > SPLIT_MAX_ROWS:  # a decode bucket serving more rows: a split nobody timed there
             tuned.pop("split_k", None)
         return tuned
     if not is_cuda:

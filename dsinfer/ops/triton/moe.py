@@ -130,9 +130,10 @@ def _gemm_kernel(
     A_SORTED / C_SORTED (with GATHER): A's / C's rows are already in sorted order (row = position in
     ``sorted_ids``, ``ops.triton.moe_permute``), so a tile's A rows are consecutive (a TMA tile with A_DESC) and
     C is stored at the sorted positions (padding rows included; they are zeros).
-    SPLIT_K > 1 (dense, not GATED, no MUL_WEIGHT or bias): program_id(1) takes K elements [s * k_split,
-    (s + 1) * k_split) (k_split a multiple of BLOCK_K) and stores its float32 partial at C + s * stride_cs; the
-    caller sums the partials (``split_k.sum_partials``).
+    SPLIT_K > 1 (not GATED, no bias): program_id(1) takes K elements [s * k_split, (s + 1) * k_split) (k_split
+    a multiple of BLOCK_K) and stores its float32 partial (times the top-k weight with MUL_WEIGHT) at
+    C + s * stride_cs, in the rows' order; they are summed after (``split_k.sum_partials`` for a dense GEMM,
+    ``moe_fused.topk_sum`` for the MoE down GEMM).
     SILU_A (dense, not FP8): A's rows hold [gate | up], K columns each, and the product reads SiLU(gate) * up
     (``activation.silu_mul``, rounded to A's dtype as ``silu_and_mul`` stores it): the down projection without
     the activation's kernel and its round trip through memory."""

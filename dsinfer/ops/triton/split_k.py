@@ -16,8 +16,8 @@ import triton.language as tl
 from dsinfer.ops.triton.utils import num_sms
 
 MAX_SPLIT = 16
-SPLIT_MAX_ROWS = 64  # past this many rows the float32 partials cost more traffic than the extra programs save
-MIN_K_BLOCKS = 4  # K tiles a split keeps at least: fewer and the partials' traffic outweighs the fill
+SPLIT_MAX_ROWS = 64  # the most rows a split was timed at (the tuner's decode buckets 1, 16, 64)
+MIN_K_BLOCKS = 4  # K tiles each split keeps at least (a choice, not measured: short loops, more partials)
 
 
 def split_sizes(k: int, block_k: int, split: int) -> tuple[int, int]:
