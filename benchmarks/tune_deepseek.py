@@ -292,8 +292,10 @@ def tune_moe(name: str, routed: int, h: int, inter: int, top_k: int, num_shared:
         cands2 = [cur2] + [c for c in grid2 if c != cur2]
         label = f"{name} T={tokens}"
         half = Budget(sub.left() * 0.6)
-        res1 = sweep(f"{label} gate/up", cands1, case.gate_up, case.gate_up_err, half)
-        res2 = sweep(f"{label} down", cands2, case.down, case.down_err, sub)
+        # A few tokens' GEMMs take microseconds, less than an eager launch costs the host: time graph replays.
+        timer = tuning.graph_bench if tokens <= 256 else tuning.bench
+        res1 = sweep(f"{label} gate/up", cands1, case.gate_up, case.gate_up_err, half, timer=timer)
+        res2 = sweep(f"{label} down", cands2, case.down, case.down_err, sub, timer=timer)
         best_pair = _best_pair(res1, res2)
         if best_pair is None:
             print(f"  {label}: no working config", flush=True)
