@@ -227,6 +227,25 @@ def test_moe_align_kernel_cuda_graph():
 
 
 @pytest.mark.gpu
+def test_pair_blocks_fall_back_to_the_align_kernel_inside_a_first_capture():
+    """A capture that meets a block size whose constants were never made takes ``moe_align`` (no allocation
+    from the graph's pool kept in a module cache); after an eager call the graph needs no alignment kernel."""
+    from dsinfer.ops.triton.moe_align import moe_align, moe_align_ref
+    from dsinfer.ops.triton.moe_fused import _align
+
+    ids = torch.tensor([[3, 1, 9, 4, 11]], device="cuda")  # 5 pairs in blocks of 64: no other test's constants
+    moe_align(ids, 16, 64)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _align(ids, 16, 64)
+    graph.replay()
+    for a, b in zip(captured, moe_align_ref(ids, 16, 64)):
+        assert torch.equal(a, b)
+    eager = _align(ids, 16, 64)
+    assert eager[1].dtype == torch.int64 and eager[1].data_ptr() == ids.data_ptr()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("router", ROUTERS[:3], ids=lambda r: r[0])
 @pytest.mark.parametrize("num_tokens", [1, 64, 4096])
 def test_router_kernel_real_sizes(router, num_tokens):
@@ -354,6 +373,47 @@ def test_fused_moe_down_split_k(top_k, sorted_rows, device, poisoned, assert_clo
     cfg = dict(block_m=16, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=1, sorted=sorted_rows,
                down=dict(block_n=16, split_k=2))
     _check_bf16_and_fp8_stacks(5, top_k, cfg, 11, device, assert_close)
+
+
+def test_pair_blocks_hold_one_pair_each_and_are_cached(device):
+    """One token's alignment without a launch: block j holds pair j under expert ids[j]; the same (expert,
+    pair) blocks as ``moe_align_ref`` for distinct experts, in pair order; the constants made once."""
+    from dsinfer.ops.triton.moe_align import moe_align_ref, pair_blocks
+
+    ids = torch.tensor([[5, 0, 7, 2]], device=device)
+    sorted_ids, expert_ids, num_padded = pair_blocks(ids, 16)
+    assert sorted_ids.shape == (64,) and int(num_padded) == 64
+    assert sorted_ids.view(4, 16)[:, 0].tolist() == [0, 1, 2, 3]
+    assert (sorted_ids.view(4, 16)[:, 1:] == 4).all()  # the sentinel: the pair count
+    assert expert_ids.tolist() == [5, 0, 7, 2]
+    ref_sorted, ref_experts, ref_padded = moe_align_ref(ids, 8, 16)
+    assert int(ref_padded) == int(num_padded) and ref_sorted.shape == sorted_ids.shape
+    ref_blocks = {(int(e), int(p)) for e, p in zip(ref_experts, ref_sorted.view(-1, 16)[:, 0])}
+    assert ref_blocks == {(int(e), int(p)) for e, p in zip(expert_ids, sorted_ids.view(-1, 16)[:, 0])}
+    again = pair_blocks(torch.tensor([[1, 3, 4, 6]], device=device), 16)
+    assert again[0] is sorted_ids and again[2] is num_padded and again[1].tolist() == [1, 3, 4, 6]
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(block_m=16, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=1),
+    dict(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1, fuse_gu=True,
+         down=dict(block_m=32, block_n=16, split_k=2)),
+    dict(block_m=16, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=1, sorted=True, tma=True),
+], ids=["plain", "down-own-block-m-split", "sorted-tma"])
+def test_fused_moe_one_token_pair_blocks_with_repeated_experts(cfg, device, poisoned, assert_close):
+    """One token takes ``pair_blocks``: exact for any ids, an expert named twice (two blocks of it) too."""
+    from dsinfer.ops.triton.moe_fused import fused_moe_triton
+
+    gen = torch.Generator().manual_seed(3)
+    w13, w2 = _experts(4, 64, 48, gen)
+    x = torch.randn(1, 64, generator=gen).bfloat16()
+    ids = torch.tensor([[2, 0, 2]], device=device)
+    weights = torch.tensor([[0.5, 0.3, 0.2]], device=device)
+    out = fused_moe_triton(x.to(device), w13.bfloat16().to(device), w2.bfloat16().to(device), weights, ids,
+                           config=cfg)
+    ref = fused_moe_ref(x.double(), w13.bfloat16().double(), w2.bfloat16().double(), weights.double().cpu(),
+                        ids.cpu())
+    assert_close(out, ref, torch.bfloat16)
 
 
 def test_split_partials_are_checked(device):

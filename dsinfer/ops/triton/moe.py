@@ -155,7 +155,7 @@ def _gemm_kernel(
     if GATHER:
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
             return
-        expert32 = tl.load(expert_ids_ptr + pid_m)
+        expert32 = tl.load(expert_ids_ptr + pid_m).to(tl.int32)  # int64 from ``moe_align.pair_blocks``
         expert = expert32.to(tl.int64)
         rows = tl.load(sorted_ids_ptr + offs_m)
         m_valid = rows < num_pairs

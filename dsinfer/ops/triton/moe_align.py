@@ -4,7 +4,8 @@ The T * top_k (token, expert) pairs, sorted by expert, each expert's run padded 
 (padding entries hold the sentinel ``T * top_k``), with the expert of every block of rows: the layout the
 grouped GEMM of ``ops.triton.moe`` walks. One Triton launch at decode sizes (a program per expert; two launches
 past 4096 pairs), sized from shapes (a capacity of ``pairs + min(pairs, E) * (BLOCK_M - 1)`` rows), so no host
-sync and CUDA-graph safe; blocks past the real total exit at once.
+sync and CUDA-graph safe; blocks past the real total exit at once. For one token, ``pair_blocks`` gives a
+layout the grouped GEMM reads the same way without any launch.
 """
 
 from __future__ import annotations
@@ -205,3 +206,28 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
                                     SPANS_BLOCK=max(1, 4096 // e_pad), NB=max(32, 8192 // e_pad),
                                     num_warps=8 if e_pad >= 128 else 4)
     return sorted_ids, expert_ids, num_padded
+
+
+_PAIR_BLOCKS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def pair_blocks(topk_ids: torch.Tensor, block_m: int):
+    """``moe_align``'s contract with one block per (token, expert) pair, in pair order: block j holds pair j and
+    ``block_m - 1`` sentinels, its expert is ``topk_ids.flat[j]`` (int64: the ids themselves, a view). The
+    grouped GEMM needs blocks of one expert each, in any order, so this layout is exact for any ids; it reads an
+    expert's weights once per pair, so it is used for one token, whose k experts a router picks distinct: then
+    it reads what ``moe_align``'s layout reads, with no launch (the sorted ids and the padded count are
+    constants). Returns None while a CUDA graph is captured and the constants are not made yet (the warm-up
+    forward before each capture makes them, outside it)."""
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    key = (num_pairs, block_m, flat.device)
+    if key not in _PAIR_BLOCKS:
+        if flat.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        sorted_ids = torch.full((num_pairs, block_m), num_pairs, dtype=torch.int32, device=flat.device)
+        sorted_ids[:, 0] = torch.arange(num_pairs, dtype=torch.int32, device=flat.device)
+        num_padded = torch.full((1,), num_pairs * block_m, dtype=torch.int32, device=flat.device)
+        _PAIR_BLOCKS[key] = sorted_ids.view(-1), num_padded
+    sorted_ids, num_padded = _PAIR_BLOCKS[key]
+    return sorted_ids, flat, num_padded

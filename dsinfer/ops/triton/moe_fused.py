@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from dsinfer.ops.triton.moe import down_config, gemm_splits, grouped_gemm, moe_config
-from dsinfer.ops.triton.moe_align import moe_align
+from dsinfer.ops.triton.moe_align import moe_align, pair_blocks
 
 
 def expert_pair_outputs(
@@ -45,14 +45,14 @@ def expert_pair_outputs(
                          f"the scale block height {block_size[0]} (gate and up share the scale grid)")
     if not split_down:
         cfg2 = {key: value for key, value in cfg2.items() if key != "split_k"}
-    align = moe_align(topk_ids, num_experts, cfg["block_m"])
+    align = _align(topk_ids, num_experts, cfg["block_m"])
     weights = topk_weights.reshape(-1).float()  # the router's float32 [T, k]: a view, no kernel
     if cfg.get("sorted"):
         if cfg2["block_m"] != cfg["block_m"]:
             raise ValueError("sorted MoE tiles need one block_m for gate/up and down (see down_config)")
         return _sorted_pair_outputs(hidden, w13, w2, weights, align, top_k, cfg, cfg2, w13_scale_inv,
                                     w2_scale_inv, block_size if fp8 else None)
-    align2 = align if cfg2["block_m"] == cfg["block_m"] else moe_align(topk_ids, num_experts, cfg2["block_m"])
+    align2 = align if cfg2["block_m"] == cfg["block_m"] else _align(topk_ids, num_experts, cfg2["block_m"])
     inter_out = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     down = _down_out(hidden, num_pairs, inter, cfg2, block_size if fp8 else None)
     if fp8:
@@ -68,6 +68,16 @@ def expert_pair_outputs(
         grouped_gemm(hidden, w13, inter_out, cfg, align=align, a_div=top_k, gated=True)
         grouped_gemm(inter_out, w2, down, cfg2, align=align2, topk_weights=weights)
     return down
+
+
+def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """The expert blocks of the grouped GEMMs: for one token a block per pair, with no launch
+    (``moe_align.pair_blocks``; 26 launches of a V2-Lite batch-1 step), else ``moe_align``."""
+    if topk_ids.shape[0] == 1:
+        blocks = pair_blocks(topk_ids, block_m)
+        if blocks is not None:
+            return blocks
+    return moe_align(topk_ids, num_experts, block_m)
 
 
 def _down_out(hidden: torch.Tensor, num_pairs: int, inter: int, cfg2: dict,
