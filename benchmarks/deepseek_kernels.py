@@ -123,6 +123,32 @@ def mla_decode_rows(sweep: bool, best: dict) -> list[Row]:
     return rows
 
 
+def mla_uv_rows() -> list[Row]:
+    """Decode + W_UV at few rows: the one-kernel split combine + W_UV against the combine kernel + cuBLAS bmm
+    (``ops.triton.mla_uv``; the fused path's default is up to ``FUSED_UV_MAX_HEAD_ROWS`` rows x heads)."""
+    from dsinfer.ops.triton.mla_uv import FUSED_UV_MAX_HEAD_ROWS, mla_decode_uv_triton
+
+    rows = []
+    ctx, v_dim = 1024, 128
+    for heads in (16, 128):
+        w_uv = torch.randn(heads, 2 * v_dim, R, device="cuda", dtype=BF16)[:, v_dim:] * 0.04
+        for batch in (1, 2, 4, 8, 16):
+            cache, tables, seq_lens = _latent_cache(batch, ctx)
+            qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+            q = torch.randn(batch, heads, R, device="cuda", dtype=BF16)
+            qp = torch.randn(batch, heads, P, device="cuda", dtype=BF16)
+            times = {}
+            for fused in (True, False):
+                times[fused] = graph_ms(functools.partial(mla_decode_uv_triton, q, qp, cache, tables, qsl, seq_lens,
+                                                          192**-0.5, w_uv, max_seq_len=ctx, fused=fused))
+            nbytes = batch * ctx * (R + P) * 2 + heads * v_dim * R * 2
+            flops = 2 * batch * heads * (ctx * (2 * R + P) + R * v_dim)
+            default = "fused" if batch * heads <= FUSED_UV_MAX_HEAD_ROWS else "two launches"
+            rows.append(Row("mla decode + W_UV, fused combine", f"H={heads} B={batch} ctx={ctx}", times[True],
+                            nbytes, flops, note=f"two launches {times[False]:.4f} ms; default: {default}"))
+    return rows
+
+
 def mla_other_rows() -> list[Row]:
     from dsinfer.ops.mla import mla_prefill, store_mla_kv
 
@@ -254,7 +280,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--only", default=None, help="mla | moe | fp8")
+    parser.add_argument("--only", default=None, help="mla | mla_uv | moe | fp8")
     args = parser.parse_args()
     bw, bf16, fp8 = measure_bandwidth(), measure_bf16_matmul(), measure_fp8_matmul()
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 {bf16 / 1e12:.0f} TFLOP/s, "
@@ -262,7 +288,7 @@ def main() -> None:
     best_mla: dict = {}
     best_moe: dict = {}
     rows: list[Row] = []
-    groups = {"mla": lambda: mla_decode_rows(args.sweep, best_mla) + mla_other_rows(),
+    groups = {"mla": lambda: mla_decode_rows(args.sweep, best_mla) + mla_other_rows(), "mla_uv": mla_uv_rows,
               "moe": lambda: moe_rows(args.sweep, best_moe), "fp8": fp8_dense_rows}
     for name, make in groups.items():
         if args.only in (None, name):

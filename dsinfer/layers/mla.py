@@ -27,7 +27,7 @@ from dsinfer.kvcache.spec import MLASpec
 from dsinfer.layers.fp8_linear import Fp8BlockLinear, Fp8Config, make_linear
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, rope_parameters_of
-from dsinfer.ops.mla import mla_decode, mla_prefill, rope_norm_store_mla
+from dsinfer.ops.mla import mla_decode_uv, mla_prefill, rope_norm_store_mla
 from dsinfer.runner.forward_batch import ForwardBatch
 from dsinfer.runner.prefill_graphs import attention_piece
 from dsinfer.runner.side_stream import in_graphs, run_beside
@@ -150,12 +150,11 @@ class MLAAttention(nn.Module):
 
     def _split_kv_b(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """kv_b_proj's weight per head, w_kv_b [H, N + V, R] (what the prefill expansion takes), and two views of
-        it that ``torch.bmm`` consumes without a copy (each head's block is contiguous; cuBLAS takes a strided
-        batch, the second one transposed): W_UK [H, N, R] (absorbs q_nope) and W_UV^T [H, R, V] (applies the
-        attended latent)."""
+        it taken without a copy (each head's block is contiguous; cuBLAS takes a strided batch): W_UK [H, N, R]
+        (absorbs q_nope) and W_UV [H, V, R] (applies the attended latent, ``ops.mla.mla_decode_uv``)."""
         weight = self.kv_b_proj.weight if self._kv_b_dense is None else self._kv_b_dense
         w_kv_b = weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        return w_kv_b, w_kv_b[:, : self.nope_dim], w_kv_b[:, self.nope_dim :].transpose(1, 2)
+        return w_kv_b, w_kv_b[:, : self.nope_dim], w_kv_b[:, self.nope_dim :]
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         views = self._kv_b_views
@@ -214,11 +213,8 @@ class MLAAttention(nn.Module):
     def _decode(self, q_absorbed: torch.Tensor, q_pe: torch.Tensor, d: MLARows, max_seq_len: int | None,
                 out: torch.Tensor) -> torch.Tensor:
         """Attention of one-token rows over the latent cache, then W_UV, written into ``out`` [T, H, V]."""
-        latent = mla_decode(q_absorbed, q_pe, self.kv_cache, d.block_tables, d.query_start_loc, d.seq_lens,
-                            self.scale, max_seq_len=max_seq_len)
-        # [H, T, R] @ [H, R, V], written through a transposed view straight into [T, H, V]
-        torch.bmm(latent.transpose(0, 1), self._kv_b()[2], out=out.transpose(0, 1))
-        return out
+        return mla_decode_uv(q_absorbed, q_pe, self.kv_cache, d.block_tables, d.query_start_loc, d.seq_lens,
+                             self.scale, self._kv_b()[2], out=out, max_seq_len=max_seq_len)
 
     def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
         """q_nope [T, H, N], q_pe [T, H, P] (roped) -> [T, H, V] (contiguous)."""

@@ -204,6 +204,43 @@ def mla_decode(
     return mla_decode_ref(q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, scale)
 
 
+def mla_decode_uv_ref(
+    q_nope_absorbed: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    w_uv: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``mla_decode_ref`` then W_UV: w_uv [H, V, R] (kv_b_proj's value rows, per head) -> [T, H, V], into
+    ``out`` when given."""
+    latent = mla_decode_ref(q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, scale)
+    if out is None:
+        out = latent.new_empty(latent.shape[0], w_uv.shape[0], w_uv.shape[1])
+    # [H, T, R] @ [H, R, V], written through a transposed view straight into [T, H, V]
+    torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+    return out
+
+
+def mla_decode_uv(
+    q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, scale, w_uv, *, out=None,
+    max_seq_len=None,
+) -> torch.Tensor:
+    """See ``mla_decode_uv_ref``; on the Triton path the split combine and W_UV run as one kernel at few rows
+    (``ops.triton.mla_uv``)."""
+    if use_triton(q_nope_absorbed):
+        from dsinfer.ops.triton.mla_uv import mla_decode_uv_triton
+
+        return mla_decode_uv_triton(q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens,
+                                    scale, w_uv, out=out, max_seq_len=max_seq_len)
+    return mla_decode_uv_ref(q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, scale,
+                             w_uv, out=out)
+
+
 def mla_prefill(
     q_nope, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, w_kv_b, scale
 ) -> torch.Tensor:

@@ -178,12 +178,13 @@ def test_triton_interpreter_v3_greedy_matches_hf(v3, monkeypatch):  # noqa: F811
     """V3 (MLA decode + prefill, fused MoE, noaux_tc routing, rope, norms, sampler) on every Triton kernel under
     TRITON_INTERPRET=1, with async scheduling's placeholder path on: HF's greedy tokens and prompt logprobs."""
     import dsinfer.ops.triton.mla as mla_kernels
+    import dsinfer.ops.triton.mla_uv as mla_uv_kernels
     import dsinfer.ops.triton.moe_fused as moe_kernels
     import dsinfer.ops.triton.router as router_kernels
 
     monkeypatch.setenv("DSINFER_USE_TRITON", "always")
-    calls = {"mla_decode_triton": 0, "mla_prefill_triton": 0, "fused_moe_triton": 0, "select_experts_triton": 0}
-    for module in (mla_kernels, moe_kernels, router_kernels):
+    calls = {"mla_decode_uv_triton": 0, "mla_prefill_triton": 0, "fused_moe_triton": 0, "select_experts_triton": 0}
+    for module in (mla_kernels, mla_uv_kernels, moe_kernels, router_kernels):
         for name in calls:
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, _counting(calls, name, getattr(module, name)))

@@ -11,6 +11,8 @@ import torch
 from dsinfer.ops.mla import (
     mla_decode,
     mla_decode_ref,
+    mla_decode_uv,
+    mla_decode_uv_ref,
     mla_prefill,
     mla_prefill_ref,
     rope_norm_store_mla,
@@ -161,6 +163,48 @@ def test_mla_decode_skips_padding_rows_and_uses_public_op(rope, device, assert_c
     assert_close(out[:2], ref, torch.float32)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("rank,v_dim", [(32, 24), (160, 40)])  # 160: two latent slices, the second masked
+def test_mla_decode_uv_matches_reference(rank, v_dim, num_splits, fused, device, assert_close):
+    """Decode then W_UV: the one-kernel split combine + W_UV and the two-launch path, beside a graph padding
+    row (row 3 belongs to no sequence); V not a multiple of the kernel's column tile."""
+    from dsinfer.ops.triton.mla_uv import mla_decode_uv_triton
+
+    heads, rope = 4, 16
+    cache, tables, qsl, seq_lens, gen = _latent_batch([1, 1, 1], [5, 70, 33], heads, rank, rope, 16,
+                                                      torch.float32, device)
+    q_nope = torch.randn(4, heads, rank, generator=gen).to(device)
+    q_pe = torch.randn(4, heads, rope, generator=gen).to(device)
+    w_kv_b = torch.randn(heads, 16 + v_dim, rank, generator=gen).to(device) / rank**0.5
+    w_uv = w_kv_b[:, 16:]  # a view with kv_b_proj's strides, as the layer passes it
+    out = mla_decode_uv_triton(q_nope, q_pe, cache, tables, qsl, seq_lens, 0.25, w_uv, num_splits=num_splits,
+                               fused=fused)
+    ref = mla_decode_uv_ref(q_nope[:3].double().cpu(), q_pe[:3].double().cpu(), _clean(cache), tables.cpu(),
+                            qsl.cpu(), seq_lens.cpu(), 0.25, w_uv.double().cpu())
+    assert out.shape == (4, heads, v_dim)
+    assert_close(out[:3], ref, torch.float32)
+
+
+def test_mla_decode_uv_public_op_writes_into_out_and_checks_w_uv(device, assert_close):
+    heads, rank, rope, v_dim = 4, 32, 16, 16
+    cache, tables, qsl, seq_lens, gen = _latent_batch([1, 1], [9, 40], heads, rank, rope, 8, torch.float32,
+                                                      device)
+    q_nope = torch.randn(2, heads, rank, generator=gen).to(device)
+    q_pe = torch.randn(2, heads, rope, generator=gen).to(device)
+    w_uv = torch.randn(heads, v_dim, rank, generator=gen).to(device)
+    out = torch.full((2, heads, v_dim), float("nan"), device=device)
+    got = mla_decode_uv(q_nope, q_pe, cache, tables, qsl, seq_lens, 0.25, w_uv, out=out, max_seq_len=40)
+    assert got.data_ptr() == out.data_ptr()
+    ref = mla_decode_uv_ref(q_nope.double().cpu(), q_pe.double().cpu(), _clean(cache), tables.cpu(), qsl.cpu(),
+                            seq_lens.cpu(), 0.25, w_uv.double().cpu())
+    assert_close(out, ref, torch.float32)
+    from dsinfer.ops.triton.mla_uv import mla_decode_uv_triton
+
+    with pytest.raises(ValueError, match="w_uv must be"):
+        mla_decode_uv_triton(q_nope, q_pe, cache, tables, qsl, seq_lens, 0.25, w_uv.transpose(1, 2))
+
+
 @pytest.mark.parametrize("rope", [16, 8])  # 8: the tiny parity models (a padded, masked tl.dot operand)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mla_prefill_with_cached_prefix_matches_reference(dtype, rope, device, poisoned, assert_close):
@@ -236,6 +280,29 @@ def test_mla_decode_real_shapes(heads, assert_close):
     ref = mla_decode_ref(q_nope.float(), q_pe.float(), torch.nan_to_num(cache.float()), tables, qsl, seq_lens,
                          scale)
     assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])  # DeepSeek-V2-Lite, V3
+@pytest.mark.parametrize("batch", [1, 4, 32])  # the default path, and both paths forced
+def test_mla_decode_uv_real_shapes(heads, batch, assert_close):
+    from dsinfer.ops.triton.mla_uv import mla_decode_uv_triton
+
+    cache, tables, qsl, seq_lens, gen = _latent_batch(
+        [1] * batch, [1000 - 29 * b for b in range(batch)][::-1], heads, 512, 64, 64, torch.bfloat16, "cuda"
+    )
+    q_nope = torch.randn(batch, heads, 512, generator=gen).bfloat16().cuda()
+    q_pe = torch.randn(batch, heads, 64, generator=gen).bfloat16().cuda()
+    w_uv = (torch.randn(heads, 128 + 128, 512, generator=gen) / 512**0.5).bfloat16().cuda()[:, 128:]
+    scale = 192**-0.5
+    ref = mla_decode_uv_ref(q_nope.float(), q_pe.float(), torch.nan_to_num(cache.float()), tables, qsl, seq_lens,
+                            scale, w_uv.float())
+    assert_close(mla_decode_uv(q_nope, q_pe, cache, tables, qsl, seq_lens, scale, w_uv, max_seq_len=1000), ref,
+                 torch.bfloat16)
+    for fused in (True, False):
+        out = mla_decode_uv_triton(q_nope, q_pe, cache, tables, qsl, seq_lens, scale, w_uv, max_seq_len=1000,
+                                   fused=fused)
+        assert_close(out, ref, torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
@@ -264,13 +265,54 @@ def mla_decode_triton(
     comes from block_tables' width. ``num_splits`` / ``config`` override the heuristics (tuning; a config's
     ``reload_q`` re-reads the query every key tile instead of holding it in registers; ``tma`` fetches whole key
     tiles with TMA copies where the shapes allow, ``ops.triton.mla_tma``)."""
+    split = decode_splits(q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, scale,
+                          max_seq_len=max_seq_len, num_splits=num_splits, config=config)
+    return split.out if split.part_out is None else combine_splits(split, query_start_loc)
+
+
+class DecodeSplits(NamedTuple):
+    """What the decode kernel wrote: ``out`` [T, H, R] (written when ``num_splits`` is 1), else each split's
+    float32 partial ``part_out`` [T, H, S, R] and its base-2 log-sum-exp ``part_lse`` [T, H, S]."""
+
+    out: torch.Tensor
+    part_out: torch.Tensor | None
+    part_lse: torch.Tensor | None
+    num_splits: int
+
+
+def combine_splits(split: DecodeSplits, query_start_loc: torch.Tensor) -> torch.Tensor:
+    """The latent [T, H, R] from a decode's split partials (into ``split.out``)."""
+    num_rows, num_heads, rank = split.out.shape
+    _mla_reduce_kernel[(num_rows, num_heads)](
+        split.part_out, split.part_lse, query_start_loc, split.out, query_start_loc.shape[0] - 1, num_heads,
+        split.num_splits, split.out.stride(0), split.out.stride(1),
+        RANK=rank, BLOCK_R=triton.next_power_of_2(rank), BLOCK_S=max(triton.next_power_of_2(split.num_splits), 2),
+        num_warps=4,
+    )
+    return split.out
+
+
+def decode_splits(
+    q_nope_absorbed: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    config: dict | None = None,
+) -> DecodeSplits:
+    """The split-KV decode kernel alone (arguments as ``mla_decode_triton``); the caller combines the splits."""
     num_rows, num_heads, rank = q_nope_absorbed.shape
     rope = q_pe.shape[-1]
     if kv_cache.shape[-1] != rank + rope:
         raise ValueError(f"cache rows hold {kv_cache.shape[-1]} values, expected R + P = {rank} + {rope}")
     out = q_nope_absorbed.new_empty(num_rows, num_heads, rank)
     if num_rows == 0:
-        return out
+        return DecodeSplits(out, None, None, 1)
     cfg = config or decode_config(num_heads, q_nope_absorbed.is_cuda, kv_cache.dtype in FP8_DTYPES)
     # a tile wider than the heads is allowed (a tuned config may pad 16 heads to 64 rows: tl.dot then runs as
     # Hopper wgmma, whose tiles start at 64 rows, instead of mma.sync); padding rows load zeros, store nothing
@@ -280,10 +322,8 @@ def mla_decode_triton(
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * kv_cache.shape[1]
         num_splits = decode_num_splits(num_rows, head_tiles, bound, q_nope_absorbed.device,
                                        cfg.get("programs_per_sm", 4))
-    num_seqs = query_start_loc.shape[0] - 1
-    single = num_splits == 1
     part_out = part_lse = out
-    if not single:
+    if num_splits > 1:
         part_out = torch.empty(num_rows, num_heads, num_splits, rank, dtype=torch.float32, device=out.device)
         part_lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=out.device)
     grid = (head_tiles, num_splits, num_rows)
@@ -299,14 +339,9 @@ def mla_decode_triton(
     else:
         _launch_decode(grid, q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, out,
                        part_out, part_lse, scale, num_splits, block_h, cfg, fp8)
-    if not single:
-        _mla_reduce_kernel[(num_rows, num_heads)](
-            part_out, part_lse, query_start_loc, out, num_seqs, num_heads, num_splits,
-            out.stride(0), out.stride(1),
-            RANK=rank, BLOCK_R=triton.next_power_of_2(rank), BLOCK_S=max(triton.next_power_of_2(num_splits), 2),
-            num_warps=4,
-        )
-    return out
+    if num_splits == 1:
+        return DecodeSplits(out, None, None, 1)
+    return DecodeSplits(out, part_out, part_lse, num_splits)
 
 
 # ---- prefill ----
