@@ -203,6 +203,10 @@ def test_mla_decode_uv_public_op_writes_into_out_and_checks_w_uv(device, assert_
 
     with pytest.raises(ValueError, match="w_uv must be"):
         mla_decode_uv_triton(q_nope, q_pe, cache, tables, qsl, seq_lens, 0.25, w_uv.transpose(1, 2))
+    with pytest.raises(ValueError, match="out must be"):
+        mla_decode_uv_triton(q_nope, q_pe, cache, tables, qsl, seq_lens, 0.25, w_uv, out=out[:1])
+    empty = mla_decode_uv_triton(q_nope[:0], q_pe[:0], cache, tables, qsl[:1], seq_lens[:0], 0.25, w_uv)
+    assert empty.shape == (0, heads, v_dim)
 
 
 @pytest.mark.parametrize("rope", [16, 8])  # 8: the tiny parity models (a padded, masked tl.dot operand)

@@ -81,12 +81,15 @@ def mla_decode_uv_triton(
                          f"got {tuple(w_uv.shape)} with strides {w_uv.stride()}")
     if out is None:
         out = q_nope_absorbed.new_empty(num_rows, num_heads, v_dim)
+    elif out.shape != (num_rows, num_heads, v_dim) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [T, H, V] = [{num_rows}, {num_heads}, {v_dim}] with unit stride over V, "
+                         f"got {tuple(out.shape)} with strides {out.stride()}")
+    if num_rows == 0:
+        return out
     if fused is None:
         fused = num_rows * num_heads <= FUSED_UV_MAX_HEAD_ROWS
     split = decode_splits(q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, scale,
                           max_seq_len=max_seq_len, num_splits=num_splits)
-    if num_rows == 0:
-        return out
     if split.part_out is None or not fused:
         latent = split.out
         if split.part_out is not None:
