@@ -117,9 +117,6 @@ def moe_grids(fp8: bool, rows_per_expert: float) -> tuple[list[dict], list[dict]
                 (32, 128, 1, 4, 4), (16, 64, 1, 4, 4, "bk128"), (16, 128, 1, 4, 4, "bk128"),
                 (16, 64, 1, 4, 4, "tma+bk128"), (16, 32, 1, 4, 5, "bk128"), (16, 64, 1, 4, 3, "bk256"),
                 (16, 128, 1, 8, 3, "bk256"), (16, 32, 1, 4, 6, "bk128"), (16, 128, 1, 4, 4, "tma+bk128")]
-        if rows_per_expert < 1:  # batch 1-2: a small expert's down has few column tiles; split K for programs
-            down += [(16, bn, 1, 4, 4, f"{mode}+bk128+sk{split}".lstrip("+")) for split in (2, 4)
-                     for bn, mode in ((128, "tma"), (64, "tma"), (128, ""))]
     return ([_cfg(bm, bn, bk, gm, w, st, *mode) for bm, bn, gm, w, st, *mode in gate_up],
             [_cfg(bm, bn, bk, gm, w, st, *mode) for bm, bn, gm, w, st, *mode in down])
 
@@ -172,7 +169,6 @@ class MoeGemms:
         self.inter = torch.empty(self.pairs, w2.shape[2], device=tuning.DEV, dtype=torch.bfloat16)
         self.down_out = torch.empty(self.pairs, w2.shape[1], device=tuning.DEV, dtype=torch.bfloat16)
         self.sorted_inter, self.sorted_down_in = {}, {}
-        self.down_parts = None
         self.check_rows = self.ref1 = self.ref2 = None
         self.last_gate_up = self.inter, None
 
@@ -202,30 +198,19 @@ class MoeGemms:
         return rel_err(out[position[self.check_rows]], self.ref1)
 
     def down(self, cfg):
-        from dsinfer.ops.triton.moe import gemm_splits
-
         al = self.align(cfg["block_m"])
-        # a K split stores float32 partials, which the fused op's top-k sum adds (not timed here: at the token
-        # counts a split pays off, the sum reads a few hundred KB)
-        splits = gemm_splits(cfg, self.w2.shape[2], self.block)
-        out = self.down_out
-        if splits > 1:
-            out = self.down_parts = torch.empty(splits, *self.down_out.shape, device=tuning.DEV)
-        else:
-            self.down_parts = None
         if not cfg.get("sorted"):
-            self.gemm(self.a2, self.w2, out, cfg, a_scale=self.a2_s, b_scale=self.s2,
+            self.gemm(self.a2, self.w2, self.down_out, cfg, a_scale=self.a2_s, b_scale=self.s2,
                       block_size=self.block, align=al, topk_weights=self.weights)
             return
         if cfg["block_m"] not in self.sorted_down_in:  # the pair rows of h_in in expert order (a_div 1)
             self.sorted_down_in[cfg["block_m"]] = self.permute(self.h_in, al, group=self.group)
         a2, a2_s = self.sorted_down_in[cfg["block_m"]]
-        self.gemm(a2, self.w2, out, cfg, a_scale=a2_s, b_scale=self.s2, block_size=self.block, align=al,
+        self.gemm(a2, self.w2, self.down_out, cfg, a_scale=a2_s, b_scale=self.s2, block_size=self.block, align=al,
                   topk_weights=self.weights, sorted_a=True)
 
     def down_err(self) -> float:
-        out = self.down_out if self.down_parts is None else self.down_parts.sum(0)
-        return rel_err(out[self.check_rows], self.ref2)
+        return rel_err(self.down_out[self.check_rows], self.ref2)
 
 
 def _best_pair(res1, res2):

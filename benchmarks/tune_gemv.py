@@ -1,13 +1,12 @@
 """Few-row dense linears: cuBLAS against the grouped GEMM kernel's tiles (split-K included), per weight shape.
 
-For each shape of the models named (Llama-3.1-8B's qkv, o, gate/up, down, down with SiLU-and-mul folded in and LM
-head; DeepSeek-V2-Lite's fused q + kv_a, o, dense MLP and LM head; DeepSeek-V3's LM head) at each row count, the
-candidates and cuBLAS (``F.linear``; for "+silu" shapes ``silu_and_mul`` then ``F.linear``) run as a chain over
-distinct copies of the weight (at least 512 MB, so L2 holds none of it), in one CUDA graph, as a decode step
-streams its layers. The table gets the best tile where it beat cuBLAS by at
-least ``--margin`` (default 3%), else ``{"cublas": true}``; ``ops.linear`` then takes the tile on CUDA for rows
-in the bucket's range (``moe.nearest_config``: within 4x) that fit the tile's one row tile. Every candidate's
-output is checked against float64.
+For each shape of the models named (Llama-3.1-8B's qkv, o, gate/up, down and LM head; DeepSeek-V2-Lite's fused
+q + kv_a, o, dense MLP and LM head; DeepSeek-V3's LM head) at each row count, the candidates and cuBLAS
+(``F.linear``) run as a chain over distinct copies of the weight (at least 512 MB, so L2 holds none of it), in one
+CUDA graph, as a decode step streams its layers. The table gets the best tile where it beat cuBLAS by at least
+``--margin`` (default 3%), else ``{"cublas": true}``; ``ops.linear`` then takes the tile on CUDA for rows in the
+bucket's range (``moe.nearest_config``: within 4x) that fit the tile's one row tile. Every candidate's output is
+checked against float64.
 
     python benchmarks/tune_gemv.py [--models llama,v2-lite,v3] [--rows 1 16] [--budget-s 120] [--out DIR]
                                    [--smoke]
@@ -37,9 +36,9 @@ from benchmarks import tuning  # noqa: E402
 from benchmarks.tuning import Budget, rel_err, sweep  # noqa: E402
 
 CONFIG = ROOT / "dsinfer" / "ops" / "triton" / "configs" / "moe.json"
-SHAPES = {  # (name, N, K) of the weights a decode step streams through F.linear; "+silu": SiLU-and-mul first
+SHAPES = {  # (name, N, K) of the weights a decode step streams through F.linear
     "llama": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
-              ("down+silu", 4096, 14336), ("lm_head", 128256, 4096)],
+              ("lm_head", 128256, 4096)],
     "v2-lite": [("q+kv_a", 3648, 2048), ("o", 2048, 2048), ("dense gate_up", 21888, 2048),
                 ("dense down", 2048, 10944), ("lm_head", 102400, 2048)],
     "v3": [("lm_head", 129280, 7168)],
@@ -61,19 +60,16 @@ def candidates(rows: int, n: int, sms: int) -> list[dict]:
 
 
 def tune_shape(label: str, n: int, k: int, rows: int, budget: Budget, table: dict, margin: float) -> None:
-    """``label`` ending in "+silu": the input is [rows, 2K] = [gate | up]; cuBLAS's side is ``silu_and_mul``
-    then ``F.linear``, the tiles take the activation in their prologue (``dense_silu`` entries)."""
-    from dsinfer.ops.activation import silu_and_mul
     from dsinfer.ops.triton.gemv import linear_triton, table_key
     from dsinfer.ops.triton.utils import num_sms
 
-    dev, dtype, silu = tuning.DEV, torch.bfloat16, label.endswith("+silu")
+    dev, dtype = tuning.DEV, torch.bfloat16
     copies = 2 if tuning.SMOKE else max(2, min(64, math.ceil(CHAIN_BYTES / (n * k * 2))))
     gen = torch.Generator(device=dev).manual_seed(n + k)
     ws = [torch.randn(n, k, device=dev, dtype=dtype, generator=gen) / k**0.5 for _ in range(copies)]
-    x = torch.randn(rows, 2 * k if silu else k, device=dev, dtype=dtype, generator=gen)
+    x = torch.randn(rows, k, device=dev, dtype=dtype, generator=gen)
     out = torch.empty(rows, n, device=dev, dtype=dtype)
-    ref = ((silu_and_mul(x) if silu else x).double() @ ws[-1].double().t()).float()
+    ref = (x.double() @ ws[-1].double().t()).float()
 
     def chain(linear) -> None:
         """Every copy in turn, as a step streams its layers; the last copy's output lands in ``out``."""
@@ -84,13 +80,12 @@ def tune_shape(label: str, n: int, k: int, rows: int, budget: Budget, table: dic
     def per_call_ms(fn) -> float:
         return tuning.graph_bench(fn) / copies
 
-    cublas_ms = per_call_ms(functools.partial(chain, (lambda a, w: F.linear(silu_and_mul(a), w)) if silu
-                                              else F.linear))
+    cublas_ms = per_call_ms(functools.partial(chain, F.linear))
     res = sweep(f"{label} {rows}x{n}x{k}", candidates(rows, n, num_sms(torch.device(dev))),
-                lambda cfg: chain(lambda a, w: linear_triton(a, w, None, cfg, silu=silu)),
+                lambda cfg: chain(lambda a, w: linear_triton(a, w, None, cfg)),
                 lambda: rel_err(out, ref), budget, timer=per_call_ms)
     floor_ms = n * k * 2 / tuning.ceilings()["copy"] * 1e3
-    key, bucket = table_key(n, k, dtype, silu), str(rows)
+    key, bucket = table_key(n, k, dtype), str(rows)
     best_ms, best = min(res, key=lambda r: r[0]) if res else (math.inf, None)
     wins = best_ms < cublas_ms * (1 - margin)
     table.setdefault(key, {})[bucket] = best if wins else {"cublas": True}
@@ -110,7 +105,7 @@ def main() -> None:
     shapes = [(f"{m} {name}", n, k) for m in args.models.split(",") for name, n, k in SHAPES[m]]
     if args.smoke:
         tuning.SMOKE, tuning.DEV = True, "cuda" if torch.cuda.is_available() else "cpu"
-        shapes, args.rows = [("smoke", 48, 256), ("smoke+silu", 48, 128)], [1]
+        shapes, args.rows = [("smoke", 48, 256)], [1]
     elif not torch.cuda.is_available():
         sys.exit("tune_gemv.py needs a CUDA device")
     table = json.loads(CONFIG.read_text())

@@ -12,13 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from dsinfer.layers.activation import SiluAndMul
 from dsinfer.layers.attention import Attention
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, rope_parameters_of
 from dsinfer.models.weights import load_named_weights
-from dsinfer.ops.linear import silu_mul_linear
 from dsinfer.runner.forward_batch import ForwardBatch
 
 # FP8 KV-cache scales as quantizers write them: self_attn.{k,v,kv}_scale (compressed-tensors, AutoFP8),
@@ -68,10 +68,10 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_size and intermediate_size must be > 0, got {hidden}, {intermediate}")
         self.gate_up_proj = Linear(hidden, [intermediate, intermediate], bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # SiLU-and-mul then down_proj, or one kernel where one is tuned for the shape (ops.linear)
-        return silu_mul_linear(self.gate_up_proj(x), self.down_proj.weight, self.down_proj.bias)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

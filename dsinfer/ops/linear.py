@@ -13,13 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from dsinfer import batch_invariant, envs
-from dsinfer.ops.activation import silu_and_mul
 from dsinfer.ops.dispatch import use_triton
 
 GEMV_MAX_ROWS = 64  # past this a linear is a GEMM, cuBLAS's ground
 
 
-def _tuned_tile(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> dict | None:
+def _tuned_tile(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
     if not (x.is_cuda and x.dim() >= 1 and envs.TRITON_GEMV.get() and use_triton(x)
             and not batch_invariant.is_enabled()):
         return None
@@ -28,25 +27,15 @@ def _tuned_tile(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> dict | Non
         return None
     from dsinfer.ops.triton import gemv
 
-    return gemv.tuned_config(rows, weight, silu)
+    return gemv.tuned_config(rows, weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; see the module doc for when a Triton tile runs it instead."""
-    cfg = _tuned_tile(x, weight, silu=False)
+    cfg = _tuned_tile(x, weight)
     if cfg is not None:
         from dsinfer.ops.triton.gemv import linear_triton
 
         return linear_triton(x, weight, bias, cfg)
     return F.linear(x, weight, bias)
 
-
-def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``linear(silu_and_mul(x), weight, bias)`` for x = [gate | up]: one kernel where a ``dense_silu`` tile is
-    tuned for the shape (the activation then never goes through memory), else the two ops."""
-    cfg = _tuned_tile(x, weight, silu=True)
-    if cfg is not None:
-        from dsinfer.ops.triton.gemv import linear_triton
-
-        return linear_triton(x, weight, bias, cfg, silu=True)
-    return linear(silu_and_mul(x), weight, bias)

@@ -35,8 +35,7 @@ def test_tune_gemv_smoke_writes_a_dense_entry(tmp_path):
     entry = json.loads((tmp_path / "moe.json").read_text())["dense,48,256,bfloat16"]["1"]
     # the interpreter loses to torch, so the entry says cuBLAS; a tile would carry its split
     assert entry == {"cublas": True} or {"block_n", "split_k"} <= set(entry)
-    assert "| smoke | 1x48x256 |" in run.stdout and "| smoke+silu | 1x48x128 |" in run.stdout
-    assert "1" in json.loads((tmp_path / "moe.json").read_text())["dense_silu,48,128,bfloat16"]
+    assert "| smoke | 1x48x256 |" in run.stdout
 
 
 def test_moe_bucket_of_a_batch_1_decode_is_found_by_the_lookup(monkeypatch):

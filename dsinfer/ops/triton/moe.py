@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.triton.activation import silu_mul
 from dsinfer.ops.triton.split_k import split_sizes, sum_partials
 
 _CONFIGS = Path(__file__).parent / "configs" / "moe.json"
@@ -115,7 +114,7 @@ def _gemm_kernel(
     GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SCALAR_BS: tl.constexpr, A_DESC: tl.constexpr,
     B_DESC: tl.constexpr, UPCAST: tl.constexpr, A_SORTED: tl.constexpr, C_SORTED: tl.constexpr,
-    SPLIT_K: tl.constexpr, SILU_A: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """C[rows] = A[rows] @ B[e]^T (rows: pairs sorted by expert when GATHER, else 0..M); see module doc.
 
@@ -130,13 +129,9 @@ def _gemm_kernel(
     A_SORTED / C_SORTED (with GATHER): A's / C's rows are already in sorted order (row = position in
     ``sorted_ids``, ``ops.triton.moe_permute``), so a tile's A rows are consecutive (a TMA tile with A_DESC) and
     C is stored at the sorted positions (padding rows included; they are zeros).
-    SPLIT_K > 1 (not GATED, no bias): program_id(1) takes K elements [s * k_split, (s + 1) * k_split) (k_split
-    a multiple of BLOCK_K) and stores its float32 partial (times the top-k weight with MUL_WEIGHT) at
-    C + s * stride_cs, in the rows' order; they are summed after (``split_k.sum_partials`` for a dense GEMM,
-    ``moe_fused.topk_sum`` for the MoE down GEMM).
-    SILU_A (dense, not FP8): A's rows hold [gate | up], K columns each, and the product reads SiLU(gate) * up
-    (``activation.silu_mul``, rounded to A's dtype as ``silu_and_mul`` stores it): the down projection without
-    the activation's kernel and its round trip through memory."""
+    SPLIT_K > 1 (dense: not GATHER, no bias): program_id(1) takes K elements [s * k_split, (s + 1) * k_split)
+    (k_split a multiple of BLOCK_K) and stores its float32 partial at C + s * stride_cs; ``split_k.sum_partials``
+    adds them after."""
     pid = tl.program_id(0)
     if SPLIT_K > 1:
         k_lo = tl.program_id(1) * k_split
@@ -197,16 +192,10 @@ def _gemm_kernel(
         k_valid = offs_k < K - k0
         if A_DESC:
             a = a_ptr.load([pid_m * BLOCK_M, k0])
-            if SILU_A:
-                a = silu_mul(a, a_ptr.load([pid_m * BLOCK_M, K + k0])).to(a.dtype)
         elif EVEN_K:
             a = tl.load(a_ptrs)
-            if SILU_A:
-                a = silu_mul(a, tl.load(a_ptrs + K * stride_ak)).to(a.dtype)
         else:
             a = tl.load(a_ptrs, mask=k_valid[None, :], other=0.0)
-            if SILU_A:
-                a = silu_mul(a, tl.load(a_ptrs + K * stride_ak, mask=k_valid[None, :], other=0.0)).to(a.dtype)
         if B_DESC:
             b = tl.trans(b_ptr.load([b_row0, k0]))
         elif EVEN_K:
@@ -285,7 +274,6 @@ def grouped_gemm(
     sorted_a: bool = False,
     sorted_out: bool = False,
     num_pairs: int | None = None,
-    silu_a: bool = False,
 ) -> torch.Tensor:
     """out[rows, :N] = f(a[rows // a_div] @ b[expert]^T); b [E, N(*2 if gated), K] (or [N, K] for dense).
 
@@ -293,29 +281,25 @@ def grouped_gemm(
     FP8 when ``a_scale`` / ``b_scale`` are given (scales per [block_size] of b, per (row, block_size[1]) of a).
     ``sorted_a`` / ``sorted_out``: a's / out's rows are in sorted order (``moe_permute.permute_rows``), not
     pair (or token) order; ``num_pairs`` (default out's rows) is then needed when ``sorted_out``.
-    ``cfg["split_k"]`` splits K (``split_k``): a dense 2-D ``out`` gets the partials summed by a second kernel;
-    a float32 ``out`` of [``gemm_splits(...)``, rows, N] gets the partials themselves, for the caller to sum
-    (``moe_fused.topk_sum`` adds them with the top-k rows).
-    ``silu_a`` (dense, not FP8): ``a`` is [rows, 2K], [gate | up], and the product takes SiLU(gate) * up.
+    ``cfg["split_k"]`` (dense only) splits K (``split_k``): float32 partials, summed by a second kernel.
     """
     if b.dim() == 2:
         b = b.unsqueeze(0)
         b_scale = b_scale.unsqueeze(0) if b_scale is not None else None
-    n_out = out.shape[-1]
+    n_out = out.shape[1]
     k = b.shape[2]
     fp8 = a_scale is not None
-    if silu_a and (fp8 or align is not None or a.shape[1] != 2 * k):
-        raise ValueError(f"silu_a takes a dense, unquantized [rows, 2K] input: K={k}, a {tuple(a.shape)}"
-                         f"{', FP8' if fp8 else ''}{', expert rows' if align is not None else ''}")
     if fp8 and (block_size is None or block_size[1] % cfg["block_k"] and cfg["block_k"] % block_size[1]):
         raise ValueError(f"block_k={cfg['block_k']} must divide the scale block {block_size} along K")
-    block_k = _block_k(cfg, block_size if fp8 else None)
+    # An e4m3 dot needs K >= 32 on CUDA: smaller scale blocks (tiny test checkpoints) multiply as float32, exact
+    # for e4m3 operands (UPCAST below)
+    block_k = min(cfg["block_k"], block_size[1]) if fp8 else cfg["block_k"]
     b_desc = cfg.get("tma", False) and _tma_ok(b)
     a_desc = b_desc and (align is None or sorted_a) and _tma_ok(a)
     fuse_gu = gated and cfg.get("fuse_gu", not a.is_cuda) and not b_desc
     if align is not None:
         sorted_ids, expert_ids, num_padded = align
-        rows, num_pairs = sorted_ids.shape[0], out.shape[-2] if num_pairs is None else num_pairs
+        rows, num_pairs = sorted_ids.shape[0], out.shape[0] if num_pairs is None else num_pairs
     else:
         sorted_ids = expert_ids = num_padded = out  # unused
         rows = num_pairs = a.shape[0]
@@ -323,18 +307,10 @@ def grouped_gemm(
     a_s = a_scale if fp8 else dummy
     b_s = b_scale if fp8 else dummy
     k_split, split = split_sizes(k, block_k, cfg.get("split_k", 1))
-    partials = out.dim() == 3
-    if gated and split > 1:
-        raise ValueError("split_k cannot split the gated GEMM: SiLU(gate) * up needs whole sums")
     target = out
-    if partials:
-        if out.dtype != torch.float32 or out.shape[0] != split or sorted_out or bias is not None:
-            raise ValueError(f"a [splits, rows, N] out takes float32 partials in pair order without a bias, "
-                             f"{split} splits here; got {out.dtype} {tuple(out.shape)}"
-                             f"{' sorted' if sorted_out else ''}{' and a bias' if bias is not None else ''}")
-    elif split > 1:
-        if align is not None or topk_weights is not None:
-            raise ValueError("split_k over expert rows gives partials: pass a float32 [splits, rows, N] out")
+    if split > 1:
+        if align is not None or gated or topk_weights is not None:
+            raise ValueError("split_k splits dense GEMMs only (expert rows and SiLU(gate) * up need whole sums)")
         target = torch.empty(split, out.shape[0], n_out, dtype=torch.float32, device=out.device)
     grid = (triton.cdiv(rows, cfg["block_m"]) * triton.cdiv(n_out, cfg["block_n"]), split)
     a_arg, b_arg = a, b
@@ -361,20 +337,9 @@ def grouped_gemm(
         A_DESC=a_desc, B_DESC=b_desc,
         UPCAST=not a.is_cuda or (fp8 and block_k < 32),
         A_SORTED=sorted_a and align is not None, C_SORTED=sorted_out and align is not None, SPLIT_K=split,
-        SILU_A=silu_a,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if split > 1 and not partials:
+    if split > 1:
         sum_partials(target, out, bias)
     return out
 
-
-def _block_k(cfg: dict, block_size: tuple[int, int] | None) -> int:
-    """The K tile ``grouped_gemm`` runs: the config's, capped by an FP8 scale block's width. (An e4m3 dot needs
-    K >= 32 on CUDA: smaller scale blocks, in tiny test checkpoints, multiply as float32, exact for e4m3.)"""
-    return min(cfg["block_k"], block_size[1]) if block_size is not None else cfg["block_k"]
-
-
-def gemm_splits(cfg: dict, k: int, block_size: tuple[int, int] | None = None) -> int:
-    """How many K splits ``grouped_gemm`` runs for ``cfg`` over K = k (``block_size`` for FP8 weights)."""
-    return split_sizes(k, _block_k(cfg, block_size), cfg.get("split_k", 1))[1]

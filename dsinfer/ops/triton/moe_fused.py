@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.triton.moe import down_config, gemm_splits, grouped_gemm, moe_config
+from dsinfer.ops.triton.moe import down_config, grouped_gemm, moe_config
 from dsinfer.ops.triton.moe_align import moe_align, pair_blocks
 
 
@@ -25,14 +25,10 @@ def expert_pair_outputs(
     w13_scale_inv: torch.Tensor | None = None,
     w2_scale_inv: torch.Tensor | None = None,
     block_size: tuple[int, int] | None = None,
-    split_down: bool = False,
 ) -> torch.Tensor:
     """[T * k, H]: each (token, expert) pair's weighted expert output, in pair order (token-major), by the two
     grouped GEMMs (gate/up with SiLU-mul under ``cfg``, down times the top-k weight under ``cfg2``). The fused
-    op sums a token's k rows; the deterministic mode sums them in its own fixed order.
-    ``split_down``: the down GEMM may split K (``cfg2["split_k"]``, tuned for batch-1 decode, where a small
-    expert's 2,048 columns give too few programs); the result is then float32 [splits, T * k, H] partials,
-    which ``topk_sum`` adds up with the k rows. Without it a ``split_k`` in ``cfg2`` is ignored."""
+    op sums a token's k rows; the deterministic mode sums them in its own fixed order."""
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]
@@ -43,8 +39,6 @@ def expert_pair_outputs(
     if fp8 and inter % block_size[0]:
         raise ValueError(f"FP8 fused MoE needs the intermediate size ({inter}) to be a multiple of "
                          f"the scale block height {block_size[0]} (gate and up share the scale grid)")
-    if not split_down:
-        cfg2 = {key: value for key, value in cfg2.items() if key != "split_k"}
     align = _align(topk_ids, num_experts, cfg["block_m"])
     weights = topk_weights.reshape(-1).float()  # the router's float32 [T, k]: a view, no kernel
     if cfg.get("sorted"):
@@ -54,7 +48,7 @@ def expert_pair_outputs(
                                     w2_scale_inv, block_size if fp8 else None)
     align2 = align if cfg2["block_m"] == cfg["block_m"] else _align(topk_ids, num_experts, cfg2["block_m"])
     inter_out = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    down = _down_out(hidden, num_pairs, inter, cfg2, block_size if fp8 else None)
+    down = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     if fp8:
         from dsinfer.ops.triton.fp8 import per_token_group_quant
 
@@ -80,15 +74,6 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return moe_align(topk_ids, num_experts, block_m)
 
 
-def _down_out(hidden: torch.Tensor, num_pairs: int, inter: int, cfg2: dict,
-              block_size: tuple[int, int] | None) -> torch.Tensor:
-    """The down GEMM's output: [pairs, H] in the model dtype, or float32 [splits, pairs, H] partials."""
-    splits = gemm_splits(cfg2, inter, block_size)
-    if splits > 1:
-        return torch.empty(splits, num_pairs, hidden.shape[1], dtype=torch.float32, device=hidden.device)
-    return torch.empty(num_pairs, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-
-
 def sorted_gate_up(hidden: torch.Tensor, w13: torch.Tensor, cfg: dict, align, top_k: int,
                    w13_scale_inv: torch.Tensor | None = None, block_size: tuple[int, int] | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,7 +95,7 @@ def _sorted_pair_outputs(hidden, w13, w2, weights, align, top_k, cfg, cfg2, w13_
     from dsinfer.ops.triton.moe_permute import permute_rows
 
     inter_out = sorted_gate_up(hidden, w13, cfg, align, top_k, w13_scale_inv, block_size)
-    down = _down_out(hidden, hidden.shape[0] * top_k, inter_out.shape[1], cfg2, block_size)
+    down = torch.empty(hidden.shape[0] * top_k, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
     group = block_size[1] if block_size else None
     a2, a2_s = permute_rows(inter_out, align, gather=False, group=group) if group else (inter_out, None)
     grouped_gemm(a2, w2, down, cfg2, a_scale=a2_s, b_scale=w2_scale_inv, block_size=block_size, align=align,
@@ -119,40 +104,32 @@ def _sorted_pair_outputs(hidden, w13, w2, weights, align, top_k, cfg, cfg2, w13_
 
 
 @triton.jit
-def _topk_sum_kernel(x_ptr, add_ptr, out_ptr, hidden_size, stride_split, TOP_K: tl.constexpr,
-                     SPLITS: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = sum_j sum_s x[s, t * TOP_K + j] (+ add[t]) in float32, j then s in order, the addend last,
-    rounded once."""
+def _topk_sum_kernel(x_ptr, add_ptr, out_ptr, hidden_size, TOP_K: tl.constexpr, HAS_ADD: tl.constexpr,
+                     BLOCK_H: tl.constexpr):
+    """out[t] = sum_j x[t * TOP_K + j] (+ add[t]) in float32, j in order, the addend last, rounded once."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     valid = offs < hidden_size
     acc = tl.zeros((BLOCK_H,), tl.float32)
     for j in tl.static_range(TOP_K):
-        for s in tl.static_range(SPLITS):
-            acc += tl.load(x_ptr + s * stride_split + (t * TOP_K + j) * hidden_size + offs, mask=valid,
-                           other=0.0).to(tl.float32)
+        acc += tl.load(x_ptr + (t * TOP_K + j) * hidden_size + offs, mask=valid, other=0.0).to(tl.float32)
     if HAS_ADD:
         acc += tl.load(add_ptr + t * hidden_size + offs, mask=valid, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * hidden_size + offs, acc.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-def topk_sum(pair_rows: torch.Tensor, num_tokens: int, top_k: int, add: torch.Tensor | None = None,
-             out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """[T * k, H] (token-major), or [S, T * k, H] K-split partials -> [T, H]: each token's k rows (and their S
-    partials) summed in float32, plus ``add`` [T, H] when given (the shared experts' output: no separate add
-    kernel); ``out_dtype`` defaults to the rows'. One pass at the copy rate (``torch.sum`` over the middle dim of
-    [T, k, H] ran at ~30% of it)."""
-    rows = pair_rows if pair_rows.dim() == 3 else pair_rows.unsqueeze(0)
-    if not rows.is_contiguous():
-        raise ValueError("topk_sum: the pair rows must be contiguous")
-    hidden_size = rows.shape[2]
-    out = rows.new_empty(num_tokens, hidden_size, dtype=out_dtype or rows.dtype)
+def topk_sum(pair_rows: torch.Tensor, num_tokens: int, top_k: int, add: torch.Tensor | None = None) -> torch.Tensor:
+    """[T * k, H] (token-major) -> [T, H]: each token's k rows summed in float32, plus ``add`` [T, H] when given
+    (the shared experts' output: no separate add kernel). One pass at the copy rate (``torch.sum`` over the
+    middle dim of [T, k, H] ran at ~30% of it)."""
+    hidden_size = pair_rows.shape[1]
+    out = pair_rows.new_empty(num_tokens, hidden_size)
     if add is not None and (add.shape != out.shape or not add.is_contiguous()):
         raise ValueError(f"topk_sum: add must be a contiguous {tuple(out.shape)} tensor, got {tuple(add.shape)}")
     block_h = min(1024, triton.next_power_of_2(hidden_size))
     _topk_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
-        rows, rows if add is None else add, out, hidden_size, rows.stride(0), TOP_K=top_k, SPLITS=rows.shape[0],
-        HAS_ADD=add is not None, BLOCK_H=block_h, num_warps=4,
+        pair_rows, pair_rows if add is None else add, out, hidden_size, TOP_K=top_k, HAS_ADD=add is not None,
+        BLOCK_H=block_h, num_warps=4,
     )
     return out
 
@@ -182,9 +159,8 @@ def fused_moe_triton(
     cfg = config or moe_config(f"{num_experts},{inter},{hidden_size},{dtype}", num_pairs / num_experts, fp8,
                                hidden.is_cuda)
     down = expert_pair_outputs(hidden, w13, w2, topk_weights, topk_ids, cfg, down_config(cfg),
-                               w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv, block_size=block_size,
-                               split_down=True)
+                               w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv, block_size=block_size)
     add = addend() if addend is not None else None  # called only now: its producer may run beside the experts
-    if top_k == 1 and down.dim() == 2:
+    if top_k == 1:
         return down if add is None else down.add_(add)
-    return topk_sum(down, num_tokens, top_k, add, out_dtype=hidden.dtype)
+    return topk_sum(down, num_tokens, top_k, add)
