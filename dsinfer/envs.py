@@ -151,6 +151,13 @@ TRITON_GEMV = _declare(
     "weight shape where it beat cuBLAS on the GPU (configs/moe.json, dense,N,K,<dtype>); off: always cuBLAS.",
     _parse_bool,
 )
+PDL = _declare(
+    "DSINFER_PDL", "bool", True,
+    "On CUDA sm_90+, launch dsinfer's Triton kernels with programmatic dependent launch: a kernel starts (and the "
+    "dense GEMM prefetches its first weight tiles) while the previous one finishes, waiting for its results "
+    "before it reads them (ops/triton/pdl.py). Off: every kernel starts after the previous one has finished.",
+    _parse_bool,
+)
 USE_TRITON = _declare(
     "DSINFER_USE_TRITON", "str", "auto",
     "Use Triton kernels: auto (on CUDA), always (also TRITON_INTERPRET on CPU) or never.",

@@ -6,9 +6,12 @@ import torch
 import triton
 import triton.language as tl
 
+from dsinfer.ops.triton.pdl import enter, launch_args
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -29,5 +32,6 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     block = min(triton.next_power_of_2(n_cols), 1024)
     if x2.shape[0] > 0:
         grid = (x2.shape[0], triton.cdiv(n_cols, block))
-        _silu_and_mul_kernel[grid](x2, out2, x2.stride(0), out2.stride(0), n_cols, BLOCK=block, num_warps=4)
+        _silu_and_mul_kernel[grid](x2, out2, x2.stride(0), out2.stride(0), n_cols, BLOCK=block, num_warps=4,
+                                   **launch_args(x2.device))
     return out

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from dsinfer.ops.kv_cache import FP8_DTYPES, read_scales
+from dsinfer.ops.triton.pdl import enter, launch_args
 from dsinfer.ops.triton.utils import has_fp8_convert, num_sms
 
 _LOG2E = 1.4426950408889634
@@ -142,8 +143,9 @@ def _prefill_kernel(
     stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_bt, block_size,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, Q_F16: tl.constexpr, FP8_CVT: tl.constexpr,
+    UPCAST: tl.constexpr, Q_F16: tl.constexpr, FP8_CVT: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the last (longest, causal) tiles start first
     kv_head = tl.program_id(1)
@@ -215,8 +217,9 @@ def _decode_kernel(
     stride_pb, stride_ph, stride_ps,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, Q_F16: tl.constexpr, FP8_CVT: tl.constexpr,
+    UPCAST: tl.constexpr, Q_F16: tl.constexpr, FP8_CVT: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -262,8 +265,9 @@ def _decode_kernel(
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, query_start_loc_ptr, out_ptr, num_splits,
     stride_pb, stride_ph, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -386,7 +390,7 @@ def _prefill(
         GROUP=c["group"], GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n or cfg_n,
         HEAD_DIM=c["head_dim"], BLOCK_D=c["block_d"], HAS_WINDOW=c["has_window"],
         PRECISION=c["precision"], UPCAST=c["upcast"], Q_F16=c["q_f16"], FP8_CVT=c["fp8_cvt"],
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **launch_args(q.device),
     )
 
 
@@ -415,12 +419,12 @@ def _decode(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding
         GROUP=c["group"], GROUP_PAD=max(triton.next_power_of_2(c["group"]), 16), BLOCK_N=block_n or cfg_n,
         HEAD_DIM=c["head_dim"], BLOCK_D=c["block_d"], HAS_WINDOW=c["has_window"],
         PRECISION=c["precision"], UPCAST=c["upcast"], Q_F16=c["q_f16"], FP8_CVT=c["fp8_cvt"],
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **launch_args(q.device),
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out, part_lse, query_start_loc, out, num_splits,
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=c["head_dim"], BLOCK_D=c["block_d"], BLOCK_S=max(triton.next_power_of_2(num_splits), 2),
-        num_warps=4,
+        num_warps=4, **launch_args(part_out.device),
     )
 

@@ -6,12 +6,15 @@ import torch
 import triton
 import triton.language as tl
 
+from dsinfer.ops.triton.pdl import enter, launch_args
+
 _BLOCK = 1024
 
 
 @triton.jit
 def _apply_bitmask_kernel(logits_ptr, mask_ptr, out_ptr, V, W, stride_l, stride_m, stride_o,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_vocab = cols < V
@@ -31,5 +34,5 @@ def apply_token_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor) -> t
     bitmask = bitmask.to(logits.device, non_blocking=True)
     grid = (rows, triton.cdiv(vocab, _BLOCK))
     _apply_bitmask_kernel[grid](logits, bitmask, out, vocab, bitmask.shape[1], logits.stride(0),
-                                bitmask.stride(0), out.stride(0), BLOCK=_BLOCK)
+                                bitmask.stride(0), out.stride(0), BLOCK=_BLOCK, **launch_args(logits.device))
     return out

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from dsinfer.ops.triton.moe import grouped_gemm, nearest_config
+from dsinfer.ops.triton.pdl import enter, launch_args
 from dsinfer.ops.triton.split_k import SPLIT_MAX_ROWS, default_split
 
 FP8_MAX = 448.0
@@ -47,7 +48,8 @@ def groups_per_program(num_groups: int, group: int) -> int:
 @triton.jit
 def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_xm, stride_qm, stride_sm,
                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
-                        EXACT_CAST: tl.constexpr):
+                        EXACT_CAST: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_g = tl.program_id(1) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
     offs_c = tl.arange(0, GROUP_PAD)
@@ -74,7 +76,7 @@ def per_token_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, to
     _group_quant_kernel[(m, triton.cdiv(num_groups, gpp))](
         x, q, s, k, num_groups, x.stride(0), q.stride(0), s.stride(0),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), GROUPS_PER_PROG=gpp,
-        EXACT_CAST=not x.is_cuda, num_warps=4,
+        EXACT_CAST=not x.is_cuda, num_warps=4, **launch_args(x.device),
     )
     return q, s
 

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from dsinfer.ops.kv_cache import fp8_max
+from dsinfer.ops.triton.pdl import enter, launch_args
 
 
 @triton.jit
@@ -25,8 +26,9 @@ def _store_kv_kernel(
     stride_c_kv, stride_c_blk, stride_c_off, stride_c_h,
     block_size, k_scale, v_scale,
     FP8_MAX: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -66,5 +68,5 @@ def store_kv_triton(
         block_size, float(kv_scales[0]), float(kv_scales[1]),
         FP8_MAX=fp8_max(kv_cache.dtype), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        num_warps=4, **launch_args(k.device),
     )

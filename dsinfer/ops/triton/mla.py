@@ -33,6 +33,7 @@ from dsinfer.ops.kv_cache import FP8_DTYPES
 from dsinfer.ops.mla import cache_rows
 from dsinfer.ops.triton import attention as gqa
 from dsinfer.ops.triton.attention import find_tile_seq, widen_fp8
+from dsinfer.ops.triton.pdl import enter, launch_args
 from dsinfer.ops.triton.utils import has_fp8_convert, num_sms
 
 _LOG2E = 1.4426950408889634
@@ -135,8 +136,9 @@ def _mla_decode_kernel(
     stride_c_blk, stride_c_off, stride_bt, block_size, stride_ot, stride_oh,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, RELOAD_Q: tl.constexpr,
-    UPCAST: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr, FP8_CVT: tl.constexpr,
+    UPCAST: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr, FP8_CVT: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     head_tile = tl.program_id(0)
     split = tl.program_id(1)
     row = tl.program_id(2)
@@ -195,8 +197,9 @@ def _mla_decode_kernel(
 def _mla_reduce_kernel(
     part_out_ptr, part_lse_ptr, query_start_loc_ptr, out_ptr, num_seqs, num_heads, num_splits,
     stride_ot, stride_oh,
-    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     if row >= tl.load(query_start_loc_ptr + num_seqs):
@@ -235,7 +238,7 @@ def _launch_decode(grid, q_nope_absorbed, q_pe, kv_cache, block_tables, query_st
         out.stride(0), out.stride(1),
         RANK=rank, ROPE=rope, BLOCK_R=_tile(rank), BLOCK_P=_tile(rope), BLOCK_H=block_h, BLOCK_N=cfg["block_n"],
         SINGLE=num_splits == 1, RELOAD_Q=cfg.get("reload_q", False), UPCAST=not q_nope_absorbed.is_cuda,
-        **fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_args(q_nope_absorbed.device),
     )
 
 
@@ -287,7 +290,7 @@ def combine_splits(split: DecodeSplits, query_start_loc: torch.Tensor) -> torch.
         split.part_out, split.part_lse, query_start_loc, split.out, query_start_loc.shape[0] - 1, num_heads,
         split.num_splits, split.out.stride(0), split.out.stride(1),
         RANK=rank, BLOCK_R=triton.next_power_of_2(rank), BLOCK_S=max(triton.next_power_of_2(split.num_splits), 2),
-        num_warps=4,
+        num_warps=4, **launch_args(split.part_out.device),
     )
     return split.out
 
@@ -354,8 +357,9 @@ def _mla_prefill_kernel(
     stride_ot, stride_oh,
     NOPE: tl.constexpr, ROPE: tl.constexpr, VDIM: tl.constexpr, RANK: tl.constexpr,
     BLOCK_NOPE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last, causal) tiles first
     head = tl.program_id(1)
     seq = find_tile_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_M)
@@ -471,6 +475,6 @@ def mla_prefill_triton(
         NOPE=nope, ROPE=rope, VDIM=vdim, RANK=rank,
         BLOCK_NOPE=_tile(nope), BLOCK_P=_tile(rope), BLOCK_V=_tile(vdim), BLOCK_M=block_m, BLOCK_N=block_n,
         UPCAST=not is_cuda,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **launch_args(q_nope.device),
     )
     return out

@@ -16,13 +16,15 @@ import triton.language as tl
 
 from dsinfer.ops.kv_cache import fp8_max
 from dsinfer.ops.triton.kv_cache import to_cache
+from dsinfer.ops.triton.pdl import enter, launch_args
 from dsinfer.ops.triton.rotary import _cos_sin_at, _pair_offsets, _rotate_heads
 
 
 @triton.jit
 def _store_kernel(kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, stride_c, stride_p, stride_slot,
                   RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                  FP8_MAX: tl.constexpr):
+                  FP8_MAX: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -49,7 +51,7 @@ def store_mla_kv_triton(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.
     _store_kernel[(num_tokens,)](
         kv_c, k_pe, flat, slot_mapping, kv_c.stride(0), k_pe.stride(0), flat.stride(0),
         RANK=rank, ROPE=rope, BLOCK_R=triton.next_power_of_2(rank), BLOCK_P=triton.next_power_of_2(rope),
-        FP8_MAX=fp8_max(kv_cache.dtype), num_warps=4,
+        FP8_MAX=fp8_max(kv_cache.dtype), num_warps=4, **launch_args(kv_c.device),
     )
 
 
@@ -61,8 +63,9 @@ def _rope_norm_store_kernel(
     stride_qp_t, stride_qp_h, stride_qo_t, stride_qo_h, stride_c, stride_p, stride_cs, stride_slot, eps,
     NUM_HEADS: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr,
-    FP8_MAX: tl.constexpr,
+    FP8_MAX: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)[None, :]
     j_valid = j < HALF
@@ -117,6 +120,6 @@ def rope_norm_store_mla_triton(
         cache.stride(0), flat.stride(0), eps,
         NUM_HEADS=num_heads, RANK=rank, HALF=half, BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_R=triton.next_power_of_2(rank), BLOCK_HALF=triton.next_power_of_2(half), IS_NEOX=is_neox,
-        FP8_MAX=fp8_max(kv_cache.dtype), num_warps=4,
+        FP8_MAX=fp8_max(kv_cache.dtype), num_warps=4, **launch_args(positions.device),
     )
     return q_out

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from dsinfer.ops.triton.attention import widen_fp8
 from dsinfer.ops.triton.mla import _dot, _row_split, _softmax_step, _softmax_totals
+from dsinfer.ops.triton.pdl import enter, launch_args
 
 _MAX_BOX = 256  # widest TMA box dimension (elements)
 
@@ -99,8 +100,9 @@ def _mla_decode_tma_kernel(
     stride_c_blk, stride_c_off, stride_bt, block_size, stride_ot, stride_oh,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_C: tl.constexpr, NUM_C: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, UPCAST: tl.constexpr,
-    FP8: tl.constexpr, F16: tl.constexpr, FP8_CVT: tl.constexpr,
+    FP8: tl.constexpr, F16: tl.constexpr, FP8_CVT: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     head_tile = tl.program_id(0)
     split = tl.program_id(1)
     row = tl.program_id(2)
@@ -183,5 +185,5 @@ def launch_tma_decode(grid, q_nope_absorbed, q_pe, kv_cache, block_tables, query
         out.stride(0), out.stride(1),
         RANK=rank, ROPE=q_pe.shape[-1], BLOCK_C=block_c, NUM_C=num_chunks, BLOCK_P=block_p, BLOCK_H=block_h,
         BLOCK_N=block_n, SINGLE=num_splits == 1, UPCAST=not q_nope_absorbed.is_cuda,
-        **fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_args(q_nope_absorbed.device),
     )

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from dsinfer.ops.triton.mla import combine_splits, decode_splits
+from dsinfer.ops.triton.pdl import enter, launch_args
 
 # Rows x heads up to which the fused combine + W_UV runs: every row reads all of W_UV again (2 MB for V2-Lite's
 # 16 heads, 16 MB for V3's 128) where the batched GEMM reads it once. H200, CUDA-graph timed with the decode
@@ -31,8 +32,9 @@ _BLOCK_V = 32
 def _mla_reduce_uv_kernel(
     part_out_ptr, part_lse_ptr, query_start_loc_ptr, w_ptr, out_ptr, num_seqs, num_heads, num_splits, v_dim,
     stride_wh, stride_wv, stride_ot, stride_oh,
-    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr,
+    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     head = tl.program_id(0)
     v_tile = tl.program_id(1)
     row = tl.program_id(2)
@@ -101,6 +103,6 @@ def mla_decode_uv_triton(
         split.part_out, split.part_lse, query_start_loc, w_uv, out, query_start_loc.shape[0] - 1, num_heads,
         split.num_splits, v_dim, w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
         RANK=rank, BLOCK_R=triton.next_power_of_2(rank), BLOCK_S=max(triton.next_power_of_2(split.num_splits), 2),
-        BLOCK_V=_BLOCK_V, num_warps=8,
+        BLOCK_V=_BLOCK_V, num_warps=8, **launch_args(split.part_out.device),
     )
     return out

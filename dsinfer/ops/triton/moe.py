@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsinfer.ops.triton.pdl import enter, launch_args
 from dsinfer.ops.triton.split_k import split_sizes, sum_partials
 
 _CONFIGS = Path(__file__).parent / "configs" / "moe.json"
@@ -103,9 +104,21 @@ def _scale(a_s, b_s, SCALAR_BS: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_rows(w_ptr, rows, N, k_lo, K, stride_n, PREFETCH_K: tl.constexpr):
+    """Ask L2 for elements [k_lo, k_lo + PREFETCH_K) of weight rows ``rows`` (< N), one request per 128-byte
+    line (``prefetch.global.L2``: no registers written, nothing waited for)."""
+    LINE: tl.constexpr = 128 // w_ptr.dtype.element_ty.primitive_bitwidth * 8
+    lines = tl.arange(0, PREFETCH_K // LINE) * LINE
+    rows = tl.where(rows < N, rows, 0).to(tl.int64)
+    cols = tl.minimum(k_lo + lines, K - 1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [w_ptr + rows[:, None] * stride_n
+                              + cols[None, :]], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, bias_ptr, weight_ptr,
-    sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, b_raw_ptr,
     M, N, K, num_pairs, up_offset, k_split,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_cs,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
@@ -114,7 +127,7 @@ def _gemm_kernel(
     GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SCALAR_BS: tl.constexpr, A_DESC: tl.constexpr,
     B_DESC: tl.constexpr, UPCAST: tl.constexpr, A_SORTED: tl.constexpr, C_SORTED: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, PREFETCH_K: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """C[rows] = A[rows] @ B[e]^T (rows: pairs sorted by expert when GATHER, else 0..M); see module doc.
 
@@ -131,7 +144,10 @@ def _gemm_kernel(
     C is stored at the sorted positions (padding rows included; they are zeros).
     SPLIT_K > 1 (dense: not GATHER, no bias): program_id(1) takes K elements [s * k_split, (s + 1) * k_split)
     (k_split a multiple of BLOCK_K) and stores its float32 partial at C + s * stride_cs; ``split_k.sum_partials``
-    adds them after."""
+    adds them after.
+    PREFETCH_K > 0 (dense, launched with PDL): before waiting for the previous kernel, the program asks L2 for
+    the first PREFETCH_K elements of each of its weight rows (``b_raw_ptr``: the weight's memory), which no
+    kernel writes, so the weight stream starts while the previous kernel finishes (``pdl``)."""
     pid = tl.program_id(0)
     if SPLIT_K > 1:
         k_lo = tl.program_id(1) * k_split
@@ -146,6 +162,9 @@ def _gemm_kernel(
     size_m = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % width) % size_m
     pid_n = (pid % width) // size_m
+    if PREFETCH_K > 0:  # dense only: a gathered GEMM's experts come from the kernels this one waits for
+        _prefetch_rows(b_raw_ptr, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N, k_lo, K, stride_bn, PREFETCH_K)
+    enter(PDL)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if GATHER:
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -252,6 +271,19 @@ def _gemm_kernel(
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
 
 
+PREFETCH_BYTES = 8 << 20  # what a dense GEMM asks L2 for before its wait: ~2 us of the H200's bandwidth
+
+
+def prefetch_elements(rows: int, k: int, element_size: int) -> int:
+    """Elements per weight row (a power of two of 128-byte lines, at most the row's K range) that make about
+    PREFETCH_BYTES over ``rows`` rows; 0 (no prefetch) when PREFETCH_BYTES is 0."""
+    if PREFETCH_BYTES <= 0:
+        return 0
+    line = 128 // element_size
+    lines = max(1, min(PREFETCH_BYTES // (rows * 128), triton.cdiv(k, line)))
+    return line * (1 << (lines.bit_length() - 1))
+
+
 def _tma_ok(t: torch.Tensor) -> bool:
     """A TMA descriptor can cover t as [rows, K]: contiguous, 16-byte aligned base and rows."""
     return t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0
@@ -314,6 +346,9 @@ def grouped_gemm(
         target = torch.empty(split, out.shape[0], n_out, dtype=torch.float32, device=out.device)
     grid = (triton.cdiv(rows, cfg["block_m"]) * triton.cdiv(n_out, cfg["block_n"]), split)
     a_arg, b_arg = a, b
+    pdl_args = launch_args(out.device)
+    if pdl_args and align is None and rows <= cfg["block_m"] and b.stride(2) == 1:  # one row tile: a GEMV
+        pdl_args["PREFETCH_K"] = prefetch_elements(n_out * split, k_split, b.element_size())
     if b_desc:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -323,7 +358,7 @@ def grouped_gemm(
     _gemm_kernel[grid](
         a_arg, a_s, b_arg, b_s, target, bias if bias is not None else dummy,
         topk_weights if topk_weights is not None else dummy,
-        sorted_ids, expert_ids, num_padded,
+        sorted_ids, expert_ids, num_padded, b,
         rows, n_out, k, num_pairs, n_out if gated else 0, k_split,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), target.stride(-2), target.stride(-1),
         target.stride(0) if split > 1 else 0,
@@ -337,7 +372,7 @@ def grouped_gemm(
         A_DESC=a_desc, B_DESC=b_desc,
         UPCAST=not a.is_cuda or (fp8 and block_k < 32),
         A_SORTED=sorted_a and align is not None, C_SORTED=sorted_out and align is not None, SPLIT_K=split,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args,
     )
     if split > 1:
         sum_partials(target, out, bias)

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsinfer.ops.triton.pdl import enter, launch_args
+
 
 def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """``moe_align`` in torch ops (the reference): some 25 small CUDA kernels (scatter_add, cumsums, a stable radix
@@ -72,8 +74,10 @@ def _align_place(ids_ptr, sorted_ids_ptr, lo, hi, base, E_PAD: tl.constexpr, CHU
 
 
 @triton.jit
-def _moe_count_kernel(ids_ptr, counts_ptr, num_pairs, span, E_PAD: tl.constexpr, HCHUNK: tl.constexpr):
+def _moe_count_kernel(ids_ptr, counts_ptr, num_pairs, span, E_PAD: tl.constexpr, HCHUNK: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """counts[s, e]: the pairs of span s (pairs s * span ...) that go to expert e."""
+    enter(PDL)
     pid = tl.program_id(0)
     lo = pid * span
     counts = _align_count(ids_ptr, lo, tl.minimum(lo + span, num_pairs), E_PAD, HCHUNK)
@@ -85,9 +89,11 @@ def _moe_align_kernel(
     ids_ptr, counts_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     num_pairs, num_experts, capacity, span, num_spans,
     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, SPANS_BLOCK: tl.constexpr, NB: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program s places the pairs of span s (the per-span counts come from ``_moe_count_kernel``) and its share of
     the tail and of ``expert_ids``; program 0 also writes each expert's padding and ``num_padded``."""
+    enter(PDL)
     pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     totals = tl.zeros([E_PAD], tl.int32)
@@ -125,12 +131,13 @@ def _moe_align_kernel(
 @triton.jit(do_not_specialize=["num_pairs", "capacity"])  # one compile per tile, whatever the batch
 def _moe_align_by_expert_kernel(
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_pairs, num_experts, capacity,
-    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr, NB: tl.constexpr,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Decode sizes (all pairs in one tile): program e < E places expert e's pairs (its rank = a scan of
     ``ids == e`` over the pairs), its padding and the expert id of its blocks; program E writes ``num_padded``,
     the tail past it and the expert of the tail's blocks. Every program counts all pairs (one histogram), so no
     program waits on another: one launch of short, parallel programs."""
+    enter(PDL)
     e = tl.program_id(0)
     offs = tl.arange(0, P_PAD)
     valid = offs < num_pairs
@@ -192,7 +199,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
         _moe_align_by_expert_kernel[(num_experts + 1,)](
             flat, sorted_ids, expert_ids, num_padded, num_pairs, num_experts, capacity, BLOCK_M=block_m,
             E_PAD=e_pad, P_PAD=1024 if num_pairs <= 1024 else _ALIGN_BY_EXPERT_PAIRS, NB=128,
-            num_warps=4 if num_pairs <= 1024 else 8,
+            num_warps=4 if num_pairs <= 1024 else 8, **launch_args(flat.device),
         )
         return sorted_ids, expert_ids, num_padded
     chunk = max(16, 16384 // e_pad)  # one-hot tile [chunk, e_pad] of the placement scan
@@ -200,11 +207,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     span = triton.cdiv(triton.cdiv(num_pairs, num_spans), chunk) * chunk
     num_spans = triton.cdiv(num_pairs, span)
     counts = torch.empty(num_spans, e_pad, dtype=torch.int32, device=device)
-    _moe_count_kernel[(num_spans,)](flat, counts, num_pairs, span, E_PAD=e_pad, HCHUNK=1024, num_warps=4)
+    _moe_count_kernel[(num_spans,)](flat, counts, num_pairs, span, E_PAD=e_pad, HCHUNK=1024, num_warps=4,
+                                    **launch_args(flat.device))
     _moe_align_kernel[(num_spans,)](flat, counts, sorted_ids, expert_ids, num_padded, num_pairs, num_experts,
                                     capacity, span, num_spans, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk,
                                     SPANS_BLOCK=max(1, 4096 // e_pad), NB=max(32, 8192 // e_pad),
-                                    num_warps=8 if e_pad >= 128 else 4)
+                                    num_warps=8 if e_pad >= 128 else 4, **launch_args(flat.device))
     return sorted_ids, expert_ids, num_padded
 
 

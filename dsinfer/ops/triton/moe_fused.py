@@ -11,6 +11,7 @@ import triton.language as tl
 
 from dsinfer.ops.triton.moe import down_config, grouped_gemm, moe_config
 from dsinfer.ops.triton.moe_align import moe_align, pair_blocks
+from dsinfer.ops.triton.pdl import enter, launch_args
 
 
 def expert_pair_outputs(
@@ -105,8 +106,9 @@ def _sorted_pair_outputs(hidden, w13, w2, weights, align, top_k, cfg, cfg2, w13_
 
 @triton.jit
 def _topk_sum_kernel(x_ptr, add_ptr, out_ptr, hidden_size, TOP_K: tl.constexpr, HAS_ADD: tl.constexpr,
-                     BLOCK_H: tl.constexpr):
+                     BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
     """out[t] = sum_j x[t * TOP_K + j] (+ add[t]) in float32, j in order, the addend last, rounded once."""
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     valid = offs < hidden_size
@@ -129,7 +131,7 @@ def topk_sum(pair_rows: torch.Tensor, num_tokens: int, top_k: int, add: torch.Te
     block_h = min(1024, triton.next_power_of_2(hidden_size))
     _topk_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
         pair_rows, pair_rows if add is None else add, out, hidden_size, TOP_K=top_k, HAS_ADD=add is not None,
-        BLOCK_H=block_h, num_warps=4,
+        BLOCK_H=block_h, num_warps=4, **launch_args(pair_rows.device),
     )
     return out
 

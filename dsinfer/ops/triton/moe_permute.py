@@ -14,15 +14,17 @@ import triton
 import triton.language as tl
 
 from dsinfer.ops.triton.fp8 import groups_per_program, quantize_groups
+from dsinfer.ops.triton.pdl import enter, launch_args
 
 
 @triton.jit
 def _permute_kernel(x_ptr, ids_ptr, num_padded_ptr, q_ptr, s_ptr, K, num_groups, num_pairs, stride_xm, stride_qm,
                     stride_sg, A_DIV: tl.constexpr, GATHER: tl.constexpr, QUANT: tl.constexpr,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
-                    EXACT_CAST: tl.constexpr):
+                    EXACT_CAST: tl.constexpr, PDL: tl.constexpr = False):
     """Row ``r`` of the output (r < num_padded): x[ids[r] // A_DIV] (GATHER; zeros for a padding id), else x[r];
     QUANT: e4m3 with a float32 scale per group of GROUP columns, at s_ptr + group * stride_sg + r."""
+    enter(PDL)
     row = tl.program_id(0)
     if row >= tl.load(num_padded_ptr):
         return
@@ -77,6 +79,6 @@ def permute_rows(
         x, sorted_ids, num_padded, out, scales if quant else out, k, num_groups,
         x.shape[0] * a_div if gather else capacity, x.stride(0), out.stride(0), capacity,
         A_DIV=a_div, GATHER=gather, QUANT=quant, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
-        GROUPS_PER_PROG=gpp, EXACT_CAST=not x.is_cuda, num_warps=4,
+        GROUPS_PER_PROG=gpp, EXACT_CAST=not x.is_cuda, num_warps=4, **launch_args(x.device),
     )
     return out, scales

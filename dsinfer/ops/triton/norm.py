@@ -6,14 +6,17 @@ import torch
 import triton
 import triton.language as tl
 
+from dsinfer.ops.triton.pdl import enter, launch_args
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
     stride_x, stride_res, stride_out, stride_sum,
     n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n_cols
@@ -54,6 +57,6 @@ def rms_norm_triton(
             x2.stride(0), res2.stride(0), out2.stride(0), sum2.stride(0),
             n_cols, eps,
             HAS_RESIDUAL=residual is not None, BLOCK_N=block_n,
-            num_warps=min(max(block_n // 512, 1), 16),
+            num_warps=min(max(block_n // 512, 1), 16), **launch_args(x2.device),
         )
     return out if residual is None else (out, total)

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from dsinfer.ops.kv_cache import fp8_max
 from dsinfer.ops.triton.kv_cache import to_cache
+from dsinfer.ops.triton.pdl import enter, launch_args
 
 
 @triton.jit
@@ -63,8 +64,9 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cache,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, Q_DIM: tl.constexpr, K_DIM: tl.constexpr,
     HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_QD: tl.constexpr, BLOCK_KD: tl.constexpr, IS_NEOX: tl.constexpr,
+    BLOCK_QD: tl.constexpr, BLOCK_KD: tl.constexpr, IS_NEOX: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin_at(pos_ptr, cache_ptr, stride_cache, t, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, t, cos, sin, 1.0, 0.0,
@@ -99,7 +101,7 @@ def apply_rotary_triton(
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_QD=triton.next_power_of_2(max(q_dim - rotary_dim, 1)),
         BLOCK_KD=triton.next_power_of_2(max(k_dim - rotary_dim, 1)),
-        IS_NEOX=is_neox, num_warps=4,
+        IS_NEOX=is_neox, num_warps=4, **launch_args(positions.device),
     )
     return q_out, k_out
 
@@ -111,8 +113,9 @@ def _rotary_store_kv_kernel(
     stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, block_size, k_scale, v_scale, FP8_MAX: tl.constexpr,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_REST: tl.constexpr, IS_NEOX: tl.constexpr,
+    BLOCK_REST: tl.constexpr, IS_NEOX: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin_at(pos_ptr, cos_sin_ptr, stride_cos_sin, t, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, t, cos, sin, 1.0, 0.0,
@@ -152,5 +155,6 @@ def rotary_store_kv_triton(
         BLOCK_QH=triton.next_power_of_2(q_heads), BLOCK_KH=triton.next_power_of_2(kv_heads),
         BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2), BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_REST=triton.next_power_of_2(max(head_dim - rotary_dim, 1)), IS_NEOX=is_neox, num_warps=4,
+        **launch_args(positions.device),
     )
     return q_out

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from dsinfer.ops.moe import Routing
+from dsinfer.ops.triton.pdl import enter, launch_args
 
 # MAX_TOP_K bounds a row's columns, routed + shared (V3: 8 + 1; V2 / V2-Lite: 6 + 2)
 MAX_EXPERTS, MAX_TOP_K, MAX_GROUPS = 256, 16, 32
@@ -30,11 +31,12 @@ def _router_kernel(
     E_PAD: tl.constexpr, G_PAD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, NUM_SHARED: tl.constexpr, S_PAD: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NOAUX: tl.constexpr, NORM: tl.constexpr,
-    NUM_PARTS: tl.constexpr = 1, PART_CHUNK: tl.constexpr = 1,
+    NUM_PARTS: tl.constexpr = 1, PART_CHUNK: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     """NOAUX: groups scored by their top-2 sum and dropped groups' experts at -inf, else by their max and at 0.0
     (group_limited_greedy, as the reference's masked scores). Output rows are TOP_K + NUM_SHARED wide; the shared
     columns have their own store, so the routed weights' sums keep their width (bit-identical to NUM_SHARED=0)."""
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     valid = e < num_experts
@@ -136,7 +138,7 @@ def _route(logits: torch.Tensor, num_tokens: int, num_experts: int, num_parts: i
         S_PAD=max(2, triton.next_power_of_2(num_shared)), SIGMOID=routing.scoring_func == "sigmoid",
         HAS_BIAS=has_bias, NOAUX=noaux, NORM=routing.norm_topk_prob,
         NUM_PARTS=num_parts, PART_CHUNK=min(8, max(2, triton.next_power_of_2(num_parts))),
-        num_warps=4 if e_pad >= 128 else 2,
+        num_warps=4 if e_pad >= 128 else 2, **launch_args(logits.device),
     )
     return weights, ids
 
@@ -157,9 +159,10 @@ GEMV_MAX_TOKENS, _GEMV_BLOCK_T, _GEMV_BLOCK_K = 64, 16, 128
 @triton.jit
 def _router_gemv_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidden, stride_x, stride_w,
                         NUM_PARTS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+                        BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
     """part[t, s, e] = sum over the columns k of split s of x[t, k] * w[e, k], in float32 (16-bit products are
     exact in it); program (i, s): rows i * BLOCK_T.., split s."""
+    enter(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
     k = split * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -204,6 +207,6 @@ def route_hidden_triton(
         _router_gemv_kernel[(triton.cdiv(num_tokens, _GEMV_BLOCK_T), num_parts)](
             x, w, parts, num_tokens, num_experts, hidden_size, x.stride(0), w.stride(0),
             NUM_PARTS=num_parts, E_PAD=e_pad, BLOCK_T=_GEMV_BLOCK_T, BLOCK_K=_GEMV_BLOCK_K,
-            UPCAST=not hidden.is_cuda, num_warps=4 if e_pad <= 64 else 8,
+            UPCAST=not hidden.is_cuda, num_warps=4 if e_pad <= 64 else 8, **launch_args(x.device),
         )
     return _route(parts, num_tokens, num_experts, num_parts, top_k, routing, e_score_correction_bias, num_shared)

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from dsinfer.ops.triton.pdl import enter, launch_args
 from dsinfer.ops.triton.utils import num_sms
 
 _MIN_CHUNK_TILES = 4
@@ -64,8 +65,9 @@ def _chunk_argmax(
 def _gumbel_argmax_kernel(
     logits_ptr, seed_ptr, pos_ptr, temp_ptr, out_ptr, part_val_ptr, part_idx_ptr,
     n_cols, stride_row, chunk_cols,
-    PRECISE: tl.constexpr, BLOCK_V: tl.constexpr, SPLIT: tl.constexpr,
+    PRECISE: tl.constexpr, BLOCK_V: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     lo = chunk * chunk_cols
@@ -89,7 +91,9 @@ def _gumbel_argmax_kernel(
 
 
 @triton.jit
-def _chunks_reduce_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
+def _chunks_reduce_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    enter(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     mask = c < num_chunks
@@ -128,10 +132,11 @@ def gumbel_argmax_triton(
     part_idx = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device) if split else out
     _gumbel_argmax_kernel[(num_rows, num_chunks)](
         logits, seeds, positions, temperature, out, part_val, part_idx, vocab, logits.stride(0), chunk_cols,
-        PRECISE=logits.is_cuda, BLOCK_V=block_v, SPLIT=split, num_warps=8,
+        PRECISE=logits.is_cuda, BLOCK_V=block_v, SPLIT=split, num_warps=8, **launch_args(logits.device),
     )
     if split:
         _chunks_reduce_kernel[(num_rows,)](
-            part_val, part_idx, out, num_chunks, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1
+            part_val, part_idx, out, num_chunks, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1,
+            **launch_args(part_val.device)
         )
     return out

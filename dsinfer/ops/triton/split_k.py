@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsinfer.ops.triton.pdl import enter, launch_args
 from dsinfer.ops.triton.utils import num_sms
 
 MAX_SPLIT = 16
@@ -38,7 +39,9 @@ def default_split(tiles: int, k: int, block_k: int, device: torch.device) -> int
 
 @triton.jit
 def _sum_partials_kernel(p_ptr, bias_ptr, out_ptr, N, stride_ps, stride_pm, stride_om, stride_on,
-                         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+                         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < N
@@ -58,5 +61,6 @@ def sum_partials(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor |
     block_n = min(512, triton.next_power_of_2(n))
     _sum_partials_kernel[(m, triton.cdiv(n, block_n))](
         partials, bias if bias is not None else partials, out, n, partials.stride(0), partials.stride(1),
-        out.stride(0), out.stride(1), SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=4)
+        out.stride(0), out.stride(1), SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=4,
+        **launch_args(partials.device))
     return out

@@ -1,0 +1,57 @@
+"""Programmatic dependent launch (PDL, sm_90+): a kernel launched while the one before it on the stream still runs.
+
+Without PDL a kernel's blocks start only after the previous kernel has finished and its writes are flushed, so
+every kernel boundary of a decode step costs the launch, the block scheduling and the first loads' latency in
+series (a V2-Lite batch-1 step has ~350 boundaries). With PDL (``launch_pdl`` on the launch, ``griddepcontrol``
+in the kernels):
+
+- each of our kernels, once running, signals that the next one may launch (``gdc_launch_dependents``);
+- the next kernel's blocks start on the SMs left free, do what does not depend on the previous kernel (index
+  arithmetic; the dense GEMM prefetches its first weight tiles into L2, ``moe._gemm_kernel``), then wait
+  (``gdc_wait``) until the previous kernel has completed and its memory is visible, before any dependent load
+  and before any store.
+
+``enter(PDL)`` waits then signals, in that order: a kernel lets its successor launch only once its own
+predecessor has finished, so at most one kernel waits ahead of the running one. The wait is what makes this
+exact: every kernel launched with ``launch_pdl`` calls ``enter`` before its first load of anything another kernel
+writes and before its first store; a kernel launched without PDL (cuBLAS, torch) keeps the full stream order,
+and ``gdc_wait`` there returns at once. CUDA graph capture keeps these edges (programmatic graph edges).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from dsinfer import envs
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """Wait for the previous kernel on the stream (its writes visible), then let the next one launch; nothing
+    when the kernel is not launched with PDL (a constexpr: the CPU interpreter never meets the instructions)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@functools.cache
+def _supported(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on device launch with PDL: CUDA sm_90+ and ``DSINFER_PDL`` on."""
+    if device.type != "cuda" or not envs.PDL.get():
+        return False
+    return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_args(device: torch.device) -> dict:
+    """The launch keywords of a kernel with a ``PDL`` constexpr that calls ``enter``: ``PDL`` and Triton's
+    ``launch_pdl`` when ``enabled``, else nothing (the kernel's default ``PDL=False``)."""
+    return {"PDL": True, "launch_pdl": True} if enabled(device) else {}
