@@ -1,4 +1,5 @@
-"""Programmatic dependent launch (``ops.triton.pdl``): off CUDA nothing changes; for Hopper every kernel compiles
+"""Programmatic dependent launch (``ops.triton.pdl``): off CUDA nothing changes; every kernel that takes PDL waits
+before its first load or store (checked in its source); for Hopper every kernel compiles
 to a ``griddepcontrol`` wait before its first dependent load (the dense GEMM's L2 prefetch before it); on the GPU a
 chain of ops gives the same bits with PDL on and off, eagerly and in a CUDA graph."""
 
@@ -131,3 +132,29 @@ def test_same_bits_with_and_without_pdl_in_a_graph(monkeypatch):
         assert torch.equal(a, b)
     for a, b in zip(results["1"][0], results["1"][1], strict=True):
         assert torch.equal(a, b)
+
+
+def test_every_pdl_kernel_waits_before_its_first_load_or_store():
+    """A kernel launched with PDL may run beside the previous one: its source must call ``enter(PDL)`` before any
+    load or store (the dense GEMM's L2 prefetch, which reads weights only, may come first)."""
+    import importlib
+    import inspect
+    import pkgutil
+    import re
+
+    import dsinfer.ops.triton as package
+
+    checked = []
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for name, fn in vars(module).items():  # JIT or (under TRITON_INTERPRET) interpreted kernels
+            if "PDL" not in getattr(fn, "arg_names", ()) or fn.fn is pdl.enter.fn \
+                    or fn.fn.__module__ != module.__name__:
+                continue  # not a kernel of this module (``pdl.enter`` is imported everywhere)
+            body = inspect.getsource(fn.fn).split('"""')[-1]  # past the docstring, if any
+            first_access = re.search(r"tl\.(load|store|atomic_\w+)\(|\.load\(\[|\.store\(\[", body)
+            wait = body.find("enter(PDL)")
+            assert wait >= 0, f"{info.name}.{name} takes PDL but never calls enter(PDL)"
+            assert first_access is None or wait < first_access.start(), f"{info.name}.{name} reads before its wait"
+            checked.append(name)
+    assert len(checked) >= 28 and "_gemm_kernel" in checked and "_rms_norm_kernel" in checked
