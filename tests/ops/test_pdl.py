@@ -1,7 +1,7 @@
 """Programmatic dependent launch (``ops.triton.pdl``): off CUDA nothing changes; every kernel that takes PDL waits
-before its first load or store (checked in its source); for Hopper every kernel compiles
-to a ``griddepcontrol`` wait before its first dependent load (the dense GEMM's L2 prefetch before it); on the GPU a
-chain of ops gives the same bits with PDL on and off, eagerly and in a CUDA graph."""
+before its first load or store (checked in its source); for Hopper the kernels compile to a ``griddepcontrol``
+wait before their first dependent load (the dense GEMM's L2 prefetch before it); on the GPU a chain of ops gives
+the same bits with PDL on and off, eagerly and in a CUDA graph."""
 
 from __future__ import annotations
 
