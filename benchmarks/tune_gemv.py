@@ -2,8 +2,9 @@
 
 For each shape of the models named (Llama-3.1-8B's qkv, o, gate/up, down and LM head; DeepSeek-V2-Lite's fused
 q + kv_a, o, dense MLP and LM head; DeepSeek-V3's LM head) at each row count, the candidates and cuBLAS
-(``F.linear``) run as a chain over distinct copies of the weight (at least 512 MB, so L2 holds none of it), in one
-CUDA graph, as a decode step streams its layers (with PDL where the GPU has it, as in the engine). The table gets
+(``F.linear``) run as a chain over distinct copies of the weight (at least 512 MB, so L2 holds none of it), each
+copy after an RMSNorm of the GEMV's input, in one CUDA graph, as a decode step streams its layers (with PDL where
+the GPU has it, as in the engine: a Triton tile overlaps the norm before it, cuBLAS does not). The table gets
 the best tile where it beat cuBLAS by at least ``--margin`` (default 0: any win), else ``{"cublas": true}``;
 ``ops.linear`` then takes the tile on CUDA for rows in the bucket's range (``moe.nearest_config``: within 4x) that
 fit the tile's one row tile. Every candidate's output is checked against float64.
@@ -60,6 +61,7 @@ def candidates(rows: int, n: int, sms: int) -> list[dict]:
 
 
 def tune_shape(label: str, n: int, k: int, rows: int, budget: Budget, table: dict, margin: float) -> None:
+    from dsinfer.ops import rms_norm
     from dsinfer.ops.triton.gemv import linear_triton, table_key
     from dsinfer.ops.triton.utils import num_sms
 
@@ -68,14 +70,17 @@ def tune_shape(label: str, n: int, k: int, rows: int, budget: Budget, table: dic
     gen = torch.Generator(device=dev).manual_seed(n + k)
     ws = [torch.randn(n, k, device=dev, dtype=dtype, generator=gen) / k**0.5 for _ in range(copies)]
     x = torch.randn(rows, k, device=dev, dtype=dtype, generator=gen)
+    norm_w = 1 + 0.1 * torch.randn(k, device=dev, dtype=dtype, generator=gen)
     out = torch.empty(rows, n, device=dev, dtype=dtype)
-    ref = (x.double() @ ws[-1].double().t()).float()
+    ref = (rms_norm(x, norm_w, 1e-6).double() @ ws[-1].double().t()).float()
 
     def chain(linear) -> None:
-        """Every copy in turn, as a step streams its layers; the last copy's output lands in ``out``."""
+        """Every copy in turn, each after an RMSNorm of its input, as a decode step streams its layers (a GEMV
+        there follows a small kernel: a norm, the attention's reduce, SiLU-mul); the last output lands in
+        ``out``. With PDL the norm and a Triton tile overlap at their boundary; cuBLAS waits for the norm."""
         for w in ws[:-1]:
-            linear(x, w)
-        out.copy_(linear(x, ws[-1]))
+            linear(rms_norm(x, norm_w, 1e-6), w)
+        out.copy_(linear(rms_norm(x, norm_w, 1e-6), ws[-1]))
 
     def per_call_ms(fn) -> float:
         return tuning.graph_bench(fn) / copies
@@ -98,8 +103,7 @@ def main() -> None:
     parser.add_argument("--models", default="llama,v2-lite,v3")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--budget-s", type=float, default=120.0)
-    # 0 since PDL (ops/triton/pdl.py): in a decode step a Triton GEMV also lets its Triton neighbours start early,
-    # which this chain of GEMVs alone does not time, and cuBLAS kernels do not do (session 18)
+    # 0 since PDL (ops/triton/pdl.py): the chain times each GEMV after a norm, as the engine runs it (session 18)
     parser.add_argument("--margin", type=float, default=0.0, help="how much faster a tile must be than cuBLAS")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device (CPU interpreter)")
@@ -122,7 +126,7 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "moe.json").write_text(json.dumps(table, indent=1) + "\n")
-    print("| weight | rows x N x K | cuBLAS us | best tile us | floor us | kept | tile |")
+    print("| weight | rows x N x K | norm + cuBLAS us | norm + best tile us | GEMV floor us | kept | tile |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for line in tuning.TABLE:
         print(line)
