@@ -1,5 +1,6 @@
 """Compile the GQA decode attention kernel for Hopper (sm_90) on any machine, no GPU needed, and count its PTX
-instructions: what a tile config or an FP8 cache turns into, before spending device time on it.
+instructions: what a tile config or an FP8 cache turns into, before spending device time on it
+(``compile_for_hopper`` compiles any of our kernels the same way; ``tests/ops/test_pdl.py`` uses it).
 
     python benchmarks/kernel_asm.py [--cache bf16|fp8e4nv|fp8e5] [--block-n 128] [--warps 4] [--stages 3]
                                     [--no-fp8-cvt] [--dump DIR] [--json]
@@ -28,29 +29,32 @@ WATCH = re.compile(r"^\s*((?:ld|st)\.shared[\w.]*|ldmatrix[\w.]*|stmatrix[\w.]*|
                    r"wgmma[\w.]*|cvt[\w.]*|ex2[\w.]*)", re.M)
 
 
+def compile_for_hopper(kernel, types: dict[str, str], constexprs: dict, **options):
+    """``kernel`` compiled for sm_90: arguments named in ``constexprs`` take those values, ``types`` gives the
+    others' Triton types (default ``*i32`` for ``*_ptr``, else ``i32``); pointers, strides and ``block_size``
+    are declared 16-divisible. ``options``: num_warps, num_stages, launch_pdl, ..."""
+    if not hasattr(kernel, "arg_names"):
+        raise RuntimeError("TRITON_INTERPRET is set: the kernels are interpreted functions, not compilable")
+    signature = {name: "constexpr" if name in constexprs else types.get(name, "*i32" if name.endswith("_ptr")
+                                                                          else "i32")
+                 for name in kernel.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+               if name.endswith("_ptr") or name.startswith("stride") or name == "block_size"}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 def compile_decode(cache: str = "fp8e4nv", block_n: int = 128, warps: int = 4, stages: int = 3,
                    fp8_cvt: bool = True):
     """The compiled ``_decode_kernel`` for a Llama-shaped layer (4 query heads per KV head, head dim 128)."""
     from dsinfer.ops.triton import attention
 
-    kernel = attention._decode_kernel
-    if not hasattr(kernel, "arg_names"):
-        raise RuntimeError("TRITON_INTERPRET is set: the kernels are interpreted functions, not compilable")
     fp8 = cache != "bf16"
     constexprs = dict(GROUP=4, GROUP_PAD=16, BLOCK_N=block_n, HEAD_DIM=128, BLOCK_D=128, HAS_WINDOW=False,
                       PRECISION="tf32", UPCAST=False, Q_F16=fp8, FP8_CVT=fp8 and fp8_cvt)
     types = {"q_ptr": "*bf16", "cache_ptr": f"*{cache}", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
              "scale_log2": "fp32", "v_scale": "fp32"}
-    signature = {}
-    for name in kernel.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        else:
-            signature[name] = types.get(name, "*i32" if name.endswith("_ptr") else "i32")
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-               if name.endswith("_ptr") or name.startswith("stride") or name == "block_size"}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    return compile_for_hopper(attention._decode_kernel, types, constexprs, num_warps=warps, num_stages=stages)
 
 
 def instruction_counts(ptx: str) -> dict[str, int]:

@@ -221,7 +221,12 @@ def mla_decode_uv_ref(
     latent = mla_decode_ref(q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, scale)
     if out is None:
         out = latent.new_empty(latent.shape[0], w_uv.shape[0], w_uv.shape[1])
-    # [H, T, R] @ [H, R, V], written through a transposed view straight into [T, H, V]
+    return latent_values(latent, w_uv, out)
+
+
+def latent_values(latent: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """W_UV per head: latent [T, H, R] x w_uv [H, V, R] -> ``out`` [T, H, V] (one batched GEMM, [H, T, R] @
+    [H, R, V], written through a transposed view straight into [T, H, V])."""
     torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
     return out
 

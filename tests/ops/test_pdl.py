@@ -19,19 +19,12 @@ ROOT = Path(__file__).resolve().parents[2]
 HAS_CUDA = torch.cuda.is_available()
 
 _COMPILE = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from benchmarks.kernel_asm import compile_for_hopper
 from dsinfer.ops.triton import moe, norm
 
-def compile(fn, types, constexprs, **options):
-    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-
 bf16 = {n: "*bf16" for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "sum_ptr")}
-ptx = compile(norm._rms_norm_kernel, dict(bf16, eps="fp32"), dict(HAS_RESIDUAL=True, BLOCK_N=1024, PDL=True),
-              num_warps=4, launch_pdl=True)
+ptx = compile_for_hopper(norm._rms_norm_kernel, dict(bf16, eps="fp32"),
+                         dict(HAS_RESIDUAL=True, BLOCK_N=1024, PDL=True), num_warps=4, launch_pdl=True).asm["ptx"]
 print(ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents"), ptx.find("ld.global"))
 ptrs = {n: "*bf16" for n in moe._gemm_kernel.arg_names if n.endswith("_ptr")}
 ptrs.update(expert_ids_ptr="*i64", sorted_ids_ptr="*i32", num_padded_ptr="*i32", a_scale_ptr="*fp32",
@@ -40,7 +33,7 @@ const = dict(A_DIV=1, GATHER=False, GATED=False, FUSE_GU=False, MUL_WEIGHT=False
              GROUP_N=1, GROUP_K=1, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, EVEN_K=True, SCALAR_BS=False,
              A_DESC=False, B_DESC=False, UPCAST=False, A_SORTED=False, C_SORTED=False, SPLIT_K=1, PREFETCH_K=256,
              PDL=True)
-ptx = compile(moe._gemm_kernel, ptrs, const, num_warps=4, num_stages=4, launch_pdl=True)
+ptx = compile_for_hopper(moe._gemm_kernel, ptrs, const, num_warps=4, num_stages=4, launch_pdl=True).asm["ptx"]
 print(ptx.find("prefetch.global.L2"), ptx.find("griddepcontrol.wait"), ptx.count("prefetch.global.L2"))
 """
 

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsinfer.ops.mla import latent_values
 from dsinfer.ops.triton.mla import combine_splits, decode_splits
 from dsinfer.ops.triton.pdl import enter, launch_args
 
@@ -93,12 +94,8 @@ def mla_decode_uv_triton(
     split = decode_splits(q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, scale,
                           max_seq_len=max_seq_len, num_splits=num_splits)
     if split.part_out is None or not fused:
-        latent = split.out
-        if split.part_out is not None:
-            latent = combine_splits(split, query_start_loc)
-        # [H, T, R] @ [H, R, V], written through a transposed view straight into [T, H, V]
-        torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
-        return out
+        latent = split.out if split.part_out is None else combine_splits(split, query_start_loc)
+        return latent_values(latent, w_uv, out)
     _mla_reduce_uv_kernel[(num_heads, triton.cdiv(v_dim, _BLOCK_V), num_rows)](
         split.part_out, split.part_lse, query_start_loc, w_uv, out, query_start_loc.shape[0] - 1, num_heads,
         split.num_splits, v_dim, w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
