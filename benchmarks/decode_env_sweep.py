@@ -5,6 +5,8 @@ variables these sweeps are for are read while a graph is captured), then timed a
 graph replay (median of 40) and the pipelined step (best of three 30-step runs), beside the floor. The logits of
 one fixed token per row are compared with the first value's: 0 when the variable changes no value, a few units
 in the last place of bf16 when it changes a summation order. Values repeat to show the noise (``0 1 0 1``).
+``--var module.path:NAME`` sets a module constant instead (values read as Python literals), for switches that
+have no variable, e.g. ``--var dsinfer.layers.mla:FUSED_ABSORB_MAX_TOKENS --values 0 4 0 4``.
 
     python3 benchmarks/decode_env_sweep.py --var DSINFER_ROUTER_GEMV --values 0 1 0 1 \\
         --model benchmarks/configs/deepseek-v2-lite --batch-sizes 1 16 64
@@ -13,7 +15,9 @@ in the last place of bf16 when it changes a summation order. Values repeat to sh
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
+import importlib
 import json
 import os
 import statistics
@@ -39,7 +43,8 @@ from dsinfer import envs  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--var", required=True, help="a declared DSINFER_* variable (`dsinfer env` lists them)")
+    p.add_argument("--var", required=True, help="a declared DSINFER_* variable (`dsinfer env` lists them), or "
+                   "module.path:NAME (a module constant)")
     p.add_argument("--values", nargs="+", required=True)
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="directory holding a config.json")
     p.add_argument("--hf-overrides", type=json.loads, default=None)
@@ -49,14 +54,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     args = p.parse_args(argv)
+    args.device, args.dtype = "cuda", None
+    if ":" in args.var:
+        module, name = args.var.split(":")
+        if not hasattr(importlib.import_module(module), name):
+            p.error(f"--var {args.var!r}: {module} has no {name}")
+        args.values = [ast.literal_eval(v) for v in args.values]
+        return args
     declared = {var.name: var for var in envs.all_vars()}
     if args.var not in declared:
         p.error(f"--var {args.var!r} is not a declared DSINFER_* variable")
     for value in args.values:  # each value must parse before the model loads
         os.environ[args.var] = value
         declared[args.var].get()
-    args.device, args.dtype = "cuda", None
     return args
+
+
+def set_value(var: str, value) -> None:
+    """A DSINFER_* variable, or a module constant (``module.path:NAME``)."""
+    if ":" in var:
+        module, name = var.split(":")
+        setattr(importlib.import_module(module), name, value)
+    else:
+        os.environ[var] = value
 
 
 def main(argv=None) -> None:
@@ -66,7 +86,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("decode_env_sweep.py needs a CUDA device")
-    os.environ[args.var] = args.values[0]
+    set_value(args.var, args.values[0])
     llm = make_llm(args.model, args, max_num_seqs=max(args.batch_sizes))
     runner = llm.engine.runner
     bandwidth = measure_bandwidth()
@@ -82,7 +102,7 @@ def main(argv=None) -> None:
     print("| value | batch | graph ms | step ms | floor ms | graph / floor | max logit diff vs the first value |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for value in args.values:
-        os.environ[args.var] = value
+        set_value(args.var, value)
         graphs = DecodeGraphs(runner.model, max(args.batch_sizes), first.block_tables.shape[1], first.max_seq_len,
                               runner.device, sizes=tuple(sorted(args.batch_sizes)))
         graphs.capture(torch.cuda.graph_pool_handle(), torch.cuda.Stream(runner.device))

@@ -158,6 +158,12 @@ PDL = _declare(
     "before it reads them (ops/triton/pdl.py). Off: every kernel starts after the previous one has finished.",
     _parse_bool,
 )
+PDL_EARLY_TRIGGER = _declare(
+    "DSINFER_PDL_EARLY_TRIGGER", "bool", False,
+    "With DSINFER_PDL: each kernel lets the next one launch before it waits for its own predecessor (not after), "
+    "so a GEMV's weight prefetch can start while the GEMV two kernels back still runs (ops/triton/pdl.py).",
+    _parse_bool,
+)
 USE_TRITON = _declare(
     "DSINFER_USE_TRITON", "str", "auto",
     "Use Triton kernels: auto (on CUDA), always (also TRITON_INTERPRET on CPU) or never.",

@@ -9,8 +9,9 @@ cached latent. In deterministic mode every row takes the absorbed form by one fi
 (``batch_invariant.mla``), so a token's result does not depend on how its step was scheduled.
 
 Per decode step a layer runs: one GEMM for q (or q_a) and kv_a together (``fused_qkv_a_proj``), one kernel for
-rope + latent norm + cache store (``ops.mla.rope_norm_store_mla``), the W_UK bmm, the decode kernel (plus its
-split reduction), the W_UV bmm written straight into o_proj's input layout, and o_proj.
+rope + latent norm + cache store (``ops.mla.rope_norm_store_mla``) and the W_UK bmm (at a few tokens both in
+that kernel), the decode kernel (plus its split reduction), the W_UV bmm written straight into o_proj's input
+layout, and o_proj.
 """
 
 from __future__ import annotations
@@ -27,12 +28,16 @@ from dsinfer.kvcache.spec import MLASpec
 from dsinfer.layers.fp8_linear import Fp8BlockLinear, Fp8Config, make_linear
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, rope_parameters_of
-from dsinfer.ops.mla import mla_decode_uv, mla_prefill, rope_norm_store_mla
+from dsinfer.ops.mla import absorb_query, mla_decode_uv, mla_prefill, rope_norm_store_mla
 from dsinfer.runner.forward_batch import ForwardBatch
 from dsinfer.runner.prefill_graphs import attention_piece
 from dsinfer.runner.side_stream import in_graphs, run_beside
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
+# decode steps of up to this many tokens absorb W_UK in the rope / norm / store launch (``rope_norm_store_mla``
+# with ``absorb``: a program per head and 128 latent columns, each reading its W_UK tile once per token); larger
+# ones run the batched GEMM, which reads W_UK once for all tokens
+FUSED_ABSORB_MAX_TOKENS = 4
 
 
 @dataclass
@@ -190,25 +195,28 @@ class MLAAttention(nn.Module):
         kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         norm, rotary = self.kv_a_layernorm, self.rotary
 
-        def rope_and_store(q_pe: torch.Tensor) -> torch.Tensor:
+        def rope_and_store(q_pe: torch.Tensor, absorb=None):
             return rope_norm_store_mla(positions, q_pe, k_pe, kv_c, norm.weight, norm.eps, rotary.cos_sin_cache,
-                                       rotary.is_neox, self.kv_cache, batch.slot_mapping)
+                                       rotary.is_neox, self.kv_cache, batch.slot_mapping, absorb=absorb)
 
         meta = MLAMetadata.of(batch)
-        if (self.overlap_store and meta.decode is not None and meta.decode.rows is None and q.is_cuda
-                and in_graphs()):
-            # a decode step in a CUDA graph: rope, the latent norm and the cache store on the side stream while
-            # this one absorbs W_UK into the query; the decode kernel waits for both
-            join = run_beside(rope_and_store, q_pe)
-            q_absorbed = self._absorb(q_nope)
+        if meta.decode is not None and meta.decode.rows is None:  # a decode step (one token per sequence)
             out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
-            return self._decode(q_absorbed, join(), meta.decode, meta.max_seq_len, out).flatten(1)
+            if q.shape[0] <= FUSED_ABSORB_MAX_TOKENS:
+                # rope, the latent norm, the cache store and the W_UK absorption in one launch
+                q_absorbed, q_pe = rope_and_store(q_pe, absorb=(q_nope, self._kv_b()[1]))
+                return self._decode(q_absorbed, q_pe, meta.decode, meta.max_seq_len, out).flatten(1)
+            if self.overlap_store and q.is_cuda and in_graphs():
+                # in a CUDA graph: rope, the latent norm and the cache store on the side stream while this one
+                # absorbs W_UK into the query (a batched GEMM); the decode kernel waits for both
+                join = run_beside(rope_and_store, q_pe)
+                q_absorbed = self._absorb(q_nope)
+                return self._decode(q_absorbed, join(), meta.decode, meta.max_seq_len, out).flatten(1)
         return self.attend(q_nope, rope_and_store(q_pe), meta).flatten(1)
 
     def _absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
-        """q_nope [T, H, N] -> [T, H, R]: per head [H, T, N] @ W_UK [H, N, R], read as [T, H, R] through
-        strides (no copy)."""
-        return torch.bmm(q_nope.transpose(0, 1), self._kv_b()[1]).transpose(0, 1)
+        """q_nope [T, H, N] -> [T, H, R] (``ops.mla.absorb_query`` with this layer's W_UK)."""
+        return absorb_query(q_nope, self._kv_b()[1])
 
     def _decode(self, q_absorbed: torch.Tensor, q_pe: torch.Tensor, d: MLARows, max_seq_len: int | None,
                 out: torch.Tensor) -> torch.Tensor:

@@ -67,21 +67,31 @@ def rope_norm_store_mla(
     is_neox: bool,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-) -> torch.Tensor:
+    absorb: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """An MLA layer's per-token preamble, fused: rope on q_pe [T, H, P] (returned, new) and on the shared key
     k_pe [T, P], RMSNorm of the latent kv_c [T, R] (``norm_weight``, ``eps``), both stored to the cache rows
     ``slot_mapping`` (negative: padding, not stored). Equals ``apply_rotary`` + ``rms_norm`` + ``store_mla_kv``
-    (the rope covers the whole P: ``cos_sin_cache`` is [positions, P])."""
+    (the rope covers the whole P: ``cos_sin_cache`` is [positions, P]).
+
+    ``absorb`` = (q_nope [T, H, N], W_UK [H, N, R]): also the absorbed query ``absorb_query(q_nope, W_UK)``
+    [T, H, R], returned first (``(q_absorbed, q_pe)``); on the Triton path in the same launch."""
     fusable = (cos_sin_cache.shape[-1] == q_pe.shape[-1] == k_pe.shape[-1]
                and torch.promote_types(norm_weight.dtype, kv_c.dtype) == kv_c.dtype)
     if use_triton(q_pe) and fusable:
         from dsinfer.ops.triton.mla_cache import rope_norm_store_mla_triton
 
         return rope_norm_store_mla_triton(positions, q_pe, k_pe, kv_c, norm_weight, eps, cos_sin_cache, is_neox,
-                                          kv_cache, slot_mapping)
+                                          kv_cache, slot_mapping, absorb=absorb)
     q_pe, k_pe = apply_rotary(positions, q_pe, k_pe.unsqueeze(1), cos_sin_cache, is_neox)
     store_mla_kv(rms_norm(kv_c, norm_weight, eps), k_pe.squeeze(1), kv_cache, slot_mapping)
-    return q_pe
+    return q_pe if absorb is None else (absorb_query(*absorb), q_pe)
+
+
+def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q_nope [T, H, N] -> [T, H, R]: per head [H, T, N] @ W_UK [H, N, R] (one batched GEMM), read as [T, H, R]
+    through strides (no copy)."""
+    return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
 
 def cache_rows(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

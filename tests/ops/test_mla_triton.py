@@ -268,6 +268,39 @@ def test_rope_norm_store_matches_unfused_reference(dtype, is_neox, device, poiso
     assert_close(cache, cache_ref, dtype)
 
 
+@pytest.mark.parametrize("chunk", [128, 16])  # one W_UK chunk per head, two
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_norm_store_absorbs_the_query(dtype, chunk, device, poisoned, assert_close, monkeypatch):
+    """With ``absorb`` the same launch also writes q_nope @ W_UK per head (W_UK a strided view of kv_b's weight,
+    q_nope a strided slice of q, as in the layer); rope, norm and store are unchanged."""
+    from dsinfer.ops import mla
+    from dsinfer.ops.triton import mla_cache
+
+    monkeypatch.setattr(mla_cache, "ABSORB_CHUNK", chunk)
+    heads, nope, rope, rank, value = 3, 16, 8, 32, 8
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(5, heads, nope + rope, generator=gen).to(dtype).to(device)
+    w_kv_b = (torch.randn(heads, nope + value, rank, generator=gen) / nope**0.5).to(dtype).to(device)
+    kv = torch.randn(5, rank + rope, generator=gen).to(dtype).to(device)
+    weight = (1 + 0.1 * torch.randn(rank, generator=gen)).to(dtype).to(device)
+    cos_sin = torch.randn(64, rope, generator=gen).to(device)
+    positions = torch.tensor([3, 0, 63, 17, 5], device=device)
+    slots = torch.tensor([7, -1, 0, 11, 2], device=device)
+    caches = [torch.zeros(3, 4, rank + rope, dtype=dtype, device=device) for _ in range(2)]
+    q_nope, q_pe = q.split([nope, rope], dim=-1)
+    kv_c, k_pe = kv.split([rank, rope], dim=-1)
+    w_uk = w_kv_b[:, :nope]
+    q_abs, q_out = rope_norm_store_mla(positions, q_pe, k_pe, kv_c, weight, 1e-6, cos_sin, True, caches[0], slots,
+                                       absorb=(q_nope, w_uk))
+    q_plain = rope_norm_store_mla(positions, q_pe, k_pe, kv_c, weight, 1e-6, cos_sin, True, caches[1], slots)
+    assert torch.equal(q_out, q_plain) and torch.equal(caches[0], caches[1])
+    assert q_abs.shape == (5, heads, rank) and q_abs.dtype == dtype
+    assert_close(q_abs, mla.absorb_query(q_nope.double().cpu(), w_uk.double().cpu()), dtype)
+    with pytest.raises(ValueError, match="W_UK"):
+        rope_norm_store_mla(positions, q_pe, k_pe, kv_c, weight, 1e-6, cos_sin, True, caches[0], slots,
+                            absorb=(q_nope, w_uk.transpose(1, 2)))
+
+
 # ---- GPU, real shapes ----
 
 @pytest.mark.gpu
@@ -284,6 +317,28 @@ def test_mla_decode_real_shapes(heads, assert_close):
     ref = mla_decode_ref(q_nope.float(), q_pe.float(), torch.nan_to_num(cache.float()), tables, qsl, seq_lens,
                          scale)
     assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])  # DeepSeek-V2-Lite, V3
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_absorbing_preamble_real_shapes(heads, tokens, assert_close):
+    from dsinfer.ops.mla import absorb_query
+
+    nope, rope, rank, value = 128, 64, 512, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(tokens, heads, nope + rope, generator=gen, **bf)
+    w_kv_b = torch.randn(heads, nope + value, rank, generator=gen, **bf) / nope**0.5
+    kv = torch.randn(tokens, rank + rope, generator=gen, **bf)
+    cache = torch.zeros(4, 64, rank + rope, **bf)
+    positions = torch.arange(tokens, device="cuda") * 7
+    slots = torch.arange(tokens, device="cuda") * 3
+    q_nope, q_pe = q.split([nope, rope], dim=-1)
+    q_abs, _ = rope_norm_store_mla(positions, q_pe, kv[:, rope:], kv[:, :rank], torch.ones(rank, **bf), 1e-6,
+                                   torch.randn(64, rope, generator=gen, device="cuda"), True, cache, slots,
+                                   absorb=(q_nope, w_kv_b[:, :nope]))
+    assert_close(q_abs, absorb_query(q_nope.float(), w_kv_b[:, :nope].float()), torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -26,6 +26,9 @@ bf16 = {n: "*bf16" for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "sum_ptr")}
 ptx = compile_for_hopper(norm._rms_norm_kernel, dict(bf16, eps="fp32"),
                          dict(HAS_RESIDUAL=True, BLOCK_N=1024, PDL=True), num_warps=4, launch_pdl=True).asm["ptx"]
 print(ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents"), ptx.find("ld.global"))
+ptx = compile_for_hopper(norm._rms_norm_kernel, dict(bf16, eps="fp32"),
+                         dict(HAS_RESIDUAL=True, BLOCK_N=1024, PDL=2), num_warps=4, launch_pdl=True).asm["ptx"]
+print(ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents"), ptx.find("ld.global"))
 ptrs = {n: "*bf16" for n in moe._gemm_kernel.arg_names if n.endswith("_ptr")}
 ptrs.update(expert_ids_ptr="*i64", sorted_ids_ptr="*i32", num_padded_ptr="*i32", a_scale_ptr="*fp32",
             b_scale_ptr="*fp32", weight_ptr="*fp32")
@@ -39,6 +42,8 @@ print(ptx.find("prefetch.global.L2"), ptx.find("griddepcontrol.wait"), ptx.count
 
 
 def test_off_cuda_nothing_changes(monkeypatch):
+    assert pdl.launch_args(torch.device("cpu")) == {}
+    monkeypatch.setenv("DSINFER_PDL_EARLY_TRIGGER", "1")
     assert pdl.launch_args(torch.device("cpu")) == {}
     assert not pdl.enabled(torch.device("cpu"))
     monkeypatch.setenv("DSINFER_PDL", "0")
@@ -75,9 +80,11 @@ def test_kernels_compile_for_hopper_with_the_wait_before_their_loads():
     if done.returncode != 0 and "ptxas" in done.stderr:  # a Triton without the CUDA toolchain: nothing to check
         pytest.skip("this Triton cannot assemble for sm_90")
     assert done.returncode == 0, done.stderr[-2000:]
-    norm_line, gemm_line = done.stdout.strip().splitlines()
+    norm_line, early_line, gemm_line = done.stdout.strip().splitlines()
     wait, launch, load = map(int, norm_line.split())
     assert 0 <= wait < launch < load  # wait, let the next kernel launch, then read
+    wait, launch, load = map(int, early_line.split())
+    assert 0 <= launch < wait < load  # TRIGGER_FIRST: let the next kernel launch, wait, then read
     first_prefetch, wait, count = map(int, gemm_line.split())
     assert 0 <= first_prefetch < wait and count >= 1  # the dense GEMM's weight prefetches go before the wait
 
@@ -110,8 +117,9 @@ def test_same_bits_with_and_without_pdl_in_a_graph(monkeypatch):
             torch.rand(1, 6, generator=gen, device="cuda"),
             torch.randperm(experts, generator=gen, device="cuda")[:6].view(1, 6))
     results = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("DSINFER_PDL", flag)
+    for flag in ("0", "1", "early"):
+        monkeypatch.setenv("DSINFER_PDL", "0" if flag == "0" else "1")
+        monkeypatch.setenv("DSINFER_PDL_EARLY_TRIGGER", "1" if flag == "early" else "0")
         eager = _chain(*args)
         _chain(*args)  # warm-up outside the capture (compiles, the pair-block constants)
         graph = torch.cuda.CUDAGraph()
@@ -121,10 +129,11 @@ def test_same_bits_with_and_without_pdl_in_a_graph(monkeypatch):
             graph.replay()
         torch.cuda.synchronize()
         results[flag] = (eager, captured)
-    for a, b in zip(results["0"][0] + results["0"][1], results["1"][0] + results["1"][1], strict=True):
-        assert torch.equal(a, b)
-    for a, b in zip(results["1"][0], results["1"][1], strict=True):
-        assert torch.equal(a, b)
+    for flag in ("1", "early"):
+        for a, b in zip(results["0"][0] + results["0"][1], results[flag][0] + results[flag][1], strict=True):
+            assert torch.equal(a, b)
+        for a, b in zip(results[flag][0], results[flag][1], strict=True):
+            assert torch.equal(a, b)
 
 
 def test_every_pdl_kernel_waits_before_its_first_load_or_store():

@@ -11,11 +11,18 @@ in the kernels):
   (``gdc_wait``) until the previous kernel has completed and its memory is visible, before any dependent load
   and before any store.
 
-``enter(PDL)`` waits then signals, in that order: a kernel lets its successor launch only once its own
-predecessor has finished, so at most one kernel waits ahead of the running one. The wait is what makes this
-exact: every kernel launched with ``launch_pdl`` calls ``enter`` before its first load of anything another kernel
-writes and before its first store; a kernel launched without PDL (cuBLAS, torch) keeps the full stream order,
-and ``gdc_wait`` there returns at once. CUDA graph capture keeps these edges (programmatic graph edges).
+``enter(PDL)`` waits then signals, in that order (``WAIT_FIRST``): a kernel lets its successor launch only once
+its own predecessor has finished, so at most one kernel waits ahead of the running one. With
+``DSINFER_PDL_EARLY_TRIGGER`` it signals first (``TRIGGER_FIRST``): the kernel after a small one then launches
+while the kernel before the small one still runs, and a GEMV's weight prefetch overlaps that kernel's tail. Still
+exact: ``griddepcontrol.wait`` waits for the predecessor's completion, not its signal, and a predecessor completes
+only after its own wait, so every earlier kernel has completed too. Nor can it deadlock: a kernel launches only
+once every block of its predecessor has started (signalled or exited), so the blocks it waits on are resident.
+
+The wait is what makes this exact: every kernel launched with ``launch_pdl`` calls ``enter`` before its first
+load of anything another kernel writes and before its first store; a kernel launched without PDL (cuBLAS, torch)
+keeps the full stream order, and ``gdc_wait`` there returns at once. CUDA graph capture keeps these edges
+(programmatic graph edges).
 """
 
 from __future__ import annotations
@@ -29,12 +36,18 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsinfer import envs
 
+WAIT_FIRST, TRIGGER_FIRST = 1, 2  # values of a kernel's PDL constexpr when launched with PDL
+
 
 @triton.jit
 def enter(PDL: tl.constexpr):
-    """Wait for the previous kernel on the stream (its writes visible), then let the next one launch; nothing
-    when the kernel is not launched with PDL (a constexpr: the CPU interpreter never meets the instructions)."""
-    if PDL:
+    """Wait for the previous kernel on the stream (its writes visible) and let the next one launch, in the order
+    the PDL constexpr names; nothing when the kernel is not launched with PDL (a constexpr: the CPU interpreter
+    never meets the instructions)."""
+    if PDL == 2:  # TRIGGER_FIRST
+        gdc_launch_dependents()
+        gdc_wait()
+    elif PDL:
         gdc_wait()
         gdc_launch_dependents()
 
@@ -52,6 +65,9 @@ def enabled(device: torch.device) -> bool:
 
 
 def launch_args(device: torch.device) -> dict:
-    """The launch keywords of a kernel with a ``PDL`` constexpr that calls ``enter``: ``PDL`` and Triton's
-    ``launch_pdl`` when ``enabled``, else nothing (the kernel's default ``PDL=False``)."""
-    return {"PDL": True, "launch_pdl": True} if enabled(device) else {}
+    """The launch keywords of a kernel with a ``PDL`` constexpr that calls ``enter``: ``PDL`` (the order of its
+    wait and signal) and Triton's ``launch_pdl`` when ``enabled``, else nothing (the kernel's default
+    ``PDL=False``)."""
+    if not enabled(device):
+        return {}
+    return {"PDL": TRIGGER_FIRST if envs.PDL_EARLY_TRIGGER.get() else WAIT_FIRST, "launch_pdl": True}
