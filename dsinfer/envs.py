@@ -159,10 +159,11 @@ PDL = _declare(
     _parse_bool,
 )
 PDL_EARLY_TRIGGER = _declare(
-    "DSINFER_PDL_EARLY_TRIGGER", "bool", False,
-    "With DSINFER_PDL: each kernel lets the next one launch before it waits for its own predecessor (not after), "
-    "so a GEMV's weight prefetch can start while the GEMV two kernels back still runs (ops/triton/pdl.py).",
-    _parse_bool,
+    "DSINFER_PDL_EARLY_TRIGGER", "str", "off",
+    "With DSINFER_PDL, which kernels let the next one launch before they wait for their own predecessor (not "
+    "after), so that a GEMV's weight prefetch and a kernel's metadata reads start while the kernel two back still "
+    "runs (ops/triton/pdl.py): off, all, or dense (all but the MoE routing and expert kernels).",
+    _parse_choice("off", "all", "dense"),
 )
 USE_TRITON = _declare(
     "DSINFER_USE_TRITON", "str", "auto",

@@ -25,10 +25,10 @@ from dsinfer.ops.triton import moe, norm
 bf16 = {n: "*bf16" for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "sum_ptr")}
 ptx = compile_for_hopper(norm._rms_norm_kernel, dict(bf16, eps="fp32"),
                          dict(HAS_RESIDUAL=True, BLOCK_N=1024, PDL=True), num_warps=4, launch_pdl=True).asm["ptx"]
-print(ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents"), ptx.find("ld.global"))
+print(ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents"), ptx.rfind("ld.global"))
 ptx = compile_for_hopper(norm._rms_norm_kernel, dict(bf16, eps="fp32"),
                          dict(HAS_RESIDUAL=True, BLOCK_N=1024, PDL=2), num_warps=4, launch_pdl=True).asm["ptx"]
-print(ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents"), ptx.find("ld.global"))
+print(ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents"), ptx.rfind("ld.global"))
 ptrs = {n: "*bf16" for n in moe._gemm_kernel.arg_names if n.endswith("_ptr")}
 ptrs.update(expert_ids_ptr="*i64", sorted_ids_ptr="*i32", num_padded_ptr="*i32", a_scale_ptr="*fp32",
             b_scale_ptr="*fp32", weight_ptr="*fp32")
@@ -43,7 +43,7 @@ print(ptx.find("prefetch.global.L2"), ptx.find("griddepcontrol.wait"), ptx.count
 
 def test_off_cuda_nothing_changes(monkeypatch):
     assert pdl.launch_args(torch.device("cpu")) == {}
-    monkeypatch.setenv("DSINFER_PDL_EARLY_TRIGGER", "1")
+    monkeypatch.setenv("DSINFER_PDL_EARLY_TRIGGER", "all")
     assert pdl.launch_args(torch.device("cpu")) == {}
     assert not pdl.enabled(torch.device("cpu"))
     monkeypatch.setenv("DSINFER_PDL", "0")
@@ -82,7 +82,7 @@ def test_kernels_compile_for_hopper_with_the_wait_before_their_loads():
     assert done.returncode == 0, done.stderr[-2000:]
     norm_line, early_line, gemm_line = done.stdout.strip().splitlines()
     wait, launch, load = map(int, norm_line.split())
-    assert 0 <= wait < launch < load  # wait, let the next kernel launch, then read
+    assert 0 <= wait < launch < load  # wait, let the next kernel launch, then read (the weight may come first)
     wait, launch, load = map(int, early_line.split())
     assert 0 <= launch < wait < load  # TRIGGER_FIRST: let the next kernel launch, wait, then read
     first_prefetch, wait, count = map(int, gemm_line.split())
@@ -119,7 +119,7 @@ def test_same_bits_with_and_without_pdl_in_a_graph(monkeypatch):
     results = {}
     for flag in ("0", "1", "early"):
         monkeypatch.setenv("DSINFER_PDL", "0" if flag == "0" else "1")
-        monkeypatch.setenv("DSINFER_PDL_EARLY_TRIGGER", "1" if flag == "early" else "0")
+        monkeypatch.setenv("DSINFER_PDL_EARLY_TRIGGER", "all" if flag == "early" else "off")
         eager = _chain(*args)
         _chain(*args)  # warm-up outside the capture (compiles, the pair-block constants)
         graph = torch.cuda.CUDAGraph()
@@ -136,9 +136,15 @@ def test_same_bits_with_and_without_pdl_in_a_graph(monkeypatch):
             assert torch.equal(a, b)
 
 
+# what a kernel may read before its wait: weights and the step's metadata, which no kernel of a forward writes
+# (``pdl``'s module doc); by pointer argument, and through helpers that read only these
+EARLY_POINTERS = {"w_ptr", "w_uk_ptr", "slot_ptr", "query_start_loc_ptr", "seq_lens_ptr"}
+EARLY_HELPERS = {"_prefetch_rows", "_w_uk_tile", "_cos_sin_at", "_row_split"}
+
+
 def test_every_pdl_kernel_waits_before_its_first_load_or_store():
     """A kernel launched with PDL may run beside the previous one: its source must call ``enter(PDL)`` before any
-    load or store (the dense GEMM's L2 prefetch, which reads weights only, may come first)."""
+    load or store, but for loads of weights or of the step's metadata (``EARLY_POINTERS``, ``EARLY_HELPERS``)."""
     import importlib
     import inspect
     import pkgutil
@@ -153,10 +159,26 @@ def test_every_pdl_kernel_waits_before_its_first_load_or_store():
             if "PDL" not in getattr(fn, "arg_names", ()) or fn.fn is pdl.enter.fn \
                     or fn.fn.__module__ != module.__name__:
                 continue  # not a kernel of this module (``pdl.enter`` is imported everywhere)
-            body = inspect.getsource(fn.fn).split('"""')[-1]  # past the docstring, if any
-            first_access = re.search(r"tl\.(load|store|atomic_\w+)\(|\.load\(\[|\.store\(\[", body)
+            source = re.split(r"\)\s*:\n", inspect.getsource(fn.fn), maxsplit=1)[1]  # past the signature
+            body = source.split('"""')[-1]  # past the docstring, if any
             wait = body.find("enter(PDL)")
             assert wait >= 0, f"{info.name}.{name} takes PDL but never calls enter(PDL)"
-            assert first_access is None or wait < first_access.start(), f"{info.name}.{name} reads before its wait"
+            early = body[:wait]
+            assert not re.search(r"tl\.(store|atomic_\w+)\(|\.load\(\[|\.store\(\[", early), \
+                f"{info.name}.{name} stores or loads a descriptor before its wait"
+            for pointer in re.findall(r"tl\.load\(\s*(\w+)", early):
+                assert pointer in EARLY_POINTERS, f"{info.name}.{name} reads {pointer} before its wait"
+            for helper in re.findall(r"\b(_\w+)\(", early):
+                helper_fn = getattr(module, helper, None)
+                assert helper in EARLY_HELPERS or not hasattr(helper_fn, "fn"), \
+                    f"{info.name}.{name} calls {helper} before its wait"
             checked.append(name)
     assert len(checked) >= 28 and "_gemm_kernel" in checked and "_rms_norm_kernel" in checked
+
+
+def test_the_early_read_check_fails_a_kernel_that_reads_activations_early():
+    """The source check above is not vacuous: the same patterns flag an activation load before the wait."""
+    import re
+
+    early = "    x = tl.load(x_ptr + cols)\n    w = tl.load(w_ptr + cols)\n"
+    assert [p for p in re.findall(r"tl\.load\(\s*(\w+)", early) if p not in EARLY_POINTERS] == ["x_ptr"]

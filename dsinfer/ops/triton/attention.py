@@ -219,14 +219,16 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, Q_F16: tl.constexpr, FP8_CVT: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    enter(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # the step's metadata, read before the wait (``pdl``: no kernel of a forward writes it)
     q_start = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) == q_start:
-        return  # no query for this row (padding)
+    q_end = tl.load(query_start_loc_ptr + seq + 1)
     ctx_len = tl.load(seq_lens_ptr + seq)
+    enter(PDL)
+    if q_end == q_start:
+        return  # no query for this row (padding)
     first = 0
     if HAS_WINDOW:
         first = tl.maximum(ctx_len - window, 0)
@@ -267,11 +269,12 @@ def _decode_reduce_kernel(
     stride_pb, stride_ph, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    enter(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) == q_start:
+    q_start = tl.load(query_start_loc_ptr + seq)  # the step's metadata: before the wait (``pdl``)
+    q_end = tl.load(query_start_loc_ptr + seq + 1)
+    enter(PDL)
+    if q_end == q_start:
         return
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)

@@ -138,13 +138,15 @@ def _mla_decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, RELOAD_Q: tl.constexpr,
     UPCAST: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr, FP8_CVT: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    enter(PDL)
     head_tile = tl.program_id(0)
     split = tl.program_id(1)
     row = tl.program_id(2)
-    if row >= tl.load(query_start_loc_ptr + num_seqs):
-        return  # padding row
+    # the step's metadata, read before the wait (``pdl``: no kernel of a forward writes it)
+    num_rows = tl.load(query_start_loc_ptr + num_seqs)
     seq, start, end = _row_split(query_start_loc_ptr, seq_lens_ptr, num_seqs, row, split, num_splits, BLOCK_N)
+    enter(PDL)
+    if row >= num_rows:
+        return  # padding row
 
     offs_h = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_r = tl.arange(0, BLOCK_R)

@@ -61,19 +61,17 @@ def store_mla_kv_triton(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.
 
 @triton.jit
 def _rope_norm_store_token(
-    t, pos_ptr, qp_ptr, qp_out_ptr, kv_c_ptr, k_pe_ptr, norm_w_ptr, cos_sin_ptr, cache_ptr, slot_ptr,
-    stride_qp_t, stride_qp_h, stride_qo_t, stride_qo_h, stride_c, stride_p, stride_cs, stride_slot, eps,
+    t, cos, sin, slot, qp_ptr, qp_out_ptr, kv_c_ptr, k_pe_ptr, norm_w_ptr, cache_ptr,
+    stride_qp_t, stride_qp_h, stride_qo_t, stride_qo_h, stride_c, stride_p, stride_slot, eps,
     NUM_HEADS: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr,
     FP8_MAX: tl.constexpr,
 ):
     j = tl.arange(0, BLOCK_HALF)[None, :]
     j_valid = j < HALF
-    cos, sin = _cos_sin_at(pos_ptr, cos_sin_ptr, stride_cs, t, HALF, BLOCK_HALF)
     # the query's rope part, every head (padding rows too: harmless, and the output is fully written)
     _rotate_heads(qp_ptr, qp_out_ptr, stride_qp_t, stride_qp_h, stride_qo_t, stride_qo_h, t, cos, sin, 1.0, 0.0,
                   NUM_HEADS, 2 * HALF, HALF, BLOCK_H, BLOCK_HALF, 1, IS_NEOX)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         row = cache_ptr + slot * stride_slot
         # the latent: RMSNorm as ops.rms_norm (float32 statistics, rounded to x's dtype, times the weight)
@@ -128,6 +126,9 @@ def _rope_norm_store_kernel(
         h = (tl.maximum(p, 1) - 1) // chunks
         c = (tl.maximum(p, 1) - 1) % chunks
         w = _w_uk_tile(w_uk_ptr, h, c, stride_w_h, stride_w_n, p, NOPE, RANK, BLOCK_NOPE, BLOCK_C)
+    # the step's metadata and the rope table, read before the wait (``pdl``: no kernel of a forward writes them)
+    cos, sin = _cos_sin_at(pos_ptr, cos_sin_ptr, stride_cs, t, HALF, BLOCK_HALF)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
     enter(PDL)
     if ABSORB:
         if p > 0:
@@ -139,8 +140,8 @@ def _rope_norm_store_kernel(
                      mask=offs_c < RANK)
             return
     _rope_norm_store_token(
-        t, pos_ptr, qp_ptr, qp_out_ptr, kv_c_ptr, k_pe_ptr, norm_w_ptr, cos_sin_ptr, cache_ptr, slot_ptr,
-        stride_qp_t, stride_qp_h, stride_qo_t, stride_qo_h, stride_c, stride_p, stride_cs, stride_slot, eps,
+        t, cos, sin, slot, qp_ptr, qp_out_ptr, kv_c_ptr, k_pe_ptr, norm_w_ptr, cache_ptr,
+        stride_qp_t, stride_qp_h, stride_qo_t, stride_qo_h, stride_c, stride_p, stride_slot, eps,
         NUM_HEADS, RANK, HALF, BLOCK_H, BLOCK_R, BLOCK_HALF, IS_NEOX, FP8_MAX)
 
 

@@ -35,17 +35,19 @@ def _mla_reduce_uv_kernel(
     stride_wh, stride_wv, stride_ot, stride_oh,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    enter(PDL)
     head = tl.program_id(0)
     v_tile = tl.program_id(1)
     row = tl.program_id(2)
-    if row >= tl.load(query_start_loc_ptr + num_seqs):  # a padding row of a graph's batch
-        return
-    # every load is issued before any arithmetic: at one row the kernel is a chain of memory latencies
+    # every load is issued before any arithmetic: at one row the kernel is a chain of memory latencies; the
+    # step's metadata and the weight before the wait (``pdl``: no kernel of a forward writes them)
+    num_rows = tl.load(query_start_loc_ptr + num_seqs)
     offs_r = tl.arange(0, BLOCK_R)
     offs_v = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
     w = tl.load(w_ptr + head.to(tl.int64) * stride_wh + offs_v[:, None] * stride_wv + offs_r[None, :],
                 mask=(offs_v[:, None] < v_dim) & (offs_r[None, :] < RANK), other=0.0)
+    enter(PDL)
+    if row >= num_rows:  # a padding row of a graph's batch
+        return
     offs_s = tl.arange(0, BLOCK_S)
     part = (row.to(tl.int64) * num_heads + head) * num_splits + offs_s
     lse = tl.load(part_lse_ptr + part, mask=offs_s < num_splits, other=float("-inf"))

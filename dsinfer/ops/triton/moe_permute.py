@@ -79,6 +79,6 @@ def permute_rows(
         x, sorted_ids, num_padded, out, scales if quant else out, k, num_groups,
         x.shape[0] * a_div if gather else capacity, x.stride(0), out.stride(0), capacity,
         A_DIV=a_div, GATHER=gather, QUANT=quant, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
-        GROUPS_PER_PROG=gpp, EXACT_CAST=not x.is_cuda, num_warps=4, **launch_args(x.device),
+        GROUPS_PER_PROG=gpp, EXACT_CAST=not x.is_cuda, num_warps=4, **launch_args(x.device, moe=True),
     )
     return out, scales

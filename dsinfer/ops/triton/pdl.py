@@ -12,17 +12,21 @@ in the kernels):
   and before any store.
 
 ``enter(PDL)`` waits then signals, in that order (``WAIT_FIRST``): a kernel lets its successor launch only once
-its own predecessor has finished, so at most one kernel waits ahead of the running one. With
-``DSINFER_PDL_EARLY_TRIGGER`` it signals first (``TRIGGER_FIRST``): the kernel after a small one then launches
+its own predecessor has finished, so at most one kernel waits ahead of the running one. Where
+``DSINFER_PDL_EARLY_TRIGGER`` says so it signals first (``TRIGGER_FIRST``): the kernel after a small one then launches
 while the kernel before the small one still runs, and a GEMV's weight prefetch overlaps that kernel's tail. Still
 exact: ``griddepcontrol.wait`` waits for the predecessor's completion, not its signal, and a predecessor completes
 only after its own wait, so every earlier kernel has completed too. Nor can it deadlock: a kernel launches only
 once every block of its predecessor has started (signalled or exited), so the blocks it waits on are resident.
 
 The wait is what makes this exact: every kernel launched with ``launch_pdl`` calls ``enter`` before its first
-load of anything another kernel writes and before its first store; a kernel launched without PDL (cuBLAS, torch)
-keeps the full stream order, and ``gdc_wait`` there returns at once. CUDA graph capture keeps these edges
-(programmatic graph edges).
+load of anything another kernel writes and before its first store. What no kernel of a forward writes may be read
+before it, taking those loads off the critical path: weights, and the step's metadata (positions, slot mapping,
+query_start_loc, seq_lens, block tables) and the rope cos/sin table, which torch ops write before the forward's
+first kernel (a torch kernel lets its successor launch only when it has completed, so such writes are done
+before any kernel after it launches); ``tests/ops/test_pdl.py`` checks each kernel's source for this. A kernel
+launched without PDL (cuBLAS, torch) keeps the full stream order, and ``gdc_wait`` there returns at once. CUDA
+graph capture keeps these edges (programmatic graph edges).
 """
 
 from __future__ import annotations
@@ -64,10 +68,12 @@ def enabled(device: torch.device) -> bool:
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def launch_args(device: torch.device) -> dict:
+def launch_args(device: torch.device, moe: bool = False) -> dict:
     """The launch keywords of a kernel with a ``PDL`` constexpr that calls ``enter``: ``PDL`` (the order of its
-    wait and signal) and Triton's ``launch_pdl`` when ``enabled``, else nothing (the kernel's default
-    ``PDL=False``)."""
+    wait and signal, ``DSINFER_PDL_EARLY_TRIGGER``; ``moe``: a kernel of the MoE routing and experts) and Triton's
+    ``launch_pdl`` when ``enabled``, else nothing (the kernel's default ``PDL=False``)."""
     if not enabled(device):
         return {}
-    return {"PDL": TRIGGER_FIRST if envs.PDL_EARLY_TRIGGER.get() else WAIT_FIRST, "launch_pdl": True}
+    early = envs.PDL_EARLY_TRIGGER.get()
+    first = TRIGGER_FIRST if early == "all" or (early == "dense" and not moe) else WAIT_FIRST
+    return {"PDL": first, "launch_pdl": True}

@@ -115,12 +115,13 @@ def _rotary_store_kv_kernel(
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_REST: tl.constexpr, IS_NEOX: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
+    # the step's metadata and the rope table, read before the wait (``pdl``: no kernel of a forward writes them)
     cos, sin = _cos_sin_at(pos_ptr, cos_sin_ptr, stride_cos_sin, t, HALF, BLOCK_HALF)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    enter(PDL)
     _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, t, cos, sin, 1.0, 0.0,
                   NUM_Q_HEADS, HEAD_DIM, HALF, BLOCK_QH, BLOCK_HALF, BLOCK_REST, IS_NEOX)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # a negative slot (padding, or a token whose KV is not kept) stores nothing
         row = kv_cache_ptr + (slot // block_size) * stride_c_blk + (slot % block_size) * stride_c_off
         _rotate_heads(k_ptr, row, stride_kt, stride_kh, 0, stride_c_h, t, cos, sin, k_scale, FP8_MAX,

@@ -138,7 +138,7 @@ def _route(logits: torch.Tensor, num_tokens: int, num_experts: int, num_parts: i
         S_PAD=max(2, triton.next_power_of_2(num_shared)), SIGMOID=routing.scoring_func == "sigmoid",
         HAS_BIAS=has_bias, NOAUX=noaux, NORM=routing.norm_topk_prob,
         NUM_PARTS=num_parts, PART_CHUNK=min(8, max(2, triton.next_power_of_2(num_parts))),
-        num_warps=4 if e_pad >= 128 else 2, **launch_args(logits.device),
+        num_warps=4 if e_pad >= 128 else 2, **launch_args(logits.device, moe=True),
     )
     return weights, ids
 
@@ -207,6 +207,6 @@ def route_hidden_triton(
         _router_gemv_kernel[(triton.cdiv(num_tokens, _GEMV_BLOCK_T), num_parts)](
             x, w, parts, num_tokens, num_experts, hidden_size, x.stride(0), w.stride(0),
             NUM_PARTS=num_parts, E_PAD=e_pad, BLOCK_T=_GEMV_BLOCK_T, BLOCK_K=_GEMV_BLOCK_K,
-            UPCAST=not hidden.is_cuda, num_warps=4 if e_pad <= 64 else 8, **launch_args(x.device),
+            UPCAST=not hidden.is_cuda, num_warps=4 if e_pad <= 64 else 8, **launch_args(x.device, moe=True),
         )
     return _route(parts, num_tokens, num_experts, num_parts, top_k, routing, e_score_correction_bias, num_shared)
