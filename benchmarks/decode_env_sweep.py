@@ -6,7 +6,7 @@ graph replay (median of 40) and the pipelined step (best of three 30-step runs),
 one fixed token per row are compared with the first value's: 0 when the variable changes no value, a few units
 in the last place of bf16 when it changes a summation order. Values repeat to show the noise (``0 1 0 1``).
 ``--var module.path:NAME`` sets a module constant instead (values read as Python literals), for switches that
-have no variable, e.g. ``--var dsinfer.layers.mla:FUSED_ABSORB_MAX_TOKENS --values 0 4 0 4``.
+have no variable, e.g. ``--var dsinfer.layers.mla:FUSED_ABSORB_MAX_HEAD_ROWS --values 0 64 0 64``.
 
     python3 benchmarks/decode_env_sweep.py --var DSINFER_ROUTER_GEMV --values 0 1 0 1 \\
         --model benchmarks/configs/deepseek-v2-lite --batch-sizes 1 16 64

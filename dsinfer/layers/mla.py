@@ -34,10 +34,12 @@ from dsinfer.runner.prefill_graphs import attention_piece
 from dsinfer.runner.side_stream import in_graphs, run_beside
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
-# decode steps of up to this many tokens absorb W_UK in the rope / norm / store launch (``rope_norm_store_mla``
-# with ``absorb``: a program per head and 128 latent columns, each reading its W_UK tile once per token); larger
-# ones run the batched GEMM, which reads W_UK once for all tokens
-FUSED_ABSORB_MAX_TOKENS = 4
+# decode steps of up to this many tokens x heads absorb W_UK in the rope / norm / store launch
+# (``rope_norm_store_mla`` with ``absorb``: a program per head and 128 latent columns, each reading its W_UK tile
+# once per token); larger ones run the batched GEMM on the side stream, which reads W_UK once for all tokens. H200,
+# decode graph (session 19): V2-Lite (16 heads) 1 / 4 tokens 2.238 -> 2.159 / 4.241 -> 4.204 ms; V3 (128 heads,
+# 5 layers, FP8) 1 / 4 tokens 1.520 -> 1.554 / 2.603 -> 2.616 ms, so not there
+FUSED_ABSORB_MAX_HEAD_ROWS = 64
 
 
 @dataclass
@@ -202,7 +204,7 @@ class MLAAttention(nn.Module):
         meta = MLAMetadata.of(batch)
         if meta.decode is not None and meta.decode.rows is None:  # a decode step (one token per sequence)
             out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
-            if q.shape[0] <= FUSED_ABSORB_MAX_TOKENS:
+            if q.shape[0] * self.num_heads <= FUSED_ABSORB_MAX_HEAD_ROWS:
                 # rope, the latent norm, the cache store and the W_UK absorption in one launch
                 q_absorbed, q_pe = rope_and_store(q_pe, absorb=(q_nope, self._kv_b()[1]))
                 return self._decode(q_absorbed, q_pe, meta.decode, meta.max_seq_len, out).flatten(1)
