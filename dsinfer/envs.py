@@ -162,8 +162,9 @@ PDL_EARLY_TRIGGER = _declare(
     "DSINFER_PDL_EARLY_TRIGGER", "str", "off",
     "With DSINFER_PDL, which kernels let the next one launch before they wait for their own predecessor (not "
     "after), so that a GEMV's weight prefetch and a kernel's metadata reads start while the kernel two back still "
-    "runs (ops/triton/pdl.py): off, all, or dense (all but the MoE routing and expert kernels).",
-    _parse_choice("off", "all", "dense"),
+    "runs (ops/triton/pdl.py): off; all; dense (all but the MoE routing and expert kernels); attention (the "
+    "decode attention's split combine only: o_proj's weight prefetch then overlaps the attention kernel).",
+    _parse_choice("off", "all", "dense", "attention"),
 )
 USE_TRITON = _declare(
     "DSINFER_USE_TRITON", "str", "auto",

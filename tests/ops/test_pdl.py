@@ -50,12 +50,27 @@ def test_off_cuda_nothing_changes(monkeypatch):
     assert pdl.launch_args(torch.device("cpu")) == {}
 
 
+def test_early_trigger_policy(monkeypatch):
+    """Which kernels signal before their wait, by role (``launch_args`` on a device that has PDL)."""
+    monkeypatch.setattr(pdl, "enabled", lambda device: True)
+    cuda = torch.device("cuda")
+    expected = {"off": (1, 1, 1), "all": (2, 2, 2), "dense": (2, 1, 2), "attention": (1, 1, 2)}
+    for policy, orders in expected.items():
+        monkeypatch.setenv("DSINFER_PDL_EARLY_TRIGGER", policy)
+        got = tuple(pdl.launch_args(cuda, role)["PDL"] for role in ("", pdl.MOE, pdl.ATTENTION_COMBINE))
+        assert got == orders, policy
+    assert pdl.launch_args(cuda)["launch_pdl"] is True
+
+
 def test_the_variable_is_validated(monkeypatch):
     from dsinfer import envs
 
     monkeypatch.setenv("DSINFER_PDL", "sometimes")
     with pytest.raises(ValueError, match="DSINFER_PDL"):
         envs.PDL.get()
+    monkeypatch.setenv("DSINFER_PDL_EARLY_TRIGGER", "1")
+    with pytest.raises(ValueError, match="DSINFER_PDL_EARLY_TRIGGER"):
+        envs.PDL_EARLY_TRIGGER.get()
 
 
 def test_prefetch_sizes():

@@ -98,8 +98,9 @@ def _rope_norm_store_token(
 @triton.jit
 def _w_uk_tile(w_uk_ptr, h, c, stride_w_h, stride_w_n, p, NOPE: tl.constexpr, RANK: tl.constexpr,
                BLOCK_NOPE: tl.constexpr, BLOCK_C: tl.constexpr):
-    """W_UK[h, :, c * BLOCK_C:][:BLOCK_C] as [BLOCK_NOPE, BLOCK_C] (zeros past the ends, and where ``take`` is
-    false: no memory read). A weight: no kernel writes it, so it may be read before the PDL wait."""
+    """W_UK[h, :, c * BLOCK_C:][:BLOCK_C] as [BLOCK_NOPE, BLOCK_C] (zeros past the ends, and for program p = 0,
+    the token's rope program: no memory read). A weight: no kernel writes it, so it may be read before the PDL
+    wait."""
     offs_n = tl.arange(0, BLOCK_NOPE)[:, None]
     offs_c = c * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     mask = (offs_n < NOPE) & (offs_c < tl.where(p > 0, RANK, 0))
@@ -163,8 +164,8 @@ def rope_norm_store_mla_triton(
         q_nope, w_uk = absorb
         nope = q_nope.shape[-1]
         if w_uk.shape != (num_heads, nope, rank) or w_uk.stride(-1) != 1 or q_nope.stride(-1) != 1:
-            raise ValueError(f"absorb: W_UK must be [{num_heads}, {nope}, {rank}] with unit column stride, got "
-                             f"{tuple(w_uk.shape)}")
+            raise ValueError(f"absorb: W_UK must be [{num_heads}, {nope}, {rank}] and both it and q_nope must have "
+                             f"unit stride in their last dim, got W_UK {tuple(w_uk.shape)} strides {w_uk.stride()}")
         q_abs = torch.empty(num_tokens, num_heads, rank, dtype=q_nope.dtype, device=q_nope.device)
         block_c = min(ABSORB_CHUNK, triton.next_power_of_2(rank))
         absorb_args = dict(ABSORB=True, NOPE=nope, BLOCK_NOPE=triton.next_power_of_2(nope), BLOCK_C=block_c)

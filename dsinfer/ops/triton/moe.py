@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.triton.pdl import enter, launch_args
+from dsinfer.ops.triton.pdl import MOE, enter, launch_args
 from dsinfer.ops.triton.split_k import split_sizes, sum_partials
 
 _CONFIGS = Path(__file__).parent / "configs" / "moe.json"
@@ -346,7 +346,7 @@ def grouped_gemm(
         target = torch.empty(split, out.shape[0], n_out, dtype=torch.float32, device=out.device)
     grid = (triton.cdiv(rows, cfg["block_m"]) * triton.cdiv(n_out, cfg["block_n"]), split)
     a_arg, b_arg = a, b
-    pdl_args = launch_args(out.device, moe=align is not None)
+    pdl_args = launch_args(out.device, MOE if align is not None else "")
     if pdl_args and align is None and rows <= cfg["block_m"] and b.stride(2) == 1:  # one row tile: a GEMV
         pdl_args["PREFETCH_K"] = prefetch_elements(n_out * split, k_split, b.element_size())
     if b_desc:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.triton.pdl import enter, launch_args
+from dsinfer.ops.triton.pdl import MOE, enter, launch_args
 
 
 def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -199,7 +199,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
         _moe_align_by_expert_kernel[(num_experts + 1,)](
             flat, sorted_ids, expert_ids, num_padded, num_pairs, num_experts, capacity, BLOCK_M=block_m,
             E_PAD=e_pad, P_PAD=1024 if num_pairs <= 1024 else _ALIGN_BY_EXPERT_PAIRS, NB=128,
-            num_warps=4 if num_pairs <= 1024 else 8, **launch_args(flat.device, moe=True),
+            num_warps=4 if num_pairs <= 1024 else 8, **launch_args(flat.device, MOE),
         )
         return sorted_ids, expert_ids, num_padded
     chunk = max(16, 16384 // e_pad)  # one-hot tile [chunk, e_pad] of the placement scan
@@ -208,11 +208,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     num_spans = triton.cdiv(num_pairs, span)
     counts = torch.empty(num_spans, e_pad, dtype=torch.int32, device=device)
     _moe_count_kernel[(num_spans,)](flat, counts, num_pairs, span, E_PAD=e_pad, HCHUNK=1024, num_warps=4,
-                                    **launch_args(flat.device, moe=True))
+                                    **launch_args(flat.device, MOE))
     _moe_align_kernel[(num_spans,)](flat, counts, sorted_ids, expert_ids, num_padded, num_pairs, num_experts,
                                     capacity, span, num_spans, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk,
                                     SPANS_BLOCK=max(1, 4096 // e_pad), NB=max(32, 8192 // e_pad),
-                                    num_warps=8 if e_pad >= 128 else 4, **launch_args(flat.device, moe=True))
+                                    num_warps=8 if e_pad >= 128 else 4, **launch_args(flat.device, MOE))
     return sorted_ids, expert_ids, num_padded
 
 

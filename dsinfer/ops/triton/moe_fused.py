@@ -11,7 +11,7 @@ import triton.language as tl
 
 from dsinfer.ops.triton.moe import down_config, grouped_gemm, moe_config
 from dsinfer.ops.triton.moe_align import moe_align, pair_blocks
-from dsinfer.ops.triton.pdl import enter, launch_args
+from dsinfer.ops.triton.pdl import MOE, enter, launch_args
 
 
 def expert_pair_outputs(
@@ -131,7 +131,7 @@ def topk_sum(pair_rows: torch.Tensor, num_tokens: int, top_k: int, add: torch.Te
     block_h = min(1024, triton.next_power_of_2(hidden_size))
     _topk_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
         pair_rows, pair_rows if add is None else add, out, hidden_size, TOP_K=top_k, HAS_ADD=add is not None,
-        BLOCK_H=block_h, num_warps=4, **launch_args(pair_rows.device, moe=True),
+        BLOCK_H=block_h, num_warps=4, **launch_args(pair_rows.device, MOE),
     )
     return out
 

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from dsinfer.ops.triton.fp8 import groups_per_program, quantize_groups
-from dsinfer.ops.triton.pdl import enter, launch_args
+from dsinfer.ops.triton.pdl import MOE, enter, launch_args
 
 
 @triton.jit
@@ -79,6 +79,6 @@ def permute_rows(
         x, sorted_ids, num_padded, out, scales if quant else out, k, num_groups,
         x.shape[0] * a_div if gather else capacity, x.stride(0), out.stride(0), capacity,
         A_DIV=a_div, GATHER=gather, QUANT=quant, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
-        GROUPS_PER_PROG=gpp, EXACT_CAST=not x.is_cuda, num_warps=4, **launch_args(x.device, moe=True),
+        GROUPS_PER_PROG=gpp, EXACT_CAST=not x.is_cuda, num_warps=4, **launch_args(x.device, MOE),
     )
     return out, scales

@@ -68,12 +68,17 @@ def enabled(device: torch.device) -> bool:
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def launch_args(device: torch.device, moe: bool = False) -> dict:
+MOE, ATTENTION_COMBINE = "moe", "attention-combine"  # kernel roles the early-trigger policy names
+
+
+def launch_args(device: torch.device, role: str = "") -> dict:
     """The launch keywords of a kernel with a ``PDL`` constexpr that calls ``enter``: ``PDL`` (the order of its
-    wait and signal, ``DSINFER_PDL_EARLY_TRIGGER``; ``moe``: a kernel of the MoE routing and experts) and Triton's
-    ``launch_pdl`` when ``enabled``, else nothing (the kernel's default ``PDL=False``)."""
+    wait and signal: ``TRIGGER_FIRST`` where ``DSINFER_PDL_EARLY_TRIGGER`` names the kernel's ``role``, ``MOE``
+    for the MoE routing and expert kernels, ``ATTENTION_COMBINE`` for a decode attention's split combine) and
+    Triton's ``launch_pdl`` when ``enabled``, else nothing (the kernel's default ``PDL=False``)."""
     if not enabled(device):
         return {}
-    early = envs.PDL_EARLY_TRIGGER.get()
-    first = TRIGGER_FIRST if early == "all" or (early == "dense" and not moe) else WAIT_FIRST
-    return {"PDL": first, "launch_pdl": True}
+    policy = envs.PDL_EARLY_TRIGGER.get()
+    early = (policy == "all" or (policy == "dense" and role != MOE)
+             or (policy == "attention" and role == ATTENTION_COMBINE))
+    return {"PDL": TRIGGER_FIRST if early else WAIT_FIRST, "launch_pdl": True}

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from dsinfer.ops.moe import Routing
-from dsinfer.ops.triton.pdl import enter, launch_args
+from dsinfer.ops.triton.pdl import MOE, enter, launch_args
 
 # MAX_TOP_K bounds a row's columns, routed + shared (V3: 8 + 1; V2 / V2-Lite: 6 + 2)
 MAX_EXPERTS, MAX_TOP_K, MAX_GROUPS = 256, 16, 32
@@ -138,7 +138,7 @@ def _route(logits: torch.Tensor, num_tokens: int, num_experts: int, num_parts: i
         S_PAD=max(2, triton.next_power_of_2(num_shared)), SIGMOID=routing.scoring_func == "sigmoid",
         HAS_BIAS=has_bias, NOAUX=noaux, NORM=routing.norm_topk_prob,
         NUM_PARTS=num_parts, PART_CHUNK=min(8, max(2, triton.next_power_of_2(num_parts))),
-        num_warps=4 if e_pad >= 128 else 2, **launch_args(logits.device, moe=True),
+        num_warps=4 if e_pad >= 128 else 2, **launch_args(logits.device, MOE),
     )
     return weights, ids
 
@@ -162,15 +162,16 @@ def _router_gemv_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidden,
                         BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
     """part[t, s, e] = sum over the columns k of split s of x[t, k] * w[e, k], in float32 (16-bit products are
     exact in it); program (i, s): rows i * BLOCK_T.., split s."""
-    enter(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
     k = split * BLOCK_K + tl.arange(0, BLOCK_K)
     e = tl.arange(0, E_PAD)
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :],
-                mask=(rows[:, None] < num_tokens) & (k[None, :] < hidden), other=0.0)
+    # the gate's weight before the wait (``pdl``: no kernel writes it), off the critical path
     w = tl.load(w_ptr + e[:, None] * stride_w + k[None, :], mask=(e[:, None] < num_experts) & (k[None, :] < hidden),
                 other=0.0)
+    enter(PDL)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :],
+                mask=(rows[:, None] < num_tokens) & (k[None, :] < hidden), other=0.0)
     if UPCAST:  # Triton's CPU interpreter multiplies bf16 tiles wrongly
         x, w = x.to(tl.float32), w.to(tl.float32)
     acc = tl.dot(x, tl.trans(w))  # [BLOCK_T, E_PAD]
@@ -207,6 +208,6 @@ def route_hidden_triton(
         _router_gemv_kernel[(triton.cdiv(num_tokens, _GEMV_BLOCK_T), num_parts)](
             x, w, parts, num_tokens, num_experts, hidden_size, x.stride(0), w.stride(0),
             NUM_PARTS=num_parts, E_PAD=e_pad, BLOCK_T=_GEMV_BLOCK_T, BLOCK_K=_GEMV_BLOCK_K,
-            UPCAST=not hidden.is_cuda, num_warps=4 if e_pad <= 64 else 8, **launch_args(x.device, moe=True),
+            UPCAST=not hidden.is_cuda, num_warps=4 if e_pad <= 64 else 8, **launch_args(x.device, MOE),
         )
     return _route(parts, num_tokens, num_experts, num_parts, top_k, routing, e_score_correction_bias, num_shared)
