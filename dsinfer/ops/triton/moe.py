@@ -306,6 +306,7 @@ def grouped_gemm(
     sorted_a: bool = False,
     sorted_out: bool = False,
     num_pairs: int | None = None,
+    keep_split: bool = False,
 ) -> torch.Tensor:
     """out[rows, :N] = f(a[rows // a_div] @ b[expert]^T); b [E, N(*2 if gated), K] (or [N, K] for dense).
 
@@ -313,7 +314,8 @@ def grouped_gemm(
     FP8 when ``a_scale`` / ``b_scale`` are given (scales per [block_size] of b, per (row, block_size[1]) of a).
     ``sorted_a`` / ``sorted_out``: a's / out's rows are in sorted order (``moe_permute.permute_rows``), not
     pair (or token) order; ``num_pairs`` (default out's rows) is then needed when ``sorted_out``.
-    ``cfg["split_k"]`` (dense only) splits K (``split_k``): float32 partials, summed by a second kernel.
+    ``cfg["split_k"]`` (dense only) splits K (``split_k``): float32 partials, summed by a second kernel, or with
+    ``keep_split`` (no bias) returned as they are, [S, rows, N], for the caller to add.
     """
     if b.dim() == 2:
         b = b.unsqueeze(0)
@@ -375,6 +377,8 @@ def grouped_gemm(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args,
     )
     if split > 1:
+        if keep_split and bias is None:
+            return target
         sum_partials(target, out, bias)
     return out
 
