@@ -30,9 +30,8 @@ from dsinfer.layers.fp8_linear import Fp8BlockLinear, Fp8Config, make_linear
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, rope_parameters_of
-from dsinfer.ops.linear import is_split
+from dsinfer.ops.linear import add_splits, is_split
 from dsinfer.ops.mla import absorb_query, mla_decode_uv, mla_prefill, rope_norm_store_mla
-from dsinfer.ops.rotary import add_splits
 from dsinfer.runner.forward_batch import ForwardBatch
 from dsinfer.runner.prefill_graphs import attention_piece
 from dsinfer.runner.side_stream import in_graphs, run_beside

@@ -50,3 +50,10 @@ def is_split(y: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether ``linear(x, ..., keep_split=True)`` returned split-K partials (one more dim than x) for y."""
     return y.dim() == x.dim() + 1
 
+
+def add_splits(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[S, ...] float32 split-K partials -> their sum in split order, rounded to ``dtype`` (``sum_partials``)."""
+    total = partials[0].clone()
+    for part in partials[1:]:
+        total += part
+    return total.to(dtype)

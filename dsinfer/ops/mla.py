@@ -29,8 +29,9 @@ import torch.nn.functional as F
 
 from dsinfer.ops.dispatch import use_triton
 from dsinfer.ops.kv_cache import FP8_DTYPES, copy_rows, quantize
+from dsinfer.ops.linear import add_splits
 from dsinfer.ops.norm import rms_norm
-from dsinfer.ops.rotary import add_splits, apply_rotary
+from dsinfer.ops.rotary import apply_rotary
 
 
 def store_mla_kv(

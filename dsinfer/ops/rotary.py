@@ -12,6 +12,7 @@ import torch
 
 from dsinfer.ops.dispatch import use_triton
 from dsinfer.ops.kv_cache import store_kv_ref
+from dsinfer.ops.linear import add_splits
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
@@ -110,10 +111,3 @@ def rotary_store_kv(
         q, k, v = (add_splits(x, split_dtype) for x in (q, k, v))
     return rotary_store_kv_ref(positions, q, k, v, cos_sin_cache, is_neox, kv_cache, slot_mapping, kv_scales)
 
-
-def add_splits(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[S, ...] float32 split-K partials -> their sum in split order, rounded to ``dtype`` (``sum_partials``)."""
-    total = partials[0].clone()
-    for part in partials[1:]:
-        total += part
-    return total.to(dtype)

@@ -83,7 +83,7 @@ def test_rotary_store_kv_adds_split_partials(dtype, head_dim, rotary_dim, device
     the bits of their sum given whole (``sum_partials``: split order, rounded to dtype as the kernel rounds; the
     CPU interpreter's rounding is not torch's): the rotated q and every cache row. ``add_splits`` is the torch
     path's sum."""
-    from dsinfer.ops.rotary import add_splits
+    from dsinfer.ops.linear import add_splits
     from dsinfer.ops.triton.split_k import sum_partials
 
     tokens, hq, hkv, splits = 5, 4, 2, 3

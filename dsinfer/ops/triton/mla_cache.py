@@ -19,7 +19,8 @@ import triton.language as tl
 from dsinfer.ops.kv_cache import fp8_max
 from dsinfer.ops.triton.kv_cache import to_cache
 from dsinfer.ops.triton.pdl import enter, launch_args
-from dsinfer.ops.triton.rotary import _cos_sin_at, _pair_offsets, _rotate_heads, load_sum
+from dsinfer.ops.triton.rotary import _cos_sin_at, _pair_offsets, _rotate_heads
+from dsinfer.ops.triton.split_k import load_sum
 
 
 @triton.jit

@@ -16,6 +16,7 @@ import triton.language as tl
 from dsinfer.ops.kv_cache import fp8_max
 from dsinfer.ops.triton.kv_cache import to_cache
 from dsinfer.ops.triton.pdl import enter, launch_args
+from dsinfer.ops.triton.split_k import load_sum
 
 
 @triton.jit
@@ -34,19 +35,6 @@ def _cos_sin_at(pos_ptr, cos_sin_ptr, stride_cos_sin, t, HALF: tl.constexpr, BLO
     cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + j, mask=j < HALF, other=0.0).to(tl.float32)
     sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
     return cos, sin
-
-
-@triton.jit
-def load_sum(ptrs, mask, stride_s, SPLIT: tl.constexpr, DTYPE: tl.constexpr):
-    """What ``ptrs`` point at, in float32. With SPLIT > 1 they point at split 0 of a linear's float32 split-K
-    partials ([SPLIT, ...], ``split_k``; split s at ``stride_s``), added here in split order and rounded to
-    DTYPE: the values ``split_k.sum_partials`` would have written, without its launch."""
-    if SPLIT == 1:
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    acc = tl.load(ptrs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(ptrs + s * stride_s, mask=mask, other=0.0)
-    return acc.to(DTYPE).to(tl.float32)
 
 
 @triton.jit
