@@ -88,7 +88,7 @@ def nearest_config(key: str, rows: float, is_cuda: bool) -> dict | None:
 
 
 @triton.jit
-def _mma(a, b, acc):
+def mma(a, b, acc):
     """acc + a @ b; float32 operands stay exact (no TF32) so float32 models match the CPU path."""
     if a.dtype == tl.float32:
         return tl.dot(a, b, acc, input_precision="ieee")
@@ -230,7 +230,7 @@ def _gemm_kernel(
             b_s = tl.load(bs_ptrs + kg * stride_bsk)
             acc += tl.dot(a, b) * _scale(a_s, b_s, SCALAR_BS)
         else:
-            acc = _mma(a, b, acc)
+            acc = mma(a, b, acc)
         if GATED and not FUSE_GU:
             if B_DESC:
                 b_up = tl.trans(b_ptr.load([b_row0 + up_offset, k0]))
@@ -244,7 +244,7 @@ def _gemm_kernel(
                 b_up_s = tl.load(bs_up_ptrs + kg * stride_bsk)
                 acc_up += tl.dot(a, b_up) * _scale(a_s, b_up_s, SCALAR_BS)
             else:
-                acc_up = _mma(a, b_up, acc_up)
+                acc_up = mma(a, b_up, acc_up)
         if not A_DESC:
             a_ptrs += BLOCK_K * stride_ak
         if not B_DESC:

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.triton.moe import _mma, down_config, grouped_gemm, moe_config
+from dsinfer.ops.triton.moe import down_config, grouped_gemm, mma, moe_config
 from dsinfer.ops.triton.moe_align import moe_align, pair_blocks
 from dsinfer.ops.triton.pdl import MOE, enter, launch_args
 
@@ -175,7 +175,7 @@ def _one_token_down_sum_kernel(a_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hid
                     other=0.0)
         if UPCAST:  # Triton's CPU interpreter multiplies 16-bit tiles wrongly
             a, b = a.to(tl.float32), b.to(tl.float32)
-        acc += weight * _mma(a, b, tl.zeros([16, BLOCK_N], tl.float32))
+        acc += weight * mma(a, b, tl.zeros([16, BLOCK_N], tl.float32))
     out = tl.sum(tl.where(rows[:, None] == 0, acc, 0.0), axis=0)
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < hidden_size)
 
