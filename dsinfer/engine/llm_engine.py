@@ -80,8 +80,8 @@ class LLMEngine:
         self._structured: Any = None  # StructuredOutputManager, made (importing xgrammar) on first use
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        config = args.create_engine_config()
+    def from_engine_args(cls, args: EngineArgs, usage: str = "offline") -> LLMEngine:
+        config = args.create_engine_config(usage)
         tok_dir = args.tokenizer or config.model.path
         tokenizer = None
         try:

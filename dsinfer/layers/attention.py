@@ -49,33 +49,27 @@ class Attention(nn.Module):
         return FullAttentionSpec(block_size, self.num_kv_heads, self.head_dim, dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-                rotary: RotaryEmbedding | None = None, positions: torch.Tensor | None = None,
-                split_dtype: torch.dtype | None = None) -> torch.Tensor:
+                rotary: RotaryEmbedding | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq*D], k/v: [T, Hkv*D] -> [T, Hq*D]. With ``rotary`` (and ``positions``), q and k are rotated
-        here, in the same pass that stores k and v in the cache; with ``split_dtype`` too, q, k, v are [S, T, H,
-        D] split-K partials of the qkv projection, added in that pass (``ops.rotary_store_kv``). The store and the
-        attention read the step's metadata: a prefill CUDA graph is cut around them (``attention_piece``)."""
+        here, in the same pass that stores k and v in the cache. The store and the attention read the step's
+        metadata: a prefill CUDA graph is cut around them (``attention_piece``)."""
         if rotary is None:
             return attention_piece(self._attend, (q, k, v), batch)
-        rotate = functools.partial(self._rotate_and_attend, rotary, split_dtype)
-        return attention_piece(rotate, (q, k, v, positions), batch)
+        return attention_piece(functools.partial(self._rotate_and_attend, rotary), (q, k, v, positions), batch)
 
-    def _rotate_and_attend(self, rotary: RotaryEmbedding, split_dtype: torch.dtype | None, q: torch.Tensor,
-                           k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                           batch: ForwardBatch) -> torch.Tensor:
-        return self._attend(q, k, v, batch, rotary, positions, split_dtype)
+    def _rotate_and_attend(self, rotary: RotaryEmbedding, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self._attend(q, k, v, batch, rotary, positions)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-                rotary: RotaryEmbedding | None = None, positions: torch.Tensor | None = None,
-                split_dtype: torch.dtype | None = None) -> torch.Tensor:
-        if split_dtype is None:
-            q = q.reshape(-1, self.num_heads, self.head_dim)
-            k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-            v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+                rotary: RotaryEmbedding | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         scales = (self.k_scale, self.v_scale)
         if rotary is not None:
             q = ops.rotary_store_kv(positions, q, k, v, rotary.cos_sin_cache, rotary.is_neox, self.kv_cache,
-                                    batch.slot_mapping, scales, split_dtype)
+                                    batch.slot_mapping, scales)
         else:
             ops.store_kv(k, v, self.kv_cache, batch.slot_mapping, scales)
         # the batch's host-side bounds spare the kernels a host sync (and make decode capturable in a graph)

@@ -37,6 +37,5 @@ class Linear(nn.Module):
             raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}")
         target.copy_(loaded)
 
-    def forward(self, x: torch.Tensor, keep_split: bool = False) -> torch.Tensor:
-        """y, or with ``keep_split`` possibly y's split-K partials (see ``ops.linear.linear``)."""
-        return linear(x, self.weight, self.bias, keep_split)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)

@@ -16,7 +16,6 @@ layout, and o_proj.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -27,10 +26,8 @@ from torch import nn
 from dsinfer import batch_invariant, envs
 from dsinfer.kvcache.spec import MLASpec
 from dsinfer.layers.fp8_linear import Fp8BlockLinear, Fp8Config, make_linear
-from dsinfer.layers.linear import Linear
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, rope_parameters_of
-from dsinfer.ops.linear import add_splits, is_split
 from dsinfer.ops.mla import absorb_query, mla_decode_uv, mla_prefill, rope_norm_store_mla
 from dsinfer.runner.forward_batch import ForwardBatch
 from dsinfer.runner.prefill_graphs import attention_piece
@@ -43,10 +40,6 @@ LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, 
 # decode graph (session 19): V2-Lite (16 heads) 1 / 4 tokens 2.238 -> 2.159 / 4.241 -> 4.204 ms; V3 (128 heads,
 # 5 layers, FP8) 1 / 4 tokens 1.520 -> 1.554 / 2.603 -> 2.616 ms, so not there
 FUSED_ABSORB_MAX_HEAD_ROWS = 64
-# such decode steps hand the fused q / kv_a GEMV's split-K partials (no q LoRA: V2-Lite) to that launch, which adds
-# them as it loads them (one launch fewer per layer). Off until timed on the GPU: written in session 19 after its
-# device time was spent
-SPLIT_SUM_IN_PREAMBLE = False
 
 
 @dataclass
@@ -180,58 +173,38 @@ class MLAAttention(nn.Module):
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> MLASpec:
         return MLASpec(block_size, self.kv_lora_rank, self.rope_dim, dtype)
 
-    def _project(self, hidden: torch.Tensor, keep_split: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype | None]:
-        """-> (q [T, H * (N + P)], kv_a [T, R + P], None), both possibly column slices of one GEMM's output; with
-        ``keep_split`` possibly that GEMM's split-K partials ([S, T, ...] each) and the dtype of their sums."""
-        split_dtype = None
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (q [T, H * (N + P)], kv_a [T, R + P]), both possibly column slices of one GEMM's output."""
         if self.fused_qkv_a_proj is not None:
-            proj = self.fused_qkv_a_proj
-            if keep_split and not self.q_lora_rank and isinstance(proj, Linear):  # a 16-bit GEMV's K split
-                fused = proj(hidden, keep_split=True)
-                split_dtype = hidden.dtype if is_split(fused, hidden) else None
-            else:
-                fused = proj(hidden)
-            q, kv_a = fused.split(self.q_split, dim=-1)
+            q, kv_a = self.fused_qkv_a_proj(hidden).split(self.q_split, dim=-1)
         else:
             q, kv_a = self.q_proj(hidden), self.kv_a_proj_with_mqa(hidden)
         if self.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(q))
-        return q, kv_a, split_dtype
-
-    def _absorbs_in_preamble(self, num_tokens: int) -> bool:
-        return num_tokens * self.num_heads <= FUSED_ABSORB_MAX_HEAD_ROWS
+        return q, kv_a
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        keep_split = SPLIT_SUM_IN_PREAMBLE and batch.is_decode_only and self._absorbs_in_preamble(hidden.shape[0])
-        q, kv_a, split_dtype = self._project(hidden, keep_split)
+        q, kv_a = self._project(hidden)
         # rope, the cache store and attention read the step's metadata: a prefill CUDA graph is cut around them
-        attend = functools.partial(self._attention, split_dtype=split_dtype)
-        return self.o_proj(attention_piece(attend, (q, kv_a, positions), batch))
+        out = attention_piece(self._attention, (q, kv_a, positions), batch)
+        return self.o_proj(out)
 
-    def _attention(self, q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                   split_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """q [T, H * (N + P)], kv_a [T, R + P] -> the attention output [T, H * V]. With ``split_dtype`` q and kv_a
-        are [S, T, ...] split-K partials (``_project``), added by the preamble kernel on the decode path that
-        absorbs there, else first."""
-        meta = MLAMetadata.of(batch)
-        decode_step = meta.decode is not None and meta.decode.rows is None  # one token per sequence
-        absorb_here = decode_step and self._absorbs_in_preamble(kv_a.shape[-2])
-        if split_dtype is not None and not absorb_here:
-            q, kv_a, split_dtype = add_splits(q, split_dtype), add_splits(kv_a, split_dtype), None
-        q = q.unflatten(-1, (self.num_heads, self.nope_dim + self.rope_dim))
+    def _attention(self, q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor,
+                   batch: ForwardBatch) -> torch.Tensor:
+        """q [T, H * (N + P)], kv_a [T, R + P] -> the attention output [T, H * V]."""
+        q = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         norm, rotary = self.kv_a_layernorm, self.rotary
 
         def rope_and_store(q_pe: torch.Tensor, absorb=None):
             return rope_norm_store_mla(positions, q_pe, k_pe, kv_c, norm.weight, norm.eps, rotary.cos_sin_cache,
-                                       rotary.is_neox, self.kv_cache, batch.slot_mapping, absorb=absorb,
-                                       split_dtype=split_dtype)
+                                       rotary.is_neox, self.kv_cache, batch.slot_mapping, absorb=absorb)
 
-        if decode_step:
-            out = kv_a.new_empty(kv_a.shape[-2], self.num_heads, self.v_dim, dtype=split_dtype or kv_a.dtype)
-            if absorb_here:
+        meta = MLAMetadata.of(batch)
+        if meta.decode is not None and meta.decode.rows is None:  # a decode step (one token per sequence)
+            out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
+            if q.shape[0] * self.num_heads <= FUSED_ABSORB_MAX_HEAD_ROWS:
                 # rope, the latent norm, the cache store and the W_UK absorption in one launch
                 q_absorbed, q_pe = rope_and_store(q_pe, absorb=(q_nope, self._kv_b()[1]))
                 return self._decode(q_absorbed, q_pe, meta.decode, meta.max_seq_len, out).flatten(1)

@@ -19,12 +19,8 @@ from dsinfer.layers.linear import Linear
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, rope_parameters_of
 from dsinfer.models.weights import load_named_weights
-from dsinfer.ops.linear import is_split
 from dsinfer.runner.forward_batch import ForwardBatch
 
-# decode steps hand a split-K qkv GEMV's partials to the rotary / cache-store kernel instead of summing them first
-# (one launch fewer per layer). Off until timed on the GPU: written in session 19 after its device time was spent
-SPLIT_SUM_IN_ROTARY = False
 # FP8 KV-cache scales as quantizers write them: self_attn.{k,v,kv}_scale (compressed-tensors, AutoFP8),
 # self_attn.{k,v}_proj.{k,v}_scale (ModelOpt), self_attn.{k,v}_proj.output_scale (older compressed-tensors)
 _KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:(k|v)_proj\.output_scale|(?:[kv]_proj\.)?(k|v|kv)_scale)$")
@@ -57,14 +53,7 @@ class LlamaAttention(nn.Module):
         self.split = [q_size, kv_size, kv_size]
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        # at decode sizes the qkv GEMV may split K: its partials then go to the rotary / cache-store kernel, which
-        # adds them (no sum kernel); not with q/k norms, which need the whole q and k first
-        keep_split = SPLIT_SUM_IN_ROTARY and self.q_norm is None and batch.is_decode_only
-        qkv = self.qkv_proj(hidden, keep_split=keep_split)
-        if keep_split and is_split(qkv, hidden):
-            q, k, v = (x.unflatten(-1, (-1, self.head_dim)) for x in qkv.split(self.split, dim=-1))
-            return self.o_proj(self.attn(q, k, v, batch, self.rotary, positions, split_dtype=hidden.dtype))
-        q, k, v = qkv.split(self.split, dim=-1)
+        q, k, v = self.qkv_proj(hidden).split(self.split, dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:

@@ -30,30 +30,12 @@ def _tuned_tile(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
     return gemv.tuned_config(rows, weight)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           keep_split: bool = False) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; see the module doc for when a Triton tile runs it instead.
-
-    ``keep_split`` (x [T, K], no bias): where that tile splits K, return its float32 partials [S, T, N] instead
-    (``split_k``), for a consumer that adds them as it loads them (``ops.rotary_store_kv``'s ``split_dtype``) in
-    place of the ``sum_partials`` launch. Tell the two apart by ``is_split``."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; see the module doc for when a Triton tile runs it instead."""
     cfg = _tuned_tile(x, weight)
     if cfg is not None:
         from dsinfer.ops.triton.gemv import linear_triton
 
-        keep = keep_split and bias is None and x.dim() == 2
-        return linear_triton(x, weight, bias, cfg, keep_split=keep)
+        return linear_triton(x, weight, bias, cfg)
     return F.linear(x, weight, bias)
 
-
-def is_split(y: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether ``linear(x, ..., keep_split=True)`` returned split-K partials (one more dim than x) for y."""
-    return y.dim() == x.dim() + 1
-
-
-def add_splits(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[S, ...] float32 split-K partials -> their sum in split order, rounded to ``dtype`` (``sum_partials``)."""
-    total = partials[0].clone()
-    for part in partials[1:]:
-        total += part
-    return total.to(dtype)

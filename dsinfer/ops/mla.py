@@ -29,7 +29,6 @@ import torch.nn.functional as F
 
 from dsinfer.ops.dispatch import use_triton
 from dsinfer.ops.kv_cache import FP8_DTYPES, copy_rows, quantize
-from dsinfer.ops.linear import add_splits
 from dsinfer.ops.norm import rms_norm
 from dsinfer.ops.rotary import apply_rotary
 
@@ -69,7 +68,6 @@ def rope_norm_store_mla(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     absorb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    split_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """An MLA layer's per-token preamble, fused: rope on q_pe [T, H, P] (returned, new) and on the shared key
     k_pe [T, P], RMSNorm of the latent kv_c [T, R] (``norm_weight``, ``eps``), both stored to the cache rows
@@ -77,21 +75,14 @@ def rope_norm_store_mla(
     (the rope covers the whole P: ``cos_sin_cache`` is [positions, P]).
 
     ``absorb`` = (q_nope [T, H, N], W_UK [H, N, R]): also the absorbed query ``absorb_query(q_nope, W_UK)``
-    [T, H, R], returned first (``(q_absorbed, q_pe)``); on the Triton path in the same launch.
-
-    ``split_dtype``: q_pe, k_pe, kv_c (and q_nope) are [S, ...] float32 views of one projection's split-K partials
-    (``ops.linear.linear(..., keep_split=True)``), whose sums in split order rounded to ``split_dtype`` are the
-    inputs; on the Triton path the kernel adds them as it loads them (no ``sum_partials`` launch)."""
+    [T, H, R], returned first (``(q_absorbed, q_pe)``); on the Triton path in the same launch."""
     fusable = (cos_sin_cache.shape[-1] == q_pe.shape[-1] == k_pe.shape[-1]
-               and torch.promote_types(norm_weight.dtype, split_dtype or kv_c.dtype) == (split_dtype or kv_c.dtype))
+               and torch.promote_types(norm_weight.dtype, kv_c.dtype) == kv_c.dtype)
     if use_triton(q_pe) and fusable:
         from dsinfer.ops.triton.mla_cache import rope_norm_store_mla_triton
 
         return rope_norm_store_mla_triton(positions, q_pe, k_pe, kv_c, norm_weight, eps, cos_sin_cache, is_neox,
-                                          kv_cache, slot_mapping, absorb=absorb, split_dtype=split_dtype)
-    if split_dtype is not None:
-        q_pe, k_pe, kv_c = (add_splits(x, split_dtype) for x in (q_pe, k_pe, kv_c))
-        absorb = None if absorb is None else (add_splits(absorb[0], split_dtype), absorb[1])
+                                          kv_cache, slot_mapping, absorb=absorb)
     q_pe, k_pe = apply_rotary(positions, q_pe, k_pe.unsqueeze(1), cos_sin_cache, is_neox)
     store_mla_kv(rms_norm(kv_c, norm_weight, eps), k_pe.squeeze(1), kv_cache, slot_mapping)
     return q_pe if absorb is None else (absorb_query(*absorb), q_pe)

@@ -12,7 +12,6 @@ import torch
 
 from dsinfer.ops.dispatch import use_triton
 from dsinfer.ops.kv_cache import store_kv_ref
-from dsinfer.ops.linear import add_splits
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
@@ -97,17 +96,10 @@ def rotary_store_kv_ref(
 def rotary_store_kv(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
     is_neox: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0),
-    split_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``rotary_store_kv_ref``. With ``split_dtype``, q, k and v are [S, T, H, D] float32 views of one qkv
-    linear's split-K partials (``ops.linear.linear(..., keep_split=True)``): their sums in split order, rounded to
-    ``split_dtype``, are the q, k, v (on the Triton path the same launch adds them: no ``sum_partials`` kernel)."""
     if use_triton(q):
         from dsinfer.ops.triton.rotary import rotary_store_kv_triton
 
         return rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, is_neox, kv_cache, slot_mapping,
-                                      kv_scales, split_dtype)
-    if split_dtype is not None:
-        q, k, v = (add_splits(x, split_dtype) for x in (q, k, v))
+                                      kv_scales)
     return rotary_store_kv_ref(positions, q, k, v, cos_sin_cache, is_neox, kv_cache, slot_mapping, kv_scales)
-

@@ -27,7 +27,7 @@ from dsinfer.runner.side_stream import graph_warmup
 
 logger = logging.getLogger("dsinfer")
 
-CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
 class DecodeGraphs:

@@ -298,7 +298,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     if getattr(args, "quantization", None) == "fp8":
         # the checkpoint's config.json decides, before any weights load
         _check_quantization("fp8", eargs.create_engine_config().model.hf_config)
-    return LLMEngine.from_engine_args(eargs)
+    return LLMEngine.from_engine_args(eargs, usage="server")
 
 
 def settings_from_args(args: argparse.Namespace, engine: Any) -> Any:

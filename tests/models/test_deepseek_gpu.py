@@ -169,34 +169,6 @@ def test_cuda_prefill_graphs_match_eager_on_a_mixed_step(arch, request):
     torch.testing.assert_close(with_graphs, eager, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_cuda_split_sums_in_the_preamble_give_the_same_tokens(v2, monkeypatch):  # noqa: F811
-    """``mla.SPLIT_SUM_IN_PREAMBLE``: decode steps hand the q / kv_a GEMV's split-K partials to the preamble
-    kernel. Every linear of up to 16 rows forced onto a K-split tile: the same greedy tokens (bf16) with the switch
-    on and off (the same sums in the same order), and the switch on did take the partials path."""
-    from dsinfer.layers import mla
-    from dsinfer.ops.triton import gemv
-
-    tile = dict(block_m=16, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=2, split_k=2)
-    monkeypatch.setattr(gemv, "tuned_config", lambda rows, weight: dict(tile) if rows <= 16 else None)
-    seen = []
-    preamble = mla.rope_norm_store_mla
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("split_dtype") is not None)
-        return preamble(*args, **kwargs)
-
-    monkeypatch.setattr(mla, "rope_norm_store_mla", spy)
-    tokens = {}
-    for on in (False, True):
-        monkeypatch.setattr(mla, "SPLIT_SUM_IN_PREAMBLE", on)
-        tokens[on] = _generate(LLM(str(v2.path), device="cuda", dtype="bfloat16"), v2, ALL).tokens
-        assert any(seen) == on
-        seen.clear()
-    assert tokens[True] == tokens[False]
-
-
 # ---- CPU: the Triton kernels in the interpreter ----
 
 

@@ -28,29 +28,6 @@ def test_tile_matches_float64(dtype, split_k, tma, device, poisoned, assert_clos
     assert_close(out, x.double() @ w.double().t() + bias.double(), dtype)
 
 
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_keep_split_returns_the_partials_whose_sum_is_the_output(split_k, device):
-    """With ``keep_split`` a K-split tile returns its float32 partials [S, T, N] (``ops.linear.is_split``), which
-    ``sum_partials`` turns into the summed output bit for bit; an unsplit tile returns the output."""
-    from dsinfer.ops.linear import is_split
-    from dsinfer.ops.triton.gemv import linear_triton
-    from dsinfer.ops.triton.split_k import sum_partials
-
-    gen = torch.Generator().manual_seed(7)
-    w = torch.randn(72, 160, generator=gen).bfloat16().to(device)
-    x = torch.randn(3, 160, generator=gen).bfloat16().to(device)
-    cfg = dict(TILE, split_k=split_k)
-    whole = linear_triton(x, w, None, cfg)
-    kept = linear_triton(x, w, None, cfg, keep_split=True)
-    assert is_split(kept, x) == (split_k > 1)
-    if split_k > 1:
-        assert kept.shape == (split_k, 3, 72) and kept.dtype == torch.float32
-        kept = sum_partials(kept, torch.empty_like(whole))
-    assert torch.equal(kept, whole)
-    biased = linear_triton(x, w, torch.ones(72, dtype=w.dtype, device=device), cfg, keep_split=True)
-    assert not is_split(biased, x)  # a bias is added by the sum kernel: no partials then
-
-
 def test_leading_dims_and_a_strided_input(device, assert_close):
     from dsinfer.ops.triton.gemv import linear_triton
 

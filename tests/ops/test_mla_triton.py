@@ -301,46 +301,6 @@ def test_rope_norm_store_absorbs_the_query(dtype, chunk, device, poisoned, asser
                             absorb=(q_nope, w_uk.transpose(1, 2)))
 
 
-@pytest.mark.parametrize("torch_path", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_preamble_adds_split_partials(dtype, torch_path, device, monkeypatch):
-    """q and kv_a given as split-K partials of the fused q / kv_a projection ([S, T, N] float32, the layer's
-    views of it) give the bits of their sum given whole (``sum_partials``): the roped q_pe, the absorbed query
-    and the cache."""
-    from dsinfer.ops import mla as mla_ops
-    from dsinfer.ops.triton.split_k import sum_partials
-
-    heads, nope, rope, rank, tokens, splits = 3, 16, 8, 32, 5, 4
-    gen = torch.Generator().manual_seed(9)
-    width = heads * (nope + rope) + rank + rope
-    parts = torch.randn(splits, tokens, width, generator=gen).to(device)
-    w_uk = (torch.randn(heads, nope, rank, generator=gen) / nope**0.5).to(dtype).to(device)
-    weight = (1 + 0.1 * torch.randn(rank, generator=gen)).to(dtype).to(device)
-    cos_sin = torch.randn(64, rope, generator=gen).to(device)
-    positions = torch.tensor([3, 0, 63, 17, 5], device=device)
-    slots = torch.tensor([7, -1, 0, 11, 2], device=device)
-
-    def views(t):
-        q, kv_a = t.split([heads * (nope + rope), rank + rope], dim=-1)
-        q_nope, q_pe = q.unflatten(-1, (heads, nope + rope)).split([nope, rope], dim=-1)
-        kv_c, k_pe = kv_a.split([rank, rope], dim=-1)
-        return q_nope, q_pe, kv_c, k_pe
-
-    results = []
-    whole = sum_partials(parts, torch.empty(parts.shape[1:], dtype=dtype, device=device))
-    if torch_path:  # torch's ops and ``add_splits`` instead of the Triton kernels (the interpreter on CPU)
-        monkeypatch.setattr(mla_ops, "use_triton", lambda t: False)
-        whole = mla_ops.add_splits(parts, dtype)
-    for t, split_dtype in ((parts, dtype), (whole, None)):
-        q_nope, q_pe, kv_c, k_pe = views(t)
-        cache = torch.zeros(3, 4, rank + rope, dtype=dtype, device=device)
-        out = rope_norm_store_mla(positions, q_pe, k_pe, kv_c, weight, 1e-6, cos_sin, True, cache, slots,
-                                  absorb=(q_nope, w_uk), split_dtype=split_dtype)
-        results.append((*out, cache))
-    for a, b in zip(*results, strict=True):
-        assert a.dtype == dtype and torch.equal(a, b)
-
-
 # ---- GPU, real shapes ----
 
 @pytest.mark.gpu

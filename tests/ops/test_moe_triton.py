@@ -178,32 +178,6 @@ def test_fused_moe_matches_reference(dtype, num_tokens, shape, device, poisoned,
     assert_close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("shape", MOE_SHAPES + [(8, 48, 40, 4)], ids=lambda s: "e{}-h{}-i{}-k{}".format(*s))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_token_down_sum_matches_reference(dtype, shape, device, poisoned, assert_close, monkeypatch):
-    """``moe_fused.ONE_TOKEN_DOWN_SUM``: one token's down GEMM and top-k sum in one kernel (several K tiles per
-    pair, a partial last one, a partial column tile) against the float64 reference, and taken."""
-    from dsinfer.ops.triton import moe_fused
-
-    monkeypatch.setattr(moe_fused, "ONE_TOKEN_DOWN_SUM", True)
-    monkeypatch.setattr(moe_fused, "ONE_TOKEN_DOWN_TILE", dict(block_n=32, block_k=16, num_warps=4, num_stages=1))
-    calls = []
-    kernel = moe_fused.one_token_down_sum
-    monkeypatch.setattr(moe_fused, "one_token_down_sum", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    gen = torch.Generator().manual_seed(4)
-    num_experts, hidden, inter, top_k = shape
-    w13, w2 = _experts(num_experts, hidden, inter, gen)
-    x = torch.randn(1, hidden, generator=gen)
-    weights, ids = _route(1, num_experts, top_k, gen, device)
-    to = dict(dtype=dtype, device=device)
-    out = fused_moe(x.to(**to), w13.to(**to), w2.to(**to), weights, ids)
-    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double().cpu(), ids.cpu())
-    assert calls == [1] and out.shape == (1, hidden) and out.dtype == dtype
-    assert_close(out, ref, dtype)
-    with pytest.raises(ValueError, match="one token"):
-        kernel(torch.zeros(top_k, inter, **to), w2.to(**to), weights.repeat(2, 1), ids.repeat(2, 1))
-
-
 def test_fused_moe_fp8_block_scaled_matches_dequantized_reference(device, poisoned, assert_close):
     gen = torch.Generator().manual_seed(5)
     num_experts, hidden, inter, top_k, block = 4, 64, 32, 2, (16, 32)
@@ -307,25 +281,6 @@ def test_fused_moe_v2_lite_stack_decode_tiles(num_tokens, assert_close):
     out = fused_moe(x.bfloat16().cuda(), w13.bfloat16().cuda(), w2.bfloat16().cuda(), weights, ids)
     ref = fused_moe_ref(x.cuda(), w13.cuda(), w2.cuda(), weights, ids)
     assert_close(out, ref, torch.bfloat16)
-
-
-@pytest.mark.gpu
-def test_one_token_down_sum_v2_lite_stack(assert_close, monkeypatch):
-    """The one-token down-and-sum kernel at V2-Lite's stack (66 experts, 6 + 2 per token) with its default tile,
-    against the reference and against the grouped down GEMM + top-k sum."""
-    from dsinfer.ops.moe import with_shared
-    from dsinfer.ops.triton import moe_fused
-
-    gen = torch.Generator().manual_seed(3)
-    w13, w2 = (w.bfloat16().cuda() for w in _experts(66, 2048, 1408, gen, std=0.02))
-    x = torch.randn(1, 2048, generator=gen).bfloat16().cuda()
-    weights, ids = with_shared(*_route(1, 64, 6, gen, "cuda"), 64, 2)
-    two_launches = fused_moe(x, w13, w2, weights, ids)
-    monkeypatch.setattr(moe_fused, "ONE_TOKEN_DOWN_SUM", True)
-    one = fused_moe(x, w13, w2, weights, ids)
-    ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids)
-    assert_close(one, ref, torch.bfloat16)
-    assert_close(one, two_launches, torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -54,12 +54,16 @@ def test_early_trigger_policy(monkeypatch):
     """Which kernels signal before their wait, by role (``launch_args`` on a device that has PDL)."""
     monkeypatch.setattr(pdl, "enabled", lambda device: True)
     cuda = torch.device("cuda")
-    expected = {"off": (1, 1, 1), "all": (2, 2, 2), "dense": (2, 1, 2), "attention": (1, 1, 2)}
+    roles = (pdl.OTHER, pdl.MOE, pdl.MLA_COMBINE, pdl.NORM, pdl.SPLIT_SUM)
+    expected = {"off": (1, 1, 1, 1, 1), "all": (2, 2, 2, 2, 2), "dense": (2, 1, 2, 2, 2), "mla": (1, 1, 2, 1, 1),
+                "norm, mla": (1, 1, 2, 2, 1), "split,other": (2, 1, 1, 1, 2)}
     for policy, orders in expected.items():
         monkeypatch.setenv("DSINFER_PDL_EARLY_TRIGGER", policy)
-        got = tuple(pdl.launch_args(cuda, role)["PDL"] for role in ("", pdl.MOE, pdl.ATTENTION_COMBINE))
+        got = tuple(pdl.launch_args(cuda, role)["PDL"] for role in roles)
         assert got == orders, policy
     assert pdl.launch_args(cuda)["launch_pdl"] is True
+    monkeypatch.delenv("DSINFER_PDL_EARLY_TRIGGER")
+    assert pdl.launch_args(cuda, pdl.MLA_COMBINE)["PDL"] == pdl.TRIGGER_FIRST  # the default: mla
 
 
 def test_the_variable_is_validated(monkeypatch):
@@ -68,9 +72,12 @@ def test_the_variable_is_validated(monkeypatch):
     monkeypatch.setenv("DSINFER_PDL", "sometimes")
     with pytest.raises(ValueError, match="DSINFER_PDL"):
         envs.PDL.get()
-    monkeypatch.setenv("DSINFER_PDL_EARLY_TRIGGER", "1")
-    with pytest.raises(ValueError, match="DSINFER_PDL_EARLY_TRIGGER"):
-        envs.PDL_EARLY_TRIGGER.get()
+    for bad in ("1", "mla,attention", ",", "off,mla"):
+        monkeypatch.setenv("DSINFER_PDL_EARLY_TRIGGER", bad)
+        with pytest.raises(ValueError, match="DSINFER_PDL_EARLY_TRIGGER"):
+            envs.PDL_EARLY_TRIGGER.get()
+    monkeypatch.setenv("DSINFER_PDL_EARLY_TRIGGER", " rope ,mla,rope")
+    assert envs.PDL_EARLY_TRIGGER.get() == "mla,rope"
 
 
 def test_prefetch_sizes():

@@ -76,34 +76,6 @@ def test_rotary_store_kv_matches_rotary_then_store(is_neox, dtype, head_dim, rot
     assert_close(flat[written], flat_ref[written], dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim,rotary_dim", [(32, 32), (48, 16)])
-def test_rotary_store_kv_adds_split_partials(dtype, head_dim, rotary_dim, device):
-    """q, k, v given as a qkv linear's split-K partials ([S, T, H, D] float32 views of one [S, T, N] tensor) give
-    the bits of their sum given whole (``sum_partials``: split order, rounded to dtype as the kernel rounds; the
-    CPU interpreter's rounding is not torch's): the rotated q and every cache row. ``add_splits`` is the torch
-    path's sum."""
-    from dsinfer.ops.linear import add_splits
-    from dsinfer.ops.triton.split_k import sum_partials
-
-    tokens, hq, hkv, splits = 5, 4, 2, 3
-    positions, *_, cos_sin, cache, slots = _rotary_store_case(tokens, hq, hkv, head_dim, rotary_dim, dtype, device)
-    gen = torch.Generator().manual_seed(11)
-    parts = torch.randn(splits, tokens, (hq + 2 * hkv) * head_dim, generator=gen).to(device)
-    sizes = [hq * head_dim, hkv * head_dim, hkv * head_dim]
-
-    def heads(t):
-        return [x.unflatten(-1, (-1, head_dim)) for x in t.split(sizes, dim=-1)]
-
-    caches = [cache.clone(), cache.clone()]
-    q_split = rotary_store_kv(positions, *heads(parts), cos_sin, True, caches[0], slots, split_dtype=dtype)
-    whole = sum_partials(parts, torch.empty(parts.shape[1:], dtype=dtype, device=device))
-    q_whole = rotary_store_kv(positions, *heads(whole), cos_sin, True, caches[1], slots)
-    assert q_split.dtype == dtype and torch.equal(q_split, q_whole)
-    assert torch.equal(caches[0].nan_to_num(), caches[1].nan_to_num())
-    assert torch.allclose(add_splits(parts, torch.float32), parts.sum(0), atol=1e-5)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_neox", [True, False])
 def test_llama_heads_on_gpu(is_neox, assert_close):

@@ -71,34 +71,6 @@ def test_decode_graph_replay_matches_eager_logits(tiny_llama_dir):
     torch.testing.assert_close(graph_logits, eager_logits, rtol=1e-4, atol=1e-4)
 
 
-def test_split_sums_in_the_rotary_kernel_give_the_same_tokens(tiny_llama_dir, monkeypatch):
-    """``llama.SPLIT_SUM_IN_ROTARY``: decode steps hand the qkv GEMV's split-K partials to the rotary / cache-store
-    kernel. Every linear of up to 16 rows forced onto a K-split tile: the same greedy tokens with the switch on
-    and off (the same sums in the same order), and the switch on did take the partials path."""
-    from dsinfer import ops
-    from dsinfer.models import llama
-    from dsinfer.ops.triton import gemv
-
-    tile = dict(block_m=16, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=2, split_k=2)
-    monkeypatch.setattr(gemv, "tuned_config", lambda rows, weight: dict(tile) if rows <= 16 else None)
-    seen = []
-    fused = ops.rotary_store_kv
-
-    def spy(*args, **kwargs):
-        seen.append(len(args) > 9 and args[9] is not None)
-        return fused(*args, **kwargs)
-
-    monkeypatch.setattr(ops, "rotary_store_kv", spy)
-    tokens = {}
-    for on in (False, True):
-        monkeypatch.setattr(llama, "SPLIT_SUM_IN_ROTARY", on)
-        llm = LLM(str(tiny_llama_dir), device="cuda", dtype="bfloat16", max_num_batched_tokens=256)
-        tokens[on] = greedy(llm, prompts(4), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-        assert any(seen) == on
-        seen.clear()
-    assert tokens[True] == tokens[False]
-
-
 def test_no_memory_growth_over_ten_thousand_requests(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), device="cuda", dtype="float32", max_num_batched_tokens=2048)
     rng = random.Random(3)

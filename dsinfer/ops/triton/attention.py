@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from dsinfer.ops.kv_cache import FP8_DTYPES, read_scales
-from dsinfer.ops.triton.pdl import ATTENTION_COMBINE, enter, launch_args
+from dsinfer.ops.triton.pdl import GQA_COMBINE, enter, launch_args
 from dsinfer.ops.triton.utils import has_fp8_convert, num_sms
 
 _LOG2E = 1.4426950408889634
@@ -428,6 +428,6 @@ def _decode(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding
         part_out, part_lse, query_start_loc, out, num_splits,
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=c["head_dim"], BLOCK_D=c["block_d"], BLOCK_S=max(triton.next_power_of_2(num_splits), 2),
-        num_warps=4, **launch_args(part_out.device, ATTENTION_COMBINE),
+        num_warps=4, **launch_args(part_out.device, GQA_COMBINE),
     )
 

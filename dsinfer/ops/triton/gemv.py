@@ -34,16 +34,12 @@ def tuned_config(rows: int, weight: torch.Tensor) -> dict | None:
     return _tuned(rows, weight.shape[0], weight.shape[1], weight.dtype)
 
 
-def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: dict,
-                  keep_split: bool = False) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias) in x's dtype, float32 accumulation; with ``keep_split`` (x [T, K],
-    no bias) a K split's float32 partials [S, T, N] are returned unsummed (``ops.linear.linear``)."""
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: dict) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias) in x's dtype, float32 accumulation."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    result = grouped_gemm(x2, weight, out, cfg, bias=bias, keep_split=keep_split)
-    if result is not out:
-        return result
+    grouped_gemm(x2, weight, out, cfg, bias=bias)
     return out.view(*lead, weight.shape[0])

@@ -33,7 +33,7 @@ from dsinfer.ops.kv_cache import FP8_DTYPES
 from dsinfer.ops.mla import cache_rows
 from dsinfer.ops.triton import attention as gqa
 from dsinfer.ops.triton.attention import find_tile_seq, widen_fp8
-from dsinfer.ops.triton.pdl import ATTENTION_COMBINE, enter, launch_args
+from dsinfer.ops.triton.pdl import MLA_COMBINE, enter, launch_args
 from dsinfer.ops.triton.utils import has_fp8_convert, num_sms
 
 _LOG2E = 1.4426950408889634
@@ -292,7 +292,7 @@ def combine_splits(split: DecodeSplits, query_start_loc: torch.Tensor) -> torch.
         split.part_out, split.part_lse, query_start_loc, split.out, query_start_loc.shape[0] - 1, num_heads,
         split.num_splits, split.out.stride(0), split.out.stride(1),
         RANK=rank, BLOCK_R=triton.next_power_of_2(rank), BLOCK_S=max(triton.next_power_of_2(split.num_splits), 2),
-        num_warps=4, **launch_args(split.part_out.device, ATTENTION_COMBINE),
+        num_warps=4, **launch_args(split.part_out.device, MLA_COMBINE),
     )
     return split.out
 

@@ -18,9 +18,8 @@ import triton.language as tl
 
 from dsinfer.ops.kv_cache import fp8_max
 from dsinfer.ops.triton.kv_cache import to_cache
-from dsinfer.ops.triton.pdl import enter, launch_args
+from dsinfer.ops.triton.pdl import ROPE, enter, launch_args
 from dsinfer.ops.triton.rotary import _cos_sin_at, _pair_offsets, _rotate_heads
-from dsinfer.ops.triton.split_k import load_sum
 
 
 @triton.jit
@@ -54,7 +53,7 @@ def store_mla_kv_triton(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.
     _store_kernel[(num_tokens,)](
         kv_c, k_pe, flat, slot_mapping, kv_c.stride(0), k_pe.stride(0), flat.stride(0),
         RANK=rank, ROPE=rope, BLOCK_R=triton.next_power_of_2(rank), BLOCK_P=triton.next_power_of_2(rope),
-        FP8_MAX=fp8_max(kv_cache.dtype), num_warps=4, **launch_args(kv_c.device),
+        FP8_MAX=fp8_max(kv_cache.dtype), num_warps=4, **launch_args(kv_c.device, ROPE),
     )
 
 
@@ -66,31 +65,32 @@ def _rope_norm_store_token(
     stride_qp_t, stride_qp_h, stride_qo_t, stride_qo_h, stride_c, stride_p, stride_slot, eps,
     NUM_HEADS: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr,
-    FP8_MAX: tl.constexpr, stride_s, SPLIT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
-    """Token t's rope, latent norm and store; with SPLIT > 1 the inputs are split-K partials (``load_sum``)."""
-    x_dtype: tl.constexpr = qp_out_ptr.dtype.element_ty  # the model's: what the projection would have written
     j = tl.arange(0, BLOCK_HALF)[None, :]
     j_valid = j < HALF
     # the query's rope part, every head (padding rows too: harmless, and the output is fully written)
     _rotate_heads(qp_ptr, qp_out_ptr, stride_qp_t, stride_qp_h, stride_qo_t, stride_qo_h, t, cos, sin, 1.0, 0.0,
-                  NUM_HEADS, 2 * HALF, HALF, BLOCK_H, BLOCK_HALF, 1, IS_NEOX, stride_s, SPLIT, x_dtype)
+                  NUM_HEADS, 2 * HALF, HALF, BLOCK_H, BLOCK_HALF, 1, IS_NEOX)
     if slot >= 0:
         row = cache_ptr + slot * stride_slot
-        # the latent: RMSNorm as ops.rms_norm (float32 statistics, rounded to the model's dtype, times the weight)
+        # the latent: RMSNorm as ops.rms_norm (float32 statistics, rounded to x's dtype, times the weight)
         offs_r = tl.arange(0, BLOCK_R)
         r_valid = offs_r < RANK
-        xf = load_sum(kv_c_ptr + t * stride_c + offs_r, r_valid, stride_s, SPLIT, x_dtype)
+        x = tl.load(kv_c_ptr + t * stride_c + offs_r, mask=r_valid, other=0.0)
+        xf = x.to(tl.float32)
         inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / RANK + eps)
-        normed = (xf * inv_rms).to(x_dtype).to(tl.float32)
+        normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
         w = tl.load(norm_w_ptr + offs_r, mask=r_valid, other=0.0).to(tl.float32)
-        tl.store(row + offs_r, to_cache((w * normed).to(x_dtype), 1.0, cache_ptr, FP8_MAX), mask=r_valid)
+        tl.store(row + offs_r, to_cache((w * normed).to(x.dtype), 1.0, cache_ptr, FP8_MAX), mask=r_valid)
         # the shared rope key, rounded to its own dtype first (as rotary, then the store, would)
         i1, i2 = _pair_offsets(j, HALF, IS_NEOX)
         k_row = k_pe_ptr + t * stride_p
-        k1f = load_sum(k_row + i1, j_valid, stride_s, SPLIT, x_dtype)
-        k2f = load_sum(k_row + i2, j_valid, stride_s, SPLIT, x_dtype)
-        k1_out, k2_out = (k1f * cos - k2f * sin).to(x_dtype), (k2f * cos + k1f * sin).to(x_dtype)
+        k1 = tl.load(k_row + i1, mask=j_valid, other=0.0)
+        k2 = tl.load(k_row + i2, mask=j_valid, other=0.0)
+        k_ty = k1.dtype
+        k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
+        k1_out, k2_out = (k1f * cos - k2f * sin).to(k_ty), (k2f * cos + k1f * sin).to(k_ty)
         tl.store(row + RANK + i1, to_cache(k1_out, 1.0, cache_ptr, FP8_MAX), mask=j_valid)
         tl.store(row + RANK + i2, to_cache(k2_out, 1.0, cache_ptr, FP8_MAX), mask=j_valid)
 
@@ -116,7 +116,7 @@ def _rope_norm_store_kernel(
     NUM_HEADS: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr,
     FP8_MAX: tl.constexpr, ABSORB: tl.constexpr = False, NOPE: tl.constexpr = 1, BLOCK_NOPE: tl.constexpr = 1,
-    BLOCK_C: tl.constexpr = 1, stride_s=0, SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False,
+    BLOCK_C: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     """Program (t, 0): token t's rope, latent norm and cache store. With ABSORB, program (t, 1 + h * chunks + c)
     also writes chunk c of head h of the absorbed query: q_nope[t, h] @ W_UK[h] (float32 sums, rounded once)."""
@@ -134,9 +134,8 @@ def _rope_norm_store_kernel(
     if ABSORB:
         if p > 0:
             offs_n = tl.arange(0, BLOCK_NOPE)
-            q = load_sum(qn_ptr + t * stride_qn_t + h * stride_qn_h + offs_n, offs_n < NOPE, stride_s, SPLIT,
-                         qa_ptr.dtype.element_ty)
-            acc = tl.sum(q[:, None] * w.to(tl.float32), axis=0)
+            q = tl.load(qn_ptr + t * stride_qn_t + h * stride_qn_h + offs_n, mask=offs_n < NOPE, other=0.0)
+            acc = tl.sum(q.to(tl.float32)[:, None] * w.to(tl.float32), axis=0)
             offs_c = c * BLOCK_C + tl.arange(0, BLOCK_C)
             tl.store(qa_ptr + t * stride_qa_t + h * stride_qa_h + offs_c, acc.to(qa_ptr.dtype.element_ty),
                      mask=offs_c < RANK)
@@ -144,7 +143,7 @@ def _rope_norm_store_kernel(
     _rope_norm_store_token(
         t, cos, sin, slot, qp_ptr, qp_out_ptr, kv_c_ptr, k_pe_ptr, norm_w_ptr, cache_ptr,
         stride_qp_t, stride_qp_h, stride_qo_t, stride_qo_h, stride_c, stride_p, stride_slot, eps,
-        NUM_HEADS, RANK, HALF, BLOCK_H, BLOCK_R, BLOCK_HALF, IS_NEOX, FP8_MAX, stride_s, SPLIT)
+        NUM_HEADS, RANK, HALF, BLOCK_H, BLOCK_R, BLOCK_HALF, IS_NEOX, FP8_MAX)
 
 
 ABSORB_CHUNK = 128  # W_UK columns per absorbing program: a 128 x 128 bf16 tile (32 KiB)
@@ -153,31 +152,21 @@ ABSORB_CHUNK = 128  # W_UK columns per absorbing program: a 128 x 128 bf16 tile 
 def rope_norm_store_mla_triton(
     positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor, kv_c: torch.Tensor, norm_weight: torch.Tensor,
     eps: float, cos_sin_cache: torch.Tensor, is_neox: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    absorb: tuple[torch.Tensor, torch.Tensor] | None = None, split_dtype: torch.dtype | None = None,
+    absorb: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """See ``ops.mla.rope_norm_store_mla``: one program per token; with ``absorb`` = (q_nope [T, H, N], W_UK
-    [H, N, R]) also ``H * R / ABSORB_CHUNK`` programs per token for the absorbed query, returned first. With
-    ``split_dtype`` the activations are [S, ...] split-K partials of one projection, added as they are loaded.
-    No host sync."""
-    split, stride_s = 1, 0
-    if split_dtype is not None:
-        views = (q_pe, k_pe, kv_c) + ((absorb[0],) if absorb is not None else ())
-        split, stride_s = q_pe.shape[0], q_pe.stride(0)
-        if any(v.shape[0] != split or v.stride(0) != stride_s or v.stride(-1) != 1 for v in views):
-            raise ValueError("split partials must be unit-stride views of one [S, T, N] split-K output")
-        q_pe, k_pe, kv_c = q_pe[0], k_pe[0], kv_c[0]  # split 0; the kernel steps to the others by stride_s
-        if absorb is not None:
-            absorb = (absorb[0][0], absorb[1])
+    [H, N, R]) also ``H * R / ABSORB_CHUNK`` programs per token for the absorbed query, returned first. No host
+    sync."""
     num_tokens, num_heads, rope = q_pe.shape
     rank = kv_c.shape[-1]
-    q_out = torch.empty(q_pe.shape, dtype=split_dtype or q_pe.dtype, device=q_pe.device)
+    q_out = torch.empty(q_pe.shape, dtype=q_pe.dtype, device=q_pe.device)
     if absorb is not None:
         q_nope, w_uk = absorb
         nope = q_nope.shape[-1]
         if w_uk.shape != (num_heads, nope, rank) or w_uk.stride(-1) != 1 or q_nope.stride(-1) != 1:
             raise ValueError(f"absorb: W_UK must be [{num_heads}, {nope}, {rank}] and both it and q_nope must have "
                              f"unit stride in their last dim, got W_UK {tuple(w_uk.shape)} strides {w_uk.stride()}")
-        q_abs = torch.empty(num_tokens, num_heads, rank, dtype=split_dtype or q_nope.dtype, device=q_nope.device)
+        q_abs = torch.empty(num_tokens, num_heads, rank, dtype=q_nope.dtype, device=q_nope.device)
         block_c = min(ABSORB_CHUNK, triton.next_power_of_2(rank))
         absorb_args = dict(ABSORB=True, NOPE=nope, BLOCK_NOPE=triton.next_power_of_2(nope), BLOCK_C=block_c)
         programs = 1 + num_heads * triton.cdiv(rank, block_c)
@@ -202,7 +191,6 @@ def rope_norm_store_mla_triton(
         cache.stride(0), flat.stride(0), eps, *strides,
         NUM_HEADS=num_heads, RANK=rank, HALF=half, BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_R=triton.next_power_of_2(rank), BLOCK_HALF=triton.next_power_of_2(half), IS_NEOX=is_neox,
-        FP8_MAX=fp8_max(kv_cache.dtype), num_warps=4, stride_s=stride_s, SPLIT=split, **absorb_args,
-        **launch_args(positions.device),
+        FP8_MAX=fp8_max(kv_cache.dtype), num_warps=4, **absorb_args, **launch_args(positions.device, ROPE),
     )
     return result

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from dsinfer.ops.mla import latent_values
 from dsinfer.ops.triton.mla import combine_splits, decode_splits
-from dsinfer.ops.triton.pdl import ATTENTION_COMBINE, enter, launch_args
+from dsinfer.ops.triton.pdl import MLA_COMBINE, enter, launch_args
 
 # Rows x heads up to which the fused combine + W_UV runs: every row reads all of W_UV again (2 MB for V2-Lite's
 # 16 heads, 16 MB for V3's 128) where the batched GEMM reads it once. H200, CUDA-graph timed with the decode
@@ -102,6 +102,6 @@ def mla_decode_uv_triton(
         split.part_out, split.part_lse, query_start_loc, w_uv, out, query_start_loc.shape[0] - 1, num_heads,
         split.num_splits, v_dim, w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
         RANK=rank, BLOCK_R=triton.next_power_of_2(rank), BLOCK_S=max(triton.next_power_of_2(split.num_splits), 2),
-        BLOCK_V=_BLOCK_V, num_warps=8, **launch_args(split.part_out.device, ATTENTION_COMBINE),
+        BLOCK_V=_BLOCK_V, num_warps=8, **launch_args(split.part_out.device, MLA_COMBINE),
     )
     return out

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.triton.pdl import MOE, enter, launch_args
+from dsinfer.ops.triton.pdl import MOE, OTHER, enter, launch_args
 from dsinfer.ops.triton.split_k import split_sizes, sum_partials
 
 _CONFIGS = Path(__file__).parent / "configs" / "moe.json"
@@ -88,7 +88,7 @@ def nearest_config(key: str, rows: float, is_cuda: bool) -> dict | None:
 
 
 @triton.jit
-def mma(a, b, acc):
+def _mma(a, b, acc):
     """acc + a @ b; float32 operands stay exact (no TF32) so float32 models match the CPU path."""
     if a.dtype == tl.float32:
         return tl.dot(a, b, acc, input_precision="ieee")
@@ -230,7 +230,7 @@ def _gemm_kernel(
             b_s = tl.load(bs_ptrs + kg * stride_bsk)
             acc += tl.dot(a, b) * _scale(a_s, b_s, SCALAR_BS)
         else:
-            acc = mma(a, b, acc)
+            acc = _mma(a, b, acc)
         if GATED and not FUSE_GU:
             if B_DESC:
                 b_up = tl.trans(b_ptr.load([b_row0 + up_offset, k0]))
@@ -244,7 +244,7 @@ def _gemm_kernel(
                 b_up_s = tl.load(bs_up_ptrs + kg * stride_bsk)
                 acc_up += tl.dot(a, b_up) * _scale(a_s, b_up_s, SCALAR_BS)
             else:
-                acc_up = mma(a, b_up, acc_up)
+                acc_up = _mma(a, b_up, acc_up)
         if not A_DESC:
             a_ptrs += BLOCK_K * stride_ak
         if not B_DESC:
@@ -306,7 +306,6 @@ def grouped_gemm(
     sorted_a: bool = False,
     sorted_out: bool = False,
     num_pairs: int | None = None,
-    keep_split: bool = False,
 ) -> torch.Tensor:
     """out[rows, :N] = f(a[rows // a_div] @ b[expert]^T); b [E, N(*2 if gated), K] (or [N, K] for dense).
 
@@ -314,8 +313,7 @@ def grouped_gemm(
     FP8 when ``a_scale`` / ``b_scale`` are given (scales per [block_size] of b, per (row, block_size[1]) of a).
     ``sorted_a`` / ``sorted_out``: a's / out's rows are in sorted order (``moe_permute.permute_rows``), not
     pair (or token) order; ``num_pairs`` (default out's rows) is then needed when ``sorted_out``.
-    ``cfg["split_k"]`` (dense only) splits K (``split_k``): float32 partials, summed by a second kernel, or with
-    ``keep_split`` (no bias) returned as they are, [S, rows, N], for the caller to add.
+    ``cfg["split_k"]`` (dense only) splits K (``split_k``): float32 partials, summed by a second kernel.
     """
     if b.dim() == 2:
         b = b.unsqueeze(0)
@@ -348,7 +346,7 @@ def grouped_gemm(
         target = torch.empty(split, out.shape[0], n_out, dtype=torch.float32, device=out.device)
     grid = (triton.cdiv(rows, cfg["block_m"]) * triton.cdiv(n_out, cfg["block_n"]), split)
     a_arg, b_arg = a, b
-    pdl_args = launch_args(out.device, MOE if align is not None else "")
+    pdl_args = launch_args(out.device, MOE if align is not None else OTHER)
     if pdl_args and align is None and rows <= cfg["block_m"] and b.stride(2) == 1:  # one row tile: a GEMV
         pdl_args["PREFETCH_K"] = prefetch_elements(n_out * split, k_split, b.element_size())
     if b_desc:
@@ -377,8 +375,6 @@ def grouped_gemm(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args,
     )
     if split > 1:
-        if keep_split and bias is None:
-            return target
         sum_partials(target, out, bias)
     return out
 

@@ -1,6 +1,5 @@
 """The fused MoE pipeline on ``moe.grouped_gemm`` (see ``moe``'s module doc): align, gate/up with SiLU-mul, down
-times the top-k weights, and the top-k sum; for one token, optionally the down GEMM and the sum in one kernel
-(``ONE_TOKEN_DOWN_SUM``)."""
+times the top-k weights, and the top-k sum."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.triton.moe import down_config, grouped_gemm, mma, moe_config
+from dsinfer.ops.triton.moe import down_config, grouped_gemm, moe_config
 from dsinfer.ops.triton.moe_align import moe_align, pair_blocks
 from dsinfer.ops.triton.pdl import MOE, enter, launch_args
 
@@ -137,70 +136,6 @@ def topk_sum(pair_rows: torch.Tensor, num_tokens: int, top_k: int, add: torch.Te
     return out
 
 
-# One token (a batch-1 decode step): the down GEMM runs over all of the token's (expert, weight) pairs in one kernel
-# that sums them itself, where the grouped down GEMM and ``topk_sum`` were two launches. Off until timed on the GPU
-# (written in session 19 after its device time was spent); the tile is a first guess, swept next
-ONE_TOKEN_DOWN_SUM = False
-ONE_TOKEN_DOWN_TILE = dict(block_n=16, block_k=256, num_warps=4, num_stages=4)
-
-
-@triton.jit
-def _one_token_down_sum_kernel(a_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, hidden_size, inter, stride_a,
-                               stride_we, stride_wn, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                               K_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               UPCAST: tl.constexpr, PDL: tl.constexpr = False):
-    """out[n] = sum over pairs j of weights[j] * (a[j] . w2[ids[j], n]) for BLOCK_N columns n, float32 throughout
-    (the pairs in order, each K tile's products scaled as they are added), rounded once.
-
-    One loop over every (pair, K tile), the expert of a pair picked from registers, so no weight address depends
-    on a load inside the loop and the tiles pipeline across pairs (a dot: Triton pipelines the loads that feed
-    one). The dot's 16 rows all read pair j's row; row 0 is kept."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_rows = tl.where(offs_n < hidden_size, offs_n, 0)  # past the end: row 0, read and never stored
-    offs_k = tl.arange(0, BLOCK_K)
-    rows = tl.arange(0, 16)
-    jj = tl.arange(0, K_PAD)
-    enter(PDL)
-    ids = tl.load(ids_ptr + jj, mask=jj < TOP_K, other=0).to(tl.int64)
-    pair_weights = tl.load(weights_ptr + jj, mask=jj < TOP_K, other=0.0).to(tl.float32)
-    acc = tl.zeros([16, BLOCK_N], tl.float32)
-    for it in range(0, TOP_K * K_TILES):
-        j = it // K_TILES
-        k = (it % K_TILES) * BLOCK_K + offs_k
-        k_valid = k < inter
-        expert = tl.sum(tl.where(jj == j, ids, 0), axis=0)
-        weight = tl.sum(tl.where(jj == j, pair_weights, 0.0), axis=0)
-        a = tl.load(a_ptr + j * stride_a + rows[:, None] * 0 + k[None, :], mask=k_valid[None, :], other=0.0)
-        b = tl.load(w2_ptr + expert * stride_we + n_rows[None, :] * stride_wn + k[:, None], mask=k_valid[:, None],
-                    other=0.0)
-        if UPCAST:  # Triton's CPU interpreter multiplies 16-bit tiles wrongly
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc += weight * mma(a, b, tl.zeros([16, BLOCK_N], tl.float32))
-    out = tl.sum(tl.where(rows[:, None] == 0, acc, 0.0), axis=0)
-    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < hidden_size)
-
-
-def one_token_down_sum(inter_out: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                       topk_ids: torch.Tensor, tile: dict | None = None) -> torch.Tensor:
-    """One token's MoE output [1, H] from its pairs' gate/up rows ``inter_out`` [k, I] (pair order), ``w2`` [E,
-    H, I] and the router's [1, k] weights and ids: the down GEMM and the top-k sum in one launch."""
-    top_k, inter = inter_out.shape
-    hidden_size = w2.shape[1]
-    tile = tile or ONE_TOKEN_DOWN_TILE
-    if topk_ids.shape != (1, top_k) or w2.stride(-1) != 1 or inter_out.stride(-1) != 1:
-        raise ValueError(f"one_token_down_sum: one token's {top_k} pairs with unit-stride rows expected, got ids "
-                         f"{tuple(topk_ids.shape)}")
-    out = inter_out.new_empty(1, hidden_size)
-    block_k = min(tile["block_k"], triton.next_power_of_2(inter))
-    _one_token_down_sum_kernel[(triton.cdiv(hidden_size, tile["block_n"]),)](
-        inter_out, w2, topk_ids, topk_weights.reshape(-1).float(), out, hidden_size, inter, inter_out.stride(0),
-        w2.stride(0), w2.stride(1), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-        K_TILES=triton.cdiv(inter, block_k), BLOCK_N=tile["block_n"], BLOCK_K=block_k, UPCAST=not out.is_cuda,
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **launch_args(out.device, MOE),
-    )
-    return out
-
-
 def fused_moe_triton(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -225,11 +160,6 @@ def fused_moe_triton(
     dtype = "fp8" if fp8 else str(w13.dtype).removeprefix("torch.")
     cfg = config or moe_config(f"{num_experts},{inter},{hidden_size},{dtype}", num_pairs / num_experts, fp8,
                                hidden.is_cuda)
-    if ONE_TOKEN_DOWN_SUM and num_tokens == 1 and not fp8 and addend is None and not cfg.get("sorted"):
-        inter_out = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-        grouped_gemm(hidden, w13, inter_out, cfg, align=_align(topk_ids, num_experts, cfg["block_m"]),
-                     a_div=top_k, gated=True)
-        return one_token_down_sum(inter_out, w2, topk_weights, topk_ids)
     down = expert_pair_outputs(hidden, w13, w2, topk_weights, topk_ids, cfg, down_config(cfg),
                                w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv, block_size=block_size)
     add = addend() if addend is not None else None  # called only now: its producer may run beside the experts

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.triton.pdl import enter, launch_args
+from dsinfer.ops.triton.pdl import NORM, enter, launch_args
 
 
 @triton.jit
@@ -57,6 +57,6 @@ def rms_norm_triton(
             x2.stride(0), res2.stride(0), out2.stride(0), sum2.stride(0),
             n_cols, eps,
             HAS_RESIDUAL=residual is not None, BLOCK_N=block_n,
-            num_warps=min(max(block_n // 512, 1), 16), **launch_args(x2.device),
+            num_warps=min(max(block_n // 512, 1), 16), **launch_args(x2.device, NORM),
         )
     return out if residual is None else (out, total)

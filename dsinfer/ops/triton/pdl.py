@@ -68,17 +68,26 @@ def enabled(device: torch.device) -> bool:
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
-MOE, ATTENTION_COMBINE = "moe", "attention-combine"  # kernel roles the early-trigger policy names
+# Kernel roles, as DSINFER_PDL_EARLY_TRIGGER names them (envs.PDL_ROLES): the MoE routing and expert kernels, the
+# MLA / GQA decode's split combine, RMSNorm, rotary and cache-store kernels, split-K sums, and every other kernel.
+MOE, MLA_COMBINE, NORM, ROPE, GQA_COMBINE, SPLIT_SUM, OTHER = envs.PDL_ROLES
 
 
-def launch_args(device: torch.device, role: str = "") -> dict:
+@functools.cache
+def _early_roles(policy: str) -> frozenset[str]:
+    if policy == "off":
+        return frozenset()
+    if policy in ("all", "dense"):
+        return frozenset(envs.PDL_ROLES) - ({MOE} if policy == "dense" else set())
+    return frozenset(policy.split(","))
+
+
+def launch_args(device: torch.device, role: str = OTHER) -> dict:
     """The launch keywords of a kernel with a ``PDL`` constexpr that calls ``enter``: ``PDL`` (the order of its
-    wait and signal: ``TRIGGER_FIRST`` where ``DSINFER_PDL_EARLY_TRIGGER`` names the kernel's ``role``, ``MOE``
-    for the MoE routing and expert kernels, ``ATTENTION_COMBINE`` for a decode attention's split combine) and
-    Triton's ``launch_pdl`` when ``enabled``, else nothing (the kernel's default ``PDL=False``)."""
+    wait and signal: ``TRIGGER_FIRST`` where ``DSINFER_PDL_EARLY_TRIGGER`` names the kernel's ``role``, else
+    ``WAIT_FIRST``) and Triton's ``launch_pdl`` when ``enabled``, else nothing (the kernel's default
+    ``PDL=False``)."""
     if not enabled(device):
         return {}
-    policy = envs.PDL_EARLY_TRIGGER.get()
-    early = (policy == "all" or (policy == "dense" and role != MOE)
-             or (policy == "attention" and role == ATTENTION_COMBINE))
+    early = role in _early_roles(envs.PDL_EARLY_TRIGGER.get())
     return {"PDL": TRIGGER_FIRST if early else WAIT_FIRST, "launch_pdl": True}

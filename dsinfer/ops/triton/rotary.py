@@ -15,8 +15,7 @@ import triton.language as tl
 
 from dsinfer.ops.kv_cache import fp8_max
 from dsinfer.ops.triton.kv_cache import to_cache
-from dsinfer.ops.triton.pdl import enter, launch_args
-from dsinfer.ops.triton.split_k import load_sum
+from dsinfer.ops.triton.pdl import ROPE, enter, launch_args
 
 
 @triton.jit
@@ -42,24 +41,21 @@ def _rotate_heads(
     x_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, t, cos, sin, scale, FP8_MAX: tl.constexpr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, IS_NEOX: tl.constexpr,
-    stride_xs=0, SPLIT: tl.constexpr = 1, X_DTYPE: tl.constexpr = tl.float32,
 ):
-    """Rotate the heads of token t of x into out (``load_sum``: x may be split-K partials, see there)."""
     h = tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < NUM_HEADS) & (j < HALF)
     i1, i2 = _pair_offsets(j, HALF, IS_NEOX)
     src = x_ptr + t * stride_xt + h * stride_xh
     dst = out_ptr + t * stride_ot + h * stride_oh
-    x1 = load_sum(src + i1, mask, stride_xs, SPLIT, X_DTYPE)
-    x2 = load_sum(src + i2, mask, stride_xs, SPLIT, X_DTYPE)
+    x1 = tl.load(src + i1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + i2, mask=mask, other=0.0).to(tl.float32)
     tl.store(dst + i1, to_cache(x1 * cos - x2 * sin, scale, out_ptr, FP8_MAX), mask=mask)
     tl.store(dst + i2, to_cache(x2 * cos + x1 * sin, scale, out_ptr, FP8_MAX), mask=mask)
-    if HEAD_DIM > 2 * HALF:  # features past rotary_dim pass through unchanged (exact through float32)
+    if HEAD_DIM > 2 * HALF:  # features past rotary_dim pass through unchanged
         d = 2 * HALF + tl.arange(0, BLOCK_D)[None, :]
         keep = (h < NUM_HEADS) & (d < HEAD_DIM)
-        x = load_sum(src + d, keep, stride_xs, SPLIT, X_DTYPE)
-        tl.store(dst + d, to_cache(x, scale, out_ptr, FP8_MAX), mask=keep)
+        tl.store(dst + d, to_cache(tl.load(src + d, mask=keep), scale, out_ptr, FP8_MAX), mask=keep)
 
 
 @triton.jit
@@ -105,7 +101,7 @@ def apply_rotary_triton(
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_QD=triton.next_power_of_2(max(q_dim - rotary_dim, 1)),
         BLOCK_KD=triton.next_power_of_2(max(k_dim - rotary_dim, 1)),
-        IS_NEOX=is_neox, num_warps=4, **launch_args(positions.device),
+        IS_NEOX=is_neox, num_warps=4, **launch_args(positions.device, ROPE),
     )
     return q_out, k_out
 
@@ -117,49 +113,37 @@ def _rotary_store_kv_kernel(
     stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, block_size, k_scale, v_scale, FP8_MAX: tl.constexpr,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_REST: tl.constexpr, IS_NEOX: tl.constexpr, stride_s=0, SPLIT: tl.constexpr = 1,
-    PDL: tl.constexpr = False,
+    BLOCK_REST: tl.constexpr, IS_NEOX: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """With SPLIT > 1, q, k and v are views of a qkv linear's split-K partials (``load_sum``)."""
     t = tl.program_id(0).to(tl.int64)
     # the step's metadata and the rope table, read before the wait (``pdl``: no kernel of a forward writes them)
     cos, sin = _cos_sin_at(pos_ptr, cos_sin_ptr, stride_cos_sin, t, HALF, BLOCK_HALF)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     enter(PDL)
-    x_dtype: tl.constexpr = q_out_ptr.dtype.element_ty  # the model's: what the linear would have written
     _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, t, cos, sin, 1.0, 0.0,
-                  NUM_Q_HEADS, HEAD_DIM, HALF, BLOCK_QH, BLOCK_HALF, BLOCK_REST, IS_NEOX, stride_s, SPLIT, x_dtype)
+                  NUM_Q_HEADS, HEAD_DIM, HALF, BLOCK_QH, BLOCK_HALF, BLOCK_REST, IS_NEOX)
     if slot >= 0:  # a negative slot (padding, or a token whose KV is not kept) stores nothing
         row = kv_cache_ptr + (slot // block_size) * stride_c_blk + (slot % block_size) * stride_c_off
         _rotate_heads(k_ptr, row, stride_kt, stride_kh, 0, stride_c_h, t, cos, sin, k_scale, FP8_MAX,
-                      NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_KH, BLOCK_HALF, BLOCK_REST, IS_NEOX, stride_s, SPLIT,
-                      x_dtype)
+                      NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_KH, BLOCK_HALF, BLOCK_REST, IS_NEOX)
         h = tl.arange(0, BLOCK_KH)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
-        v = load_sum(v_ptr + t * stride_vt + h * stride_vh + d, mask, stride_s, SPLIT, x_dtype)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
         tl.store(row + stride_c_kv + h * stride_c_h + d, to_cache(v, v_scale, kv_cache_ptr, FP8_MAX), mask=mask)
 
 
 def rotary_store_kv_triton(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
     is_neox: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0),
-    split_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """See ``ops.rotary_store_kv``; with ``split_dtype`` q, k, v are [S, T, H, D] split-K partials, summed in the
-    kernel."""
     q, k, v = _heads(q), _heads(k), _heads(v)
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     if kv_cache.stride(-1) != 1:
         raise ValueError(f"kv_cache must have a contiguous head dim, got strides {kv_cache.stride()}")
-    split, stride_s = (1, 0) if split_dtype is None else (q.shape[0], q.stride(0))
-    if split_dtype is not None:
-        if not (q.stride(0) == k.stride(0) == v.stride(0) and q.shape[0] == k.shape[0] == v.shape[0]):
-            raise ValueError("q, k and v partials must be views of one [S, T, N] split-K output")
-        q, k, v = q[0], k[0], v[0]  # split 0; the kernel steps to the others by stride_s
     rotary_dim = cache.shape[-1]
     (num_tokens, q_heads, head_dim), kv_heads = q.shape, k.shape[1]
-    q_out = torch.empty(q.shape, dtype=split_dtype or q.dtype, device=q.device)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return q_out
     _rotary_store_kv_kernel[(num_tokens,)](
@@ -172,6 +156,6 @@ def rotary_store_kv_triton(
         BLOCK_QH=triton.next_power_of_2(q_heads), BLOCK_KH=triton.next_power_of_2(kv_heads),
         BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2), BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_REST=triton.next_power_of_2(max(head_dim - rotary_dim, 1)), IS_NEOX=is_neox, num_warps=4,
-        stride_s=stride_s, SPLIT=split, **launch_args(positions.device),
+        **launch_args(positions.device, ROPE),
     )
     return q_out

@@ -4,8 +4,7 @@ At decode sizes a narrow, deep weight (DeepSeek-V3's fused q_a/kv_a projection: 
 16,384) gives one program per column tile, 33 or 112 of them for 132 SMs, each streaming a long K loop: the
 H200 ran them at 16% and 46% of its bandwidth (session 16's tuner). Splitting K gives each program a slice of
 the loop; the programs store float32 partials and ``sum_partials`` adds them in split order (deterministic for
-one config), then the bias, and casts. A consumer kernel may instead add them as it loads them (``load_sum``, the
-same sums and rounding; ``ops.linear.linear(..., keep_split=True)``), one launch fewer.
+one config), then the bias, and casts.
 """
 
 from __future__ import annotations
@@ -14,25 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.triton.pdl import enter, launch_args
+from dsinfer.ops.triton.pdl import SPLIT_SUM, enter, launch_args
 from dsinfer.ops.triton.utils import num_sms
 
 MAX_SPLIT = 16
 SPLIT_MAX_ROWS = 64  # the most rows a split was timed at (the tuner's decode buckets 1, 16, 64)
 MIN_K_BLOCKS = 4  # K tiles each split keeps at least (a choice, not measured: short loops, more partials)
-
-
-@triton.jit
-def load_sum(ptrs, mask, stride_s, SPLIT: tl.constexpr, DTYPE: tl.constexpr):
-    """What ``ptrs`` point at, in float32. With SPLIT > 1 they point at split 0 of a linear's float32 split-K
-    partials ([SPLIT, ...], ``split_k``; split s at ``stride_s``), added here in split order and rounded to
-    DTYPE: the values ``split_k.sum_partials`` would have written, without its launch."""
-    if SPLIT == 1:
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    acc = tl.load(ptrs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(ptrs + s * stride_s, mask=mask, other=0.0)
-    return acc.to(DTYPE).to(tl.float32)
 
 
 def split_sizes(k: int, block_k: int, split: int) -> tuple[int, int]:
@@ -76,5 +62,5 @@ def sum_partials(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor |
     _sum_partials_kernel[(m, triton.cdiv(n, block_n))](
         partials, bias if bias is not None else partials, out, n, partials.stride(0), partials.stride(1),
         out.stride(0), out.stride(1), SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=4,
-        **launch_args(partials.device))
+        **launch_args(partials.device, SPLIT_SUM))
     return out
