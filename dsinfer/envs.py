@@ -173,13 +173,14 @@ PDL = _declare(
     _parse_bool,
 )
 PDL_EARLY_TRIGGER = _declare(
-    "DSINFER_PDL_EARLY_TRIGGER", "str", "mla",
+    "DSINFER_PDL_EARLY_TRIGGER", "str", "mla,split",
     "With DSINFER_PDL, which kernels let the next one launch before they wait for their own predecessor (not "
     "after), so that a GEMV's weight prefetch and a kernel's metadata reads start while the kernel two back still "
     "runs (ops/triton/pdl.py): off; all; dense (all but moe); or a comma-separated list of kernel roles: moe "
     "(routing and expert kernels), mla (the MLA decode's split combine), norm (RMSNorm), rope (rotary / MLA "
-    "preamble and cache store), gqa (the GQA decode's split combine), split (split-K sums), other. Default mla: "
-    "V2-Lite batch 1 0-2.5% faster in two leases; gqa was 1% slower for Llama; all 6-8% slower for V2-Lite.",
+    "preamble and cache store), gqa (the GQA decode's split combine), split (split-K sums), other. Default "
+    "mla,split: at batch 1 V2-Lite 1-4% and Llama 1% faster than with mla alone, V2-Lite ties at 16 and 64 "
+    "(session 20); gqa was 1% slower for Llama; all 6-8% slower for V2-Lite.",
     _parse_early_trigger,
 )
 USE_TRITON = _declare(

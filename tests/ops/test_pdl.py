@@ -63,7 +63,8 @@ def test_early_trigger_policy(monkeypatch):
         assert got == orders, policy
     assert pdl.launch_args(cuda)["launch_pdl"] is True
     monkeypatch.delenv("DSINFER_PDL_EARLY_TRIGGER")
-    assert pdl.launch_args(cuda, pdl.MLA_COMBINE)["PDL"] == pdl.TRIGGER_FIRST  # the default: mla
+    default = tuple(pdl.launch_args(cuda, role)["PDL"] for role in roles)
+    assert default == (1, 1, 2, 1, 2)  # mla,split
 
 
 def test_the_variable_is_validated(monkeypatch):
