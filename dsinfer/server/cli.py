@@ -66,7 +66,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     eng.add_argument("--max-model-len", type=_max_model_len, default=None,
                      help="context length (prompt + completion); -1: the model's own")
     eng.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded together")
-    eng.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
+    eng.add_argument("--max-num-batched-tokens", type=int, default=None,
+                     help="token budget per step (default: 8192 on a GPU of 70 GiB or more, else 2048)")
     eng.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                      help="split long prompts across steps (default: on)")
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
