@@ -79,6 +79,27 @@ def set_value(var: str, value) -> None:
         os.environ[var] = value
 
 
+def summary_rows(rows: list[tuple[str, int, float, float]]) -> list[str]:
+    """The sweep's (value, batch, graph ms, step ms) rows as a table of means per value and batch, in first-seen
+    order, with each mean's ratio to the first value's at that batch: single rows move by a few percent between
+    replays of one process, the mean of the repeats (``0 1 0 1``) less."""
+    groups: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for value, batch, graph_ms, step_ms in rows:
+        groups.setdefault((value, batch), []).append((graph_ms, step_ms))
+    means = {key: (statistics.fmean(g for g, _ in runs), statistics.fmean(s for _, s in runs), len(runs))
+             for key, runs in groups.items()}
+    first = {}
+    for (_, batch), mean in means.items():
+        first.setdefault(batch, mean)
+    lines = ["| value | batch | runs | mean graph ms | mean step ms | graph vs the first value | "
+             "step vs the first value |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for (value, batch), (graph_ms, step_ms, runs) in means.items():
+        base_graph, base_step, _ = first[batch]
+        lines.append(f"| {value} | {batch} | {runs} | {graph_ms:.3f} | {step_ms:.3f} | "
+                     f"{graph_ms / base_graph - 1:+.1%} | {step_ms / base_step - 1:+.1%} |")
+    return lines
+
+
 def main(argv=None) -> None:
     from dsinfer.runner.cuda_graphs import DecodeGraphs
     from dsinfer.scheduler.scheduler import ScheduledRequest, SchedulerOutput
@@ -99,6 +120,7 @@ def main(argv=None) -> None:
         steps[batch] = SchedulerOutput([ScheduledRequest(r, 1, args.context - 1) for r in seqs.requests])
     first = runner.graphs
     reference: dict[int, torch.Tensor] = {}
+    rows: list[tuple[str, int, float, float]] = []
     print("| value | batch | graph ms | step ms | floor ms | graph / floor | max logit diff vs the first value |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for value in args.values:
@@ -120,6 +142,9 @@ def main(argv=None) -> None:
             floor = decode_floor_ms(shape, batch, args.context, runner.kv_bytes_per_token, bandwidth)
             print(f"| {value} | {batch} | {graph_ms:.3f} | {step_ms:.3f} | {floor:.3f} | {graph_ms / floor:.3f} | "
                   f"{diff:.3g} |", flush=True)
+            rows.append((value, batch, graph_ms, step_ms))
+    print()
+    print("\n".join(summary_rows(rows)))
 
 
 if __name__ == "__main__":

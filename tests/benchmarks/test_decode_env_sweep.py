@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.decode_env_sweep import parse_args  # noqa: E402
+from benchmarks.decode_env_sweep import parse_args, summary_rows  # noqa: E402
 
 
 def test_a_declared_variable_and_its_values_are_taken(monkeypatch):
@@ -28,3 +28,15 @@ def test_a_value_that_does_not_parse_is_refused(monkeypatch):
     monkeypatch.setenv("DSINFER_TRITON_GEMV", "1")
     with pytest.raises(ValueError, match="DSINFER_TRITON_GEMV"):
         parse_args(["--var", "DSINFER_TRITON_GEMV", "--values", "1", "maybe"])
+
+
+def test_the_summary_averages_the_repeats_against_the_first_value():
+    rows = [("mla", 1, 2.0, 2.1), ("mla", 64, 9.0, 9.1), ("mla,split", 1, 1.9, 2.0), ("mla,split", 64, 9.0, 9.1),
+            ("mla", 1, 2.2, 2.3), ("mla,split", 1, 1.9, 2.0)]
+    lines = summary_rows(rows)
+    assert lines[2:] == [
+        "| mla | 1 | 2 | 2.100 | 2.200 | +0.0% | +0.0% |",
+        "| mla | 64 | 1 | 9.000 | 9.100 | +0.0% | +0.0% |",
+        "| mla,split | 1 | 2 | 1.900 | 2.000 | -9.5% | -9.1% |",
+        "| mla,split | 64 | 1 | 9.000 | 9.100 | +0.0% | +0.0% |",
+    ]
