@@ -9,9 +9,9 @@ from dsinfer.ops.bitmask import apply_token_bitmask
 from dsinfer.ops.kv_cache import store_kv
 from dsinfer.ops.norm import rms_norm
 from dsinfer.ops.rotary import apply_rotary, rotary_store_kv
-from dsinfer.ops.sampling import gumbel_argmax
+from dsinfer.ops.sampling import greedy_argmax, gumbel_argmax
 
 __all__ = [
-    "apply_rotary", "apply_token_bitmask", "gumbel_argmax", "paged_attention", "rms_norm", "rotary_store_kv",
-    "silu_and_mul", "store_kv",
+    "apply_rotary", "apply_token_bitmask", "greedy_argmax", "gumbel_argmax", "paged_attention", "rms_norm",
+    "rotary_store_kv", "silu_and_mul", "store_kv",
 ]

@@ -26,6 +26,15 @@ def gumbel_argmax_ref(
     return torch.where(sample, scores.argmax(-1), logits.argmax(-1))
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` of [B, V] logits (the first maximum), int64 [B]: a batch that is greedy throughout."""
+    if use_triton(logits):
+        from dsinfer.ops.triton.sampling import argmax_triton
+
+        return argmax_triton(logits)
+    return logits.argmax(-1)
+
+
 def gumbel_argmax(
     logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor
 ) -> torch.Tensor:

@@ -134,7 +134,7 @@ class Sampler:
         if batch.banned is not None:
             logits = _ban(logits, batch.banned, grammar=batch.token_bitmask is not None)
         if batch.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = ops.greedy_argmax(logits)
         else:
             # Filter on the temperature-scaled distribution, sample from the unscaled logits (the op divides).
             greedy = batch.temperature == 0

@@ -106,3 +106,42 @@ def test_llama_vocab_tokens_equal_reference_on_gpu(rows):
     out = gumbel_argmax(logits, seeds, positions, temp)
     ref = gumbel_argmax_ref(logits, seeds, positions, temp)
     assert torch.equal(out, ref)
+
+
+# ---- greedy_argmax: batches greedy throughout ----
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_chunks", [None, 1, 3, 7])
+def test_greedy_argmax_is_torch_argmax(dtype, num_chunks, device, poisoned):
+    from dsinfer.ops.triton.sampling import argmax_triton
+
+    gen = torch.Generator().manual_seed(7)
+    logits = (3 * torch.randn(5, 6200, generator=gen)).to(dtype)
+    logits[1, [40, 2100, 6199]] = 50.0  # equal maxima in different tiles and chunks: the first wins
+    logits[2] = float("-inf")  # a fully masked row: token 0, as torch.argmax
+    logits[3, :4000] = float("-inf")  # the maximum in the last chunk
+    logits = logits.to(device)
+    out = argmax_triton(logits, num_chunks=num_chunks)
+    assert out.dtype == torch.int64
+    assert torch.equal(out.cpu(), logits.cpu().float().argmax(-1))
+    assert out.tolist()[1:3] == [40, 0]
+
+
+def test_greedy_argmax_op_dispatches_and_takes_strided_rows(device):
+    from dsinfer.ops import greedy_argmax
+
+    gen = torch.Generator().manual_seed(8)
+    padded = torch.randn(6, 3001, generator=gen).to(device)
+    logits = padded[::2, :3000]  # rows of a larger buffer, as a decode graph's logits slice
+    assert torch.equal(greedy_argmax(logits).cpu(), logits.cpu().argmax(-1))
+    assert greedy_argmax(torch.empty(0, 10, device=device)).shape == (0,)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 64, 256])
+@pytest.mark.parametrize("vocab", [102400, 128256])
+def test_greedy_argmax_at_real_vocabs_on_gpu(rows, vocab):
+    from dsinfer.ops import greedy_argmax
+
+    logits = torch.randn(rows, vocab, device="cuda").bfloat16()  # bf16: many exact ties, the first must win
+    assert torch.equal(greedy_argmax(logits), logits.argmax(-1))
