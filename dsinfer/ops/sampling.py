@@ -27,7 +27,9 @@ def gumbel_argmax_ref(
 
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(-1)`` of [B, V] logits (the first maximum), int64 [B]: a batch that is greedy throughout."""
+    """``logits.argmax(-1)`` of [B, V] logits (the first maximum), int64 [B]: a batch that is greedy throughout.
+    The Triton walk skips NaN logits where ``torch.argmax`` returns the first NaN: a model whose logits hold NaN
+    gives no meaningful token either way."""
     if use_triton(logits):
         from dsinfer.ops.triton.sampling import argmax_triton
 

@@ -10,8 +10,8 @@ took 67 us in one program and 16 us in 16 chunks.
 
 ``argmax_triton`` is the same walk without noise, for batches that are greedy throughout (``torch.argmax``'s
 tokens: the first maximum). It cuts rows finer, down to one tile a program: with nothing to compute per token
-the walk is bound by the latency of its loads, and torch's own reduction took 28 us for 1 x 128256 (Llama
-decode, batch 1: 0.7% of the step).
+the walk is bound by the latency of its loads. On an H200, 1 x 128256 bf16: 6.3 us, against 39 us for torch's
+reduction (graph-timed; 28 us a step in a profile of Llama's batch-1 decode, 0.7% of the step).
 """
 
 from __future__ import annotations
