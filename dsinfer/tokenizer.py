@@ -80,14 +80,17 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: the same ids, but the batch call releases the GIL while it tokenizes, so a
+        # server thread tokenizing a long prompt (seconds) does not stall the event loop (encode held it
+        # throughout: 5.8 s without a turn for the loop, on 6 MB of text)
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_literal(self, text: str) -> list[int]:
         """Tokenize ``text`` with special-token strings kept as literal text (no special ids produced).
 
         Uses a second tokenizer instance with ``encode_special_tokens`` set once, so it is thread-safe.
         """
-        return self._literal_tok.encode(text, add_special_tokens=False).ids
+        return self._literal_tok.encode_batch([text], add_special_tokens=False)[0].ids  # see ``encode``
 
     @cached_property
     def _literal_tok(self) -> HFTokenizer:

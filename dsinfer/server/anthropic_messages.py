@@ -93,7 +93,7 @@ async def _prepare(ctx: ServingContext, req: CountTokensRequest) -> tuple[Encode
     messages = anthropic_messages(req)
     _check_tool_turns(req)
     # a final assistant turn with text is a prefill: the answer continues it
-    encoded = ctx.encode_chat(messages, tools, template_kwargs=kwargs,
+    encoded = await ctx.encode_chat(messages, tools, template_kwargs=kwargs,
                               continue_final_message=ends_with_prefill(messages))
     constraint = _tool_choice_constraint(ctx, req)
     await validate_structured_outputs(constraint, "tool_choice")

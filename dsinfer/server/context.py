@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import uuid
@@ -89,7 +90,7 @@ class ServingContext:
         return resolve_max_tokens(requested, prompt_len, self.max_model_len, param, prompt_param, clamp,
                                   default=self.default_max_tokens, limit=self.max_tokens_limit)
 
-    def encode_chat(
+    async def encode_chat(
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
@@ -104,7 +105,10 @@ class ServingContext:
                 "(start it with --trust-request-chat-template)",
                 param="chat_template",
             )
-        encoded = self.chat.encode(
+        # off the event loop: a long conversation takes seconds to render and tokenize (a 6 MB message: ~9 s on a
+        # 2-core CPU), which must not stall the other requests' streams and /health
+        encoded = await asyncio.to_thread(
+            self.chat.encode,
             messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,

@@ -119,7 +119,7 @@ async def chat_completions(request: Request):
     if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
         raise ProtocolError("continue_final_message and add_generation_prompt cannot both be true",
                             param="continue_final_message")
-    encoded = ctx.encode_chat(
+    encoded = await ctx.encode_chat(
         openai_chat_messages(req.messages),
         openai_chat_tools(req.tools) if ctx.prompt_has_tools(req.tools, req.tool_choice == "none") else None,
         req.chat_template,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -80,7 +81,7 @@ async def completions(request: Request):
     if req.best_of is not None and req.best_of != req.n:
         raise ProtocolError(f"best_of must equal n ({req.n}), got {req.best_of}", param="best_of")
     structured, field = structured_outputs_of(req)
-    prepared = _prepared(ctx, req, structured)
+    prepared = await asyncio.to_thread(_prepared, ctx, req, structured)  # tokenizing: off the event loop
     await validate_structured_outputs(structured, field)
     request_id = new_id("cmpl-")
     # one engine request per prompt (vLLM's ids: the answer's, then "-k"); a single prompt's is the answer's

@@ -39,7 +39,7 @@ async def responses(request: Request):
         )
     use_tools = bool(req.tools) and req.tool_choice != "none"  # the answer is parsed for tool calls
     tools = responses_tools(req) if ctx.prompt_has_tools(req.tools, req.tool_choice == "none") else None
-    encoded = ctx.encode_chat(responses_messages(req), tools)
+    encoded = await ctx.encode_chat(responses_messages(req), tools)
     structured = text_format_constraint(req.text.format if req.text is not None else None)
     forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedFunction)
     structured, field = with_tool_constraint(structured, "text.format" if structured is not None else None,
