@@ -9,6 +9,11 @@ the best tile where it beat cuBLAS by at least ``--margin`` (default 0: any win)
 ``ops.linear`` then takes the tile on CUDA for rows in the bucket's range (``moe.nearest_config``: within 4x) that
 fit the tile's one row tile. Every candidate's output is checked against float64.
 
+MLP gate/up projections are tuned twice: as above, and fused with their SiLU(gate) * up (``GATED``: the
+kernel's two-accumulator mode, no split-K) against the unfused pair as the engine runs it now (the repo table's
+choice for the projection, then the SiLU-mul kernel). The winner goes under ``dense_silu_mul,N,K,<dtype>``: the
+tile, or ``{"unfused": true}``.
+
     python benchmarks/tune_gemv.py [--models llama,v2-lite,v3] [--rows 1 16] [--budget-s 120] [--out DIR]
                                    [--smoke]
 
@@ -44,15 +49,19 @@ SHAPES = {  # (name, N, K) of the weights a decode step streams through F.linear
                 ("dense down", 2048, 10944), ("lm_head", 102400, 2048)],
     "v3": [("lm_head", 129280, 7168)],
 }
+GATED = {  # (name, N, K): merged gate/up weights of 2N x K whose N outputs are SiLU(gate) * up
+    "llama": [("gate_up+silu", 14336, 4096)],
+    "v2-lite": [("dense gate_up+silu", 10944, 2048)],
+}
 CHAIN_BYTES = 512 << 20
 
 
-def candidates(rows: int, n: int, sms: int) -> list[dict]:
-    """Column tiles of 32-128, K tiles of 128 (and 256 without TMA), K split 1-8; one row tile of 16 or 64.
-    Ordered by how near their programs come to two per SM (the budget may cut the list short)."""
+def candidates(rows: int, n: int, sms: int, gated: bool = False) -> list[dict]:
+    """Column tiles of 32-128, K tiles of 128 (and 256 without TMA), K split 1-8 (1 when gated); one row tile of
+    16 or 64. Ordered by how near their programs come to two per SM (the budget may cut the list short)."""
     bm = 16 if rows <= 16 else 64
     out = []
-    for split in (1, 2, 4, 8):
+    for split in (1,) if gated else (1, 2, 4, 8):
         for bn, bk, tma in ((32, 128, False), (64, 128, False), (128, 128, False), (32, 256, False),
                             (32, 128, True), (64, 128, True), (128, 128, True)):
             out.append(dict(block_m=bm, block_n=bn, block_k=bk, group_m=1, num_warps=4, num_stages=4, tma=tma,
@@ -60,19 +69,26 @@ def candidates(rows: int, n: int, sms: int) -> list[dict]:
     return sorted(out, key=lambda c: abs(math.log2(-(-n // c["block_n"]) * c["split_k"] / (2 * sms))))
 
 
-def tune_shape(label: str, n: int, k: int, rows: int, budget: Budget, table: dict, margin: float) -> None:
-    from dsinfer.ops import rms_norm
-    from dsinfer.ops.triton.gemv import linear_triton, table_key
+def tune_shape(label: str, n: int, k: int, rows: int, budget: Budget, table: dict, margin: float,
+               gated: bool = False) -> None:
+    """Tune one N x K weight (``gated``: a 2N x K gate/up weight and its SiLU-mul) at ``rows`` rows."""
+    from dsinfer.ops import rms_norm, silu_and_mul
+    from dsinfer.ops.linear import linear
+    from dsinfer.ops.triton.gemv import linear_silu_mul_triton, linear_triton, table_key
     from dsinfer.ops.triton.utils import num_sms
 
     dev, dtype = tuning.DEV, torch.bfloat16
-    copies = 2 if tuning.SMOKE else max(2, min(64, math.ceil(CHAIN_BYTES / (n * k * 2))))
+    rows_w = 2 * n if gated else n
+    copies = 2 if tuning.SMOKE else max(2, min(64, math.ceil(CHAIN_BYTES / (rows_w * k * 2))))
     gen = torch.Generator(device=dev).manual_seed(n + k)
-    ws = [torch.randn(n, k, device=dev, dtype=dtype, generator=gen) / k**0.5 for _ in range(copies)]
+    ws = [torch.randn(rows_w, k, device=dev, dtype=dtype, generator=gen) / k**0.5 for _ in range(copies)]
     x = torch.randn(rows, k, device=dev, dtype=dtype, generator=gen)
     norm_w = 1 + 0.1 * torch.randn(k, device=dev, dtype=dtype, generator=gen)
     out = torch.empty(rows, n, device=dev, dtype=dtype)
     ref = (rms_norm(x, norm_w, 1e-6).double() @ ws[-1].double().t()).float()
+    if gated:
+        gate, up = ref.double().chunk(2, dim=-1)
+        ref = (gate * torch.sigmoid(gate) * up).float()
 
     def chain(linear) -> None:
         """Every copy in turn, each after an RMSNorm of its input, as a decode step streams its layers (a GEMV
@@ -85,17 +101,22 @@ def tune_shape(label: str, n: int, k: int, rows: int, budget: Budget, table: dic
     def per_call_ms(fn) -> float:
         return tuning.graph_bench(fn) / copies
 
-    cublas_ms = per_call_ms(functools.partial(chain, F.linear))
-    res = sweep(f"{label} {rows}x{n}x{k}", candidates(rows, n, num_sms(torch.device(dev))),
-                lambda cfg: chain(lambda a, w: linear_triton(a, w, None, cfg)),
+    if gated:  # the baseline: the engine's unfused pair (the repo table's projection, then SiLU-mul)
+        base_ms = per_call_ms(functools.partial(chain, lambda a, w: silu_and_mul(linear(a, w))))
+        run = lambda cfg: chain(lambda a, w: linear_silu_mul_triton(a, w, cfg))  # noqa: E731
+    else:
+        base_ms = per_call_ms(functools.partial(chain, F.linear))
+        run = lambda cfg: chain(lambda a, w: linear_triton(a, w, None, cfg))  # noqa: E731
+    res = sweep(f"{label} {rows}x{n}x{k}", candidates(rows, n, num_sms(torch.device(dev)), gated), run,
                 lambda: rel_err(out, ref), budget, timer=per_call_ms)
-    floor_ms = n * k * 2 / tuning.ceilings()["copy"] * 1e3
-    key, bucket = table_key(n, k, dtype), str(rows)
+    floor_ms = rows_w * k * 2 / tuning.ceilings()["copy"] * 1e3
+    key, bucket = table_key(n, k, dtype, gated), str(rows)
     best_ms, best = min(res, key=lambda r: r[0]) if res else (math.inf, None)
-    wins = best_ms < cublas_ms * (1 - margin)
-    table.setdefault(key, {})[bucket] = best if wins else {"cublas": True}
-    tuning.TABLE.append(f"| {label} | {rows}x{n}x{k} | {cublas_ms * 1e3:.2f} | {best_ms * 1e3:.2f} | "
-                        f"{floor_ms * 1e3:.2f} | {'Triton' if wins else 'cuBLAS'} | {best} |")
+    wins = best_ms < base_ms * (1 - margin)
+    table.setdefault(key, {})[bucket] = best if wins else {"unfused": True} if gated else {"cublas": True}
+    kept = "Triton" if wins else "unfused" if gated else "cuBLAS"
+    tuning.TABLE.append(f"| {label} | {rows}x{rows_w}x{k} | {base_ms * 1e3:.2f} | {best_ms * 1e3:.2f} | "
+                        f"{floor_ms * 1e3:.2f} | {kept} | {best} |")
 
 
 def main() -> None:
@@ -108,10 +129,12 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device (CPU interpreter)")
     args = parser.parse_args()
-    shapes = [(f"{m} {name}", n, k) for m in args.models.split(",") for name, n, k in SHAPES[m]]
+    models = args.models.split(",")
+    shapes = ([(f"{m} {name}", n, k, False) for m in models for name, n, k in SHAPES[m]]
+              + [(f"{m} {name}", n, k, True) for m in models for name, n, k in GATED.get(m, [])])
     if args.smoke:
         tuning.SMOKE, tuning.DEV = True, "cuda" if torch.cuda.is_available() else "cpu"
-        shapes, args.rows = [("smoke", 48, 256)], [1]
+        shapes, args.rows = [("smoke", 48, 256, False), ("smoke gated", 24, 256, True)], [1]
     elif not torch.cuda.is_available():
         sys.exit("tune_gemv.py needs a CUDA device")
     table = json.loads(CONFIG.read_text())
@@ -119,14 +142,15 @@ def main() -> None:
     c = tuning.ceilings()
     print(f"copy {c['copy'] / 1e12:.2f} TB/s", flush=True)
     jobs = [(s, rows) for s in shapes for rows in args.rows]
-    for i, ((label, n, k), rows) in enumerate(jobs):
+    for i, ((label, n, k, gated), rows) in enumerate(jobs):
         left = args.budget_s - (time.monotonic() - start)
-        tune_shape(label, n, k, rows, Budget(left / (len(jobs) - i)), table, args.margin)
+        tune_shape(label, n, k, rows, Budget(left / (len(jobs) - i)), table, args.margin, gated)
         tuning.empty_cache()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "moe.json").write_text(json.dumps(table, indent=1) + "\n")
-    print("| weight | rows x N x K | norm + cuBLAS us | norm + best tile us | GEMV floor us | kept | tile |")
+    print("| weight | rows x N x K | norm + cuBLAS (gated: + the unfused pair) us | norm + best tile us "
+          "| GEMV floor us | kept | tile |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for line in tuning.TABLE:
         print(line)

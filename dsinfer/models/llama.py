@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsinfer.layers.activation import SiluAndMul
 from dsinfer.layers.attention import Attention
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.linear import Linear
@@ -68,10 +67,9 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_size and intermediate_size must be > 0, got {hidden}, {intermediate}")
         self.gate_up_proj = Linear(hidden, [intermediate, intermediate], bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):

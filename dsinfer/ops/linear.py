@@ -5,6 +5,10 @@ shapes well below the bandwidth (Llama-3.1-8B's o_proj at 58% of it, session 16)
 times cuBLAS against tiles of the grouped GEMM kernel (with split-K) on the GPU, per shape and row bucket, and
 writes the winner to ``configs/moe.json`` under ``dense,N,K,<dtype>``: a Triton tile, or ``{"cublas": true}``.
 Shapes with no entry, CPU, and the batch-invariant mode (its own fixed-tile matmul) take ``F.linear``.
+
+``linear_silu_mul`` is an MLP's merged gate/up projection and its SiLU(gate) * up: one Triton kernel where the
+tuner measured one beating the projection followed by the SiLU-mul kernel (``dense_silu_mul,N,K,<dtype>``
+entries), else those two.
 """
 
 from __future__ import annotations
@@ -13,12 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from dsinfer import batch_invariant, envs
+from dsinfer.ops.activation import silu_and_mul
 from dsinfer.ops.dispatch import use_triton
 
 GEMV_MAX_ROWS = 64  # past this a linear is a GEMM, cuBLAS's ground
 
 
-def _tuned_tile(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
+def _tuned_tile(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> dict | None:
     if not (x.is_cuda and x.dim() >= 1 and envs.TRITON_GEMV.get() and use_triton(x)
             and not batch_invariant.is_enabled()):
         return None
@@ -27,7 +32,7 @@ def _tuned_tile(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
         return None
     from dsinfer.ops.triton import gemv
 
-    return gemv.tuned_config(rows, weight)
+    return gemv.tuned_config(rows, weight, gated)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -39,3 +44,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return linear_triton(x, weight, bias, cfg)
     return F.linear(x, weight, bias)
 
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu_and_mul(linear(x, weight, bias))`` for a merged gate/up weight [2I, K] (gate rows first): [..., I].
+    See the module doc for when one Triton kernel runs both (never with a bias: it must be added before the
+    SiLU)."""
+    cfg = _tuned_tile(x, weight, gated=True) if bias is None else None
+    if cfg is not None:
+        from dsinfer.ops.triton.gemv import linear_silu_mul_triton
+
+        return linear_silu_mul_triton(x, weight, cfg)
+    return silu_and_mul(linear(x, weight, bias))

@@ -27,7 +27,7 @@ def test_tune_deepseek_smoke_writes_mla_and_moe_tables(tmp_path):
     assert "| mla decode (graph) | H=16" in run.stdout and "| mla decode (graph) | H=128" in run.stdout
 
 
-def test_tune_gemv_smoke_writes_a_dense_entry(tmp_path):
+def test_tune_gemv_smoke_writes_a_dense_and_a_gated_entry(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tune_gemv.py"), "--smoke", "--budget-s", "2",
                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
@@ -36,6 +36,9 @@ def test_tune_gemv_smoke_writes_a_dense_entry(tmp_path):
     # the interpreter loses to torch, so the entry says cuBLAS; a tile would carry its split
     assert entry == {"cublas": True} or {"block_n", "split_k"} <= set(entry)
     assert "| smoke | 1x48x256 |" in run.stdout
+    gated = json.loads((tmp_path / "moe.json").read_text())["dense_silu_mul,24,256,bfloat16"]["1"]
+    assert gated == {"unfused": True} or gated["split_k"] == 1  # the fused SiLU-mul needs whole sums
+    assert "| smoke gated | 1x48x256 |" in run.stdout
 
 
 def test_moe_bucket_of_a_batch_1_decode_is_found_by_the_lookup(monkeypatch):

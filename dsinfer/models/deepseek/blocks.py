@@ -125,7 +125,11 @@ class DeepseekMLP(nn.Module):
     def forward(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
         """MLP(x), or ``add_to + MLP(x)``: with a plain (unquantized, bias-free) down_proj the sum is the down
         GEMM's own epilogue (``addmm_``, in place on ``add_to``: one kernel, not a GEMM and an add)."""
-        h = self.act(self.gate_up_proj(x))
+        gate_up = self.gate_up_proj
+        if type(gate_up) is Linear:  # FP8 projections keep their own GEMM
+            h = gate_up.silu_mul(x)
+        else:
+            h = self.act(gate_up(x))
         down = self.down_proj
         if add_to is None:
             return down(h)

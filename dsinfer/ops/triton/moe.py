@@ -164,6 +164,9 @@ def _gemm_kernel(
     pid_n = (pid % width) // size_m
     if PREFETCH_K > 0:  # dense only: a gathered GEMM's experts come from the kernels this one waits for
         _prefetch_rows(b_raw_ptr, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N, k_lo, K, stride_bn, PREFETCH_K)
+        if GATED:  # and the up rows
+            _prefetch_rows(b_raw_ptr, up_offset + pid_n * BLOCK_N + tl.arange(0, BLOCK_N), up_offset + N, k_lo,
+                           K, stride_bn, PREFETCH_K)
     enter(PDL)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if GATHER:
@@ -348,7 +351,7 @@ def grouped_gemm(
     a_arg, b_arg = a, b
     pdl_args = launch_args(out.device, MOE if align is not None else OTHER)
     if pdl_args and align is None and rows <= cfg["block_m"] and b.stride(2) == 1:  # one row tile: a GEMV
-        pdl_args["PREFETCH_K"] = prefetch_elements(n_out * split, k_split, b.element_size())
+        pdl_args["PREFETCH_K"] = prefetch_elements(n_out * split * (2 if gated else 1), k_split, b.element_size())
     if b_desc:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
