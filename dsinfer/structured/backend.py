@@ -60,7 +60,9 @@ def _build(spec: StructuredSpec) -> xgr.Grammar:
     if spec.kind == "grammar":
         return xgr.Grammar.from_ebnf(spec.value)
     if spec.kind == "choice":
-        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in spec.value))
+        # EBNF string literals: quotes, backslashes and control characters escaped; anything else as itself, since
+        # the grammar reads each \\u escape as one code point and would take a surrogate pair for two (emoji)
+        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.value))
     return xgr.Grammar.from_structural_tag(json.dumps(spec.value))
 
 

@@ -61,6 +61,16 @@ def test_ebnf_grammar_and_choice(smollm2_llm):
     assert outputs[4].outputs[0].text in ("positive", "negative", "neutral")
 
 
+def test_choices_outside_the_basic_plane_come_out_whole(smollm2_llm):
+    """Emoji in a choice (a surrogate pair in JSON's ASCII escapes) are generated as themselves, not as the two
+    halves' invalid bytes; quotes, backslashes and newlines in a choice survive too."""
+    choices = ["a😀b", "🚀 \"go\"\\\n"]
+    for pick in range(2):
+        params = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs={"choice": [choices[pick]]})
+        out = smollm2_llm.generate(["Pick:"], params, use_tqdm=False)[0].outputs[0]
+        assert out.text == choices[pick] and out.finish_reason == "stop", out.text
+
+
 def test_json_object_and_n_samples(smollm2_llm):
     params = SamplingParams(temperature=0.7, seed=3, n=3, max_tokens=MAX_TOKENS,
                             structured_outputs={"json": SCHEMAS["person"]})
