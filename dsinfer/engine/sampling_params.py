@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -13,6 +14,11 @@ _MAX_N = 128
 # max_logprobs (EngineArgs, ``--max-logprobs``) says otherwise; ``check_logprobs_limit`` applies it
 DEFAULT_MAX_LOGPROBS = 20
 _MAX_SEED = 2**63 - 1
+
+
+_NUMERIC_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs",
+                   "truncate_prompt_tokens")
 
 
 class RequestOutputKind(IntEnum):
@@ -107,6 +113,7 @@ class SamplingParams:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._native_numbers()
         # vLLM's spellings: seed -1 is "no seed"; logprobs=True asks for one top token (True is an int, so this
         # comes before the check that rejects other bools)
         if type(self.seed) is int and self.seed == -1:
@@ -140,6 +147,18 @@ class SamplingParams:
         if self.top_k == 0:
             self.top_k = -1
         self._validate()
+
+    def _native_numbers(self) -> None:
+        """Numbers of other types (numpy's, a Fraction) as Python ints and floats, as vLLM takes them; bools and
+        anything that is not a number are left for the checks to refuse."""
+        for name in _NUMERIC_FIELDS:
+            value = getattr(self, name)
+            if value is None or isinstance(value, (bool, int, float)):
+                continue
+            if isinstance(value, numbers.Integral):
+                setattr(self, name, int(value))
+            elif isinstance(value, numbers.Real):
+                setattr(self, name, float(value))
 
     def _validate(self) -> None:
         _check_number("n", self.n, integer=True)

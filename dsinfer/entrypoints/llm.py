@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from dsinfer.config import EngineArgs
@@ -136,7 +136,14 @@ class LLM:
             params = self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             return [params] * count
+        if isinstance(params, (str, bytes, Mapping)) or not isinstance(params, Iterable):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+                            f"{type(params).__name__}")
         params = list(params)
+        wrong = next((p for p in params if not isinstance(p, SamplingParams)), None)
+        if wrong is not None:
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), got a "
+                            f"list holding {type(wrong).__name__}")
         if len(params) != count:
             raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; pass one or one per prompt")
         return params

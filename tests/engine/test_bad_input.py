@@ -119,6 +119,25 @@ def test_wrong_number_of_sampling_params(llm):
     assert serves_a_good_request(llm)
 
 
+@pytest.mark.parametrize("params, got", [({"max_tokens": 2}, "got dict"), ("x", "got str"), (5, "got int"),
+                                         ([SamplingParams(), {"max_tokens": 2}], "holding dict")])
+def test_sampling_params_of_another_type_get_a_type_error(llm, params, got):
+    with pytest.raises(TypeError, match=f"sampling_params must be a SamplingParams or a list of them.*{got}"):
+        llm.generate([{"prompt_token_ids": [1]}] * 2, params, use_tqdm=False)
+    assert serves_a_good_request(llm)
+
+
+def test_numbers_of_other_types_are_taken_as_ints_and_floats():
+    """numpy scalars (a script's np.linspace of temperatures, an np.int64 length), as vLLM takes them."""
+    np = pytest.importorskip("numpy")
+    p = SamplingParams(temperature=np.float32(0.5), top_p=np.float16(0.5), max_tokens=np.int64(5),
+                       top_k=np.int32(3), seed=np.uint8(7), logprobs=np.int64(2), n=np.int8(2))
+    assert (p.temperature, p.top_p, p.max_tokens, p.top_k, p.seed, p.logprobs, p.n) == (0.5, 0.5, 5, 3, 7, 2, 2)
+    assert type(p.max_tokens) is int and type(p.temperature) is float
+    with pytest.raises(ValueError, match="max_tokens must be an integer"):
+        SamplingParams(max_tokens=np.float64(5.0))
+
+
 def test_duplicate_request_id_is_rejected(llm):
     engine = llm.engine
     engine.add_request("dup", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2))
