@@ -22,10 +22,13 @@ def _text_of(content: Any, param: str) -> str | None:
         return content
     texts = []
     for i, part in enumerate(content):
-        if part.type not in _TEXT_PARTS or part.text is None:
+        if part.type not in _TEXT_PARTS:
             raise ProtocolError(
                 f"content part type {part.type!r} is not supported (only text)", param=f"{param}.{i}.type"
             )
+        if part.text is None:
+            raise ProtocolError(f"a content part of type {part.type!r} needs its \"text\" field",
+                                param=f"{param}.{i}.text")
         texts.append(part.text)
     return "\n".join(texts)  # as vLLM joins an OpenAI message's text parts
 

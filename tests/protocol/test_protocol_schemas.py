@@ -199,3 +199,19 @@ def test_grammar_check_compiles_what_parsing_lets_through(constraint):
     pytest.importorskip("xgrammar")
     with pytest.raises(ValueError, match="Invalid repetition range"):
         check_grammar_syntax(constraint)
+
+
+def test_content_parts_are_text_and_a_text_part_needs_its_text():
+    from dsinfer.protocol.conversation import openai_chat_messages
+
+    def messages(*parts):
+        return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": list(parts)}]}).messages
+
+    assert openai_chat_messages(messages({"type": "text", "text": "a"}, {"type": "text", "text": "b"}))[0][
+        "content"] == "a\nb"
+    with pytest.raises(ProtocolError, match="needs its \"text\" field") as err:
+        openai_chat_messages(messages({"type": "text", "text": "a"}, {"type": "text"}))
+    assert err.value.param == "messages.0.content.1.text"
+    with pytest.raises(ProtocolError, match="'image_url' is not supported") as err:
+        openai_chat_messages(messages({"type": "image_url", "image_url": {"url": "x"}}))
+    assert err.value.param == "messages.0.content.0.type"
