@@ -62,8 +62,9 @@ class ChatOutputParser:
 
     Each delta's ``tool_call_parts`` stream the calls: a call is announced (index, name) as soon as its name is
     read, then its arguments follow in fragments, each sent once it can no longer change, so that they add up to
-    the finished call's ``arguments``. A call announced whose markup then fails to parse (or is cut off) sends
-    no more parts; its text is content, as in the non-streamed answer."""
+    the finished call's ``arguments``. A call announced whose markup then fails to parse sends no more parts;
+    its text is content, as in the non-streamed answer. A call the length limit cuts off (``finish(cut_off=
+    True)``) ends as a call with the arguments sent so far, streamed or not."""
 
     def __init__(
         self,
@@ -83,18 +84,19 @@ class ChatOutputParser:
         reasoning, content = self._reasoning.feed(delta) if self._reasoning else ("", delta)
         return self._content(reasoning, content, final=False)
 
-    def finish(self) -> OutputDelta:
+    def finish(self, cut_off: bool = False) -> OutputDelta:
+        """The rest; ``cut_off``: the generation ended at its length limit (finish reason "length")."""
         reasoning, content = self._reasoning.finish() if self._reasoning else ("", "")
-        return self._content(reasoning, content, final=True)
+        return self._content(reasoning, content, final=True, cut_off=cut_off)
 
-    def _content(self, reasoning: str, content: str, final: bool) -> OutputDelta:
+    def _content(self, reasoning: str, content: str, final: bool, cut_off: bool = False) -> OutputDelta:
         out = OutputDelta(reasoning=reasoning)
         if self._tools is None:
             out.content = content
         else:
             out.content, out.tool_calls = self._tools.feed(content)
             if final:
-                rest, calls = self._tools.finish()
+                rest, calls = self._tools.finish(cut_off)
                 out.content += rest
                 out.tool_calls.extend(calls)
             out.tool_call_parts, out.tool_call_indexes = self._parts(final)
@@ -138,9 +140,9 @@ class ChatOutputParser:
         return [ToolCallPart(self._announced - 1, name, "")]
 
 
-def parse_output(text: str, **kwargs) -> OutputDelta:
-    """Non-streaming parse of a whole generation."""
+def parse_output(text: str, cut_off: bool = False, **kwargs) -> OutputDelta:
+    """Non-streaming parse of a whole generation (``cut_off``: it ended at its length limit)."""
     parser = ChatOutputParser(**kwargs)
     parser.feed(text)
-    parser.finish()
+    parser.finish(cut_off)
     return parser.total

@@ -56,8 +56,16 @@ class ToolCallParser(ABC):
                 self._reset_pending()  # the head moved on: a call read next starts from scratch
         return "".join(content), calls
 
-    def finish(self) -> tuple[str, list[ParsedToolCall]]:
+    def finish(self, cut_off: bool = False) -> tuple[str, list[ParsedToolCall]]:
+        """The text held back, as content. ``cut_off`` (the generation hit its length limit): a call whose name
+        was read but not its end is a call with the arguments read so far, as OpenAI answers a call that
+        max_tokens cuts short; a stream has announced it and sent those arguments already."""
         rest, self._buf = self._buf, ""
+        pending = self._pending(rest.lstrip()) if cut_off and self._in_calls and rest.strip() else None
+        if pending is not None:
+            call = ParsedToolCall(*pending)
+            self._ended.append(call)
+            return "", [call]
         return rest, []
 
     def pending(self) -> tuple[str, str] | None:

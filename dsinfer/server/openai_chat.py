@@ -189,7 +189,7 @@ def _response(
 ) -> dict[str, Any]:
     choices = []
     for c in sorted(out.outputs, key=lambda c: c.index):
-        parsed = parse_output(c.text, **parser_kwargs)
+        parsed = parse_output(c.text, c.finish_reason == "length", **parser_kwargs)
         message: dict[str, Any] = {"role": _role(ctx, req), "content": parsed.content}
         if parsed.tool_calls:
             message["content"] = parsed.content.strip() or None
@@ -244,7 +244,7 @@ async def _stream(
             for c in out.outputs:  # a streamed output holds the choices with news; a finished one once
                 delta = parsers[c.index].feed(c.text)
                 if c.finish_reason is not None:
-                    delta.extend(parsers[c.index].finish())
+                    delta.extend(parsers[c.index].finish(cut_off=c.finish_reason == "length"))
                 message: dict[str, Any] = {}
                 if delta.reasoning:
                     message["reasoning_content"] = delta.reasoning

@@ -48,15 +48,24 @@ def _pieces(text: str, size: int) -> list[str]:
     return [text[i : i + size] for i in range(0, len(text), size)]
 
 
-def _chunks(pieces: list[str], parser, parallel: bool = True) -> list[dict]:
-    """The chat route's streamed chunks for a generation arriving in ``pieces`` (a server with ``parser``)."""
+def _chunks(pieces: list[str], parser, parallel: bool = True, finish: str | None = None) -> list[dict]:
+    """The chat route's streamed chunks for a generation arriving in ``pieces`` (a server with ``parser``),
+    finished with ``finish`` where given."""
 
     async def collect() -> list[str]:
         ctx, gen, outputs = fake_stream(pieces, "chatcmpl-1", MODEL)
         req = ChatCompletionRequest(model=MODEL, messages=ASK, tools=CHAT_TOOLS, stream=True,
                                     parallel_tool_calls=parallel)
         kwargs = {"tool_parser": parser, "max_calls": None if parallel else 1}
-        return [e async for e in openai_chat._stream(ctx, req, gen, outputs, kwargs)]
+
+        async def finished_with():
+            async for out in outputs:
+                if out.finished and finish is not None:
+                    for c in out.outputs:
+                        c.finish_reason = finish
+                yield out
+
+        return [e async for e in openai_chat._stream(ctx, req, gen, finished_with(), kwargs)]
 
     events = asyncio.run(collect())
     assert events[-1] == "data: [DONE]\n\n"
@@ -125,6 +134,23 @@ def test_a_call_cut_off_sends_no_more_and_its_text_is_content():
     assert "".join(f["function"]["arguments"] for f in fragments) == '{"city": "Par'
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == text
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("pieces", [4, 7])
+def test_a_call_max_tokens_cuts_off_is_a_call_with_the_arguments_read(pieces):
+    """As OpenAI answers it: finish reason "length", the call with its arguments so far, streamed or not, and its
+    markup not repeated as content."""
+    lead = "Let me check. "
+    text = lead + '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2'
+    chunks = _chunks(_pieces(text, pieces), HermesToolParser, finish="length")
+    (head, *fragments) = _calls_by_index(chunks)[0]
+    streamed = "".join(f["function"]["arguments"] for f in fragments)
+    assert head["function"]["name"] == "get_weather" and streamed.startswith('{"city": "Paris", "days": [1')
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == lead
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    whole = parse_output(text, True, tool_parser=HermesToolParser)
+    assert whole.content == lead and [(c.name, c.arguments) for c in whole.tool_calls] == [("get_weather", streamed)]
+    assert parse_output(text, tool_parser=HermesToolParser).content == text  # ended otherwise: no call was made
 
 
 @pytest.mark.parametrize("body", [
