@@ -95,6 +95,18 @@ class Thinking(WireModel):
         return self
 
 
+class OutputFormat(WireModel):
+    """``output_config.format``: the answer is JSON that the schema accepts (Anthropic's structured outputs)."""
+
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(WireModel):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # a hint this server does not act on
+    format: OutputFormat | None = None
+
+
 class CountTokensRequest(WireModel):
     model: ShortStr | None = None
     messages: Annotated[list[Message], Field(min_length=1, max_length=4096)]
@@ -102,6 +114,7 @@ class CountTokensRequest(WireModel):
     tools: Annotated[list[Tool], Field(max_length=256)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
 
     @field_validator("tools")
     @classmethod

@@ -18,7 +18,7 @@ from dsinfer.protocol.conversation import anthropic_messages, anthropic_tools
 from dsinfer.protocol.errors import ProtocolError
 from dsinfer.protocol.sampling import build_sampling_params
 from dsinfer.protocol.structured_request import validate_structured_outputs
-from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint
+from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint, with_tool_constraint
 from dsinfer.protocol.tool_parsers import ParsedToolCall
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.errors import anthropic_request_id
@@ -95,8 +95,12 @@ async def _prepare(ctx: ServingContext, req: CountTokensRequest) -> tuple[Encode
     # a final assistant turn with text is a prefill: the answer continues it
     encoded = await ctx.encode_chat(messages, tools, template_kwargs=kwargs,
                               continue_final_message=ends_with_prefill(messages))
-    constraint = _tool_choice_constraint(ctx, req)
-    await validate_structured_outputs(constraint, "tool_choice")
+    fmt = req.output_config.format if req.output_config is not None else None
+    forced = req.tool_choice is not None and req.tool_choice.type in ("any", "tool")
+    constraint, field = with_tool_constraint({"json": fmt.json_schema} if fmt else None,
+                                             "output_config.format" if fmt else None,
+                                             _tool_choice_constraint(ctx, req), forced, "output_config.format")
+    await validate_structured_outputs(constraint, field or "tool_choice")
     return encoded, bool(req.tools) and not choice_is_none, constraint
 
 

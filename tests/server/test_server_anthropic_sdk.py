@@ -162,6 +162,49 @@ def test_count_tokens_refuses_what_messages_refuses(server, body):
     assert counted.json()["error"]["type"] == "invalid_request_error"
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_output_config_format_constrains_the_answer_to_the_schema(client):
+    """Anthropic's structured outputs (``output_config.format``), through the SDK's own parameter, streamed and
+    not: the text is JSON the schema accepts."""
+    import json
+
+    import jsonschema
+
+    kwargs = dict(model="SmolLM2-135M-Instruct", max_tokens=60, extra_body=GREEDY,
+                  messages=[{"role": "user", "content": "Describe a person as JSON."}],
+                  output_config={"format": {"type": "json_schema", "schema": PERSON}, "effort": "low"})
+    whole = client.messages.create(**kwargs)
+    jsonschema.validate(json.loads(whole.content[0].text), PERSON)
+    with client.messages.stream(**kwargs) as stream:
+        assert stream.get_final_text() == whole.content[0].text
+
+
+@pytest.mark.parametrize("output_config, param", [
+    ({"format": {"type": "json_object", "schema": {}}}, "output_config.format.type"),
+    ({"format": {"type": "json_schema"}}, "output_config.format.schema"),
+    ({"format": {"type": "json_schema", "schema": {"type": "nope"}}}, "output_config.format"),
+    ({"effort": "extreme"}, "output_config.effort"),
+])
+def test_output_config_errors_name_the_field(server, output_config, param):
+    body = {"model": "SmolLM2-135M-Instruct", "messages": [USER], "output_config": output_config}
+    for path, extra in (("/v1/messages", {"max_tokens": 4}), ("/v1/messages/count_tokens", {})):
+        r = server.post(path, json={**body, **extra})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+        assert param in r.json()["error"]["message"], r.text
+
+
+def test_output_config_with_a_forced_tool_lets_the_tool_win(server):
+    """As response_format beside a forced tool on the OpenAI route: the call leaves no text to shape."""
+    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 80, "messages": [USER], "tools": TOOLS,
+            "tool_choice": {"type": "any"}, "temperature": 0,
+            "output_config": {"format": {"type": "json_schema", "schema": PERSON}}}
+    r = server.post("/v1/messages", json=body)
+    assert r.status_code == 200 and r.json()["content"][-1]["type"] == "tool_use", r.text
+
+
 def test_thinking_budget_must_be_below_max_tokens(server):
     body = {"model": "SmolLM2-135M-Instruct", "messages": [USER],
             "thinking": {"type": "enabled", "budget_tokens": 1024}}
