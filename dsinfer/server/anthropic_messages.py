@@ -80,7 +80,12 @@ def _check_tool_turns(req: CountTokensRequest) -> None:
                                     f"corresponding `tool_result` block in the next message.", param=where)
             calls = {}
         else:
-            calls = {b.id: p.rsplit(".content", 1)[0] for p, b in blocks if b is not None and b.type == "tool_use"}
+            calls = {}
+            for path, block in blocks:
+                if block is not None and block.type == "tool_use":
+                    if block.id in calls:
+                        raise ProtocolError(f"{path}: `tool_use` ids must be unique", param=path)
+                    calls[block.id] = path.rsplit(".content", 1)[0]
 
 
 async def _prepare(ctx: ServingContext, req: CountTokensRequest) -> tuple[EncodedChat, bool, dict[str, Any] | None]:
@@ -92,6 +97,9 @@ async def _prepare(ctx: ServingContext, req: CountTokensRequest) -> tuple[Encode
     kwargs = {"enable_thinking": req.thinking.type != "disabled"} if req.thinking else None
     messages = anthropic_messages(req)
     _check_tool_turns(req)
+    if ends_with_prefill(messages) and messages[-1]["content"] != messages[-1]["content"].rstrip():
+        where = f"messages.{len(req.messages) - 1}.content"
+        raise ProtocolError(f"{where}: final assistant content cannot end with trailing whitespace", param=where)
     # a final assistant turn with text is a prefill: the answer continues it
     encoded = await ctx.encode_chat(messages, tools, template_kwargs=kwargs,
                               continue_final_message=ends_with_prefill(messages))

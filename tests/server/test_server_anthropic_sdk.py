@@ -205,6 +205,26 @@ def test_output_config_with_a_forced_tool_lets_the_tool_win(server):
     assert r.status_code == 200 and r.json()["content"][-1]["type"] == "tool_use", r.text
 
 
+@pytest.mark.parametrize("messages, param, words", [
+    ([USER, {"role": "assistant", "content": "Sure "}], "messages.1.content", "trailing whitespace"),
+    ([USER, {"role": "assistant", "content": [{"type": "text", "text": "Sure\n"}]}], "messages.1.content",
+     "trailing whitespace"),
+    ([USER, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_time", "input": {}},
+                                              {"type": "tool_use", "id": "t1", "name": "get_time", "input": {}}]},
+      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "noon"}]}],
+     "messages.1.content.1", "ids must be unique"),
+])
+def test_anthropic_refuses_what_its_api_refuses(server, messages, param, words):
+    """A final assistant prefill ending in whitespace, a tool_use id twice in a turn: Anthropic's 400s."""
+    body = {"model": "SmolLM2-135M-Instruct", "messages": messages, "tools": TOOLS}
+    for path, extra in (("/v1/messages", {"max_tokens": 4}), ("/v1/messages/count_tokens", {})):
+        r = server.post(path, json={**body, **extra})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["message"].startswith(param), r.text
+    ok = [USER, {"role": "assistant", "content": "Sure"}]  # no trailing whitespace: a prefill to continue
+    assert server.post("/v1/messages", json={**body, "messages": ok, "max_tokens": 4}).status_code == 200
+
+
 def test_thinking_budget_must_be_below_max_tokens(server):
     body = {"model": "SmolLM2-135M-Instruct", "messages": [USER],
             "thinking": {"type": "enabled", "budget_tokens": 1024}}
