@@ -192,7 +192,8 @@ def _response(
         parsed = parse_output(c.text, c.finish_reason == "length", **parser_kwargs)
         message: dict[str, Any] = {"role": _role(ctx, req), "content": parsed.content}
         if parsed.tool_calls:
-            message["content"] = parsed.content.strip() or None
+            # the text around the calls as the stream sends it (whitespace kept, as vLLM's); None when blank
+            message["content"] = parsed.content if parsed.content.strip() else None
             message["tool_calls"] = [
                 {k: v for k, v in tc.items() if k != "index"} for tc in _tool_calls(parsed, 0)
             ]

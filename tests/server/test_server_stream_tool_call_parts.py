@@ -136,6 +136,30 @@ def test_a_call_cut_off_sends_no_more_and_its_text_is_content():
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("text, content", [
+    ('Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+     "Let me check. "),
+    ('\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n', None),
+])
+def test_non_streamed_content_beside_calls_is_the_streamed_text(text, content):
+    """The text around the calls keeps its whitespace, as the stream sends it (and vLLM answers); blank: null."""
+    from types import SimpleNamespace
+
+    from dsinfer.engine.outputs import CompletionOutput, RequestOutput
+
+    ctx, gen, _ = fake_stream([text], "chatcmpl-1", MODEL)
+    ctx.chat_role = "assistant"
+    req = ChatCompletionRequest(model=MODEL, messages=ASK, tools=CHAT_TOOLS)
+    out = RequestOutput("r", None, [1], None, [CompletionOutput(0, text, [1], finish_reason="stop")], True)
+    gen.usage = lambda: {}
+    ctx = SimpleNamespace(**vars(ctx), max_logprobs=0)
+    (choice,) = openai_chat._response(ctx, req, gen, out, {"tool_parser": HermesToolParser})["choices"]
+    assert choice["message"]["content"] == content and choice["finish_reason"] == "tool_calls"
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in _chunks(_pieces(text, 5),
+                                                                                      HermesToolParser))
+    assert streamed.strip() == (content or "").strip() and (content is None or streamed == content)
+
+
 @pytest.mark.parametrize("pieces", [4, 7])
 def test_a_call_max_tokens_cuts_off_is_a_call_with_the_arguments_read(pieces):
     """As OpenAI answers it: finish reason "length", the call with its arguments so far, streamed or not, and its
