@@ -205,6 +205,7 @@ def _response(
                 "message": message,
                 "logprobs": _logprobs(ctx, req, c) if req.logprobs else None,
                 "finish_reason": _finish_reason(c.finish_reason, bool(parsed.tool_calls), req),
+                "stop_reason": c.stop_reason,  # vLLM's: the stop string or token id that ended it
             }
         )
     return {
@@ -258,8 +259,9 @@ async def _stream(
                 for k, delta_message in enumerate(messages):
                     if not delta_message and logprobs is None and c.finish_reason is None:
                         continue
+                    last = k == len(messages) - 1
                     choice = {"index": c.index, "delta": delta_message, "logprobs": logprobs if k == 0 else None,
-                              "finish_reason": finish if k == len(messages) - 1 else None}
+                              "finish_reason": finish if last else None, "stop_reason": c.stop_reason if last else None}
                     yield sse_data({**base, "choices": [choice], **usage_now(req, gen)})
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
         yield sse_data(stream_error_payload(exc))

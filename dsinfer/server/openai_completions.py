@@ -112,7 +112,8 @@ def _choice(ctx: ServingContext, req: CompletionRequest, c: Any, echo: str, offs
             logprobs = {key: head[key] + logprobs[key] for key in logprobs}
     else:
         offset += len(c.text)
-    choice = {"index": c.index, "text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+    choice = {"index": c.index, "text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+              "stop_reason": c.stop_reason}  # vLLM's: the stop string or token id that ended it
     return choice, offset
 
 

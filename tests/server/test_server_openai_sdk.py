@@ -153,6 +153,31 @@ def test_completions_stream_logprob_offsets_match_non_stream_with_a_stop(client,
     assert sum((c.choices[0].logprobs.tokens for c in chunks), []) == whole.tokens
 
 
+def test_stop_reason_names_the_stop_string_or_token_that_ended_a_choice(client, model):
+    """vLLM's ``stop_reason`` beside finish_reason: the stop string or stop token id matched, else null."""
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+    text = plain.choices[0].text
+    word = text.split()[1] if len(text.split()) > 1 else text.strip()
+    hit = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, stop=[word])
+    assert (hit.choices[0].finish_reason, hit.choices[0].stop_reason) == ("stop", word)
+    assert plain.choices[0].stop_reason is None
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, stop=[word],
+                                            stream=True))
+    assert chunks[-1].choices[0].stop_reason == word
+    token = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0,
+                                      logprobs=0, extra_body={"return_tokens_as_token_ids": True})
+    first = int(token.choices[0].logprobs.tokens[0].split(":")[1])
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0,
+                                          extra_body={"stop_token_ids": [first]})
+    via_completions = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                                extra_body={"stop_token_ids": [first]})
+    assert via_completions.choices[0].stop_reason == first
+    streamed = list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0,
+                                                   stream=True, extra_body={"stop_token_ids": [first]}))
+    assert streamed[-1].choices[0].stop_reason == chat.choices[0].stop_reason
+
+
 def test_stream_options_need_stream_and_continuous_usage_fills_every_chunk(client, model, server):
     for path, body in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "Hi"})):
         r = server.post(path, json={**body, "max_tokens": 2, "stream_options": {"include_usage": True}})
