@@ -60,12 +60,16 @@ def prompt_ids(ctx: ServingContext, req: SamplingFields, token_ids: list[int]) -
     return truncate_prompt(token_ids, req.truncate_prompt_tokens, ctx.max_model_len)
 
 
-def usage_now(req: SamplingFields, gen: Generation | Batch) -> dict[str, Any]:
+def usage_now(req: SamplingFields, gen: Generation | Batch, before_output: bool = False) -> dict[str, Any]:
     """``{"usage": ...}`` for every streamed chunk when ``stream_options`` asks for continuous usage stats (with
-    include_usage, as vLLM), else nothing."""
+    include_usage, as vLLM), else nothing. ``before_output``: a chunk sent ahead of every token (the role's),
+    though the first output has already been read (``primed``): no completion tokens yet."""
     options = req.stream_options
     if options is not None and options.include_usage and options.continuous_usage_stats:
-        return {"usage": gen.usage()}
+        usage = gen.usage()
+        if before_output:
+            usage = {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
+        return {"usage": usage}
     return {}
 
 
@@ -240,7 +244,7 @@ async def _stream(
             "logprobs": None,
             "finish_reason": None,
         }
-        yield sse_data({**base, "choices": [choice], **usage_now(req, gen)})
+        yield sse_data({**base, "choices": [choice], **usage_now(req, gen, before_output=True)})
     try:
         async for out in outputs:
             for c in out.outputs:  # a streamed output holds the choices with news; a finished one once

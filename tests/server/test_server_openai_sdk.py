@@ -188,6 +188,7 @@ def test_stream_options_need_stream_and_continuous_usage_fills_every_chunk(clien
     assert all(c.usage is not None for c in chunks)
     counts = [c.usage.completion_tokens for c in chunks]
     assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens > 0
+    assert counts[0] == 0 and chunks[0].choices[0].delta.role == "assistant"  # the role's chunk: no token yet
     assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
     plain = list(client.completions.create(model=model, prompt="Hi", max_tokens=3, temperature=0, stream=True,
                                            stream_options={"include_usage": True}))
