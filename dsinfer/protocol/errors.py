@@ -93,6 +93,8 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str |
     if kind == "value_error":  # our own validators' messages, without pydantic's prefix
         message = message.removeprefix("Value error, ")
     value = first.get("input")
+    if kind == "value_error" and not isinstance(value, int | float | str | bool):
+        return f"{where}{message}", param  # a check of a whole list or object: its type says nothing more
     shown = (
         repr(value) if isinstance(value, int | float | str | bool) or value is None else type(value).__name__
     )

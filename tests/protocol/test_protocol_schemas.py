@@ -167,14 +167,16 @@ def test_validation_messages_name_the_field_plainly():
         return describe_validation_errors(err.value.errors(include_url=False))
 
     assert message(CompletionRequest, {"model": "m", "prompt": ["a", "b"], "n": 65}) == (
-        "prompt: a batch of 2 prompts with n=65 asks for 130 choices; at most 128 (prompts x n) are allowed "
-        "(got list)", "prompt")
+        "prompt: a batch of 2 prompts with n=65 asks for 130 choices; at most 128 (prompts x n) are allowed",
+        "prompt")
     assert message(CompletionRequest, {"model": "m", "prompt": ["a"] * 129}) == (
-        "prompt: a batch of 129 prompts with n=1 asks for 129 choices; at most 128 (prompts x n) are allowed "
-        "(got list)", "prompt")
+        "prompt: a batch of 129 prompts with n=1 asks for 129 choices; at most 128 (prompts x n) are allowed",
+        "prompt")
     assert message(CompletionRequest, {"model": "m", "prompt": [[1], "a"]}) == (
-        "prompt: a batch of prompts must be all strings or all lists of token ids (got list)", "prompt")
+        "prompt: a batch of prompts must be all strings or all lists of token ids", "prompt")
     assert message(ChatCompletionRequest, {"model": "m"}) == ("messages: Field required", "messages")
+    assert message(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "a"}],
+                                           "temperature": "hot"})[0].endswith("(got 'hot')")  # a scalar: shown
 
 
 def test_union_field_messages_come_from_the_branch_that_fits_the_value():
