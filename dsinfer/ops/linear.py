@@ -21,6 +21,9 @@ from dsinfer.ops.activation import silu_and_mul
 from dsinfer.ops.dispatch import use_triton
 
 GEMV_MAX_ROWS = 64  # past this a linear is a GEMM, cuBLAS's ground
+# linear_silu_mul takes a tuned fused tile where one exists; a module flag so that decode_env_sweep.py can time the
+# engine with and without it (``--var dsinfer.ops.linear:FUSED_SILU_MUL``)
+FUSED_SILU_MUL = True
 
 
 def _tuned_tile(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> dict | None:
@@ -50,7 +53,7 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """``silu_and_mul(linear(x, weight, bias))`` for a merged gate/up weight [2I, K] (gate rows first): [..., I].
     See the module doc for when one Triton kernel runs both (never with a bias: it must be added before the
     SiLU)."""
-    cfg = _tuned_tile(x, weight, gated=True) if bias is None else None
+    cfg = _tuned_tile(x, weight, gated=True) if bias is None and FUSED_SILU_MUL else None
     if cfg is not None:
         from dsinfer.ops.triton.gemv import linear_silu_mul_triton
 

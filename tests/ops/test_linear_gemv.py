@@ -128,6 +128,9 @@ def test_linear_silu_mul_takes_the_tuned_gated_tile_or_the_two_ops(monkeypatch, 
     assert len(calls) == 1
     assert torch.equal(linear_silu_mul(x, w, b), silu_and_mul(linear(x, w, b)))  # a bias: the two ops
     assert len(calls) == 1
+    monkeypatch.setattr(linear_mod, "FUSED_SILU_MUL", False)  # the sweep's switch: the two ops
+    assert torch.equal(linear_silu_mul(x, w), silu_and_mul(linear(x, w)))
+    assert len(calls) == 1
 
 
 def test_gated_table_entries(monkeypatch):
