@@ -102,7 +102,7 @@ async def _prepare(ctx: ServingContext, req: CountTokensRequest) -> tuple[Encode
         raise ProtocolError(f"{where}: final assistant content cannot end with trailing whitespace", param=where)
     # a final assistant turn with text is a prefill: the answer continues it
     encoded = await ctx.encode_chat(messages, tools, template_kwargs=kwargs,
-                              continue_final_message=ends_with_prefill(messages))
+                                    continue_final_message=ends_with_prefill(messages))
     fmt = req.output_config.format if req.output_config is not None else None
     forced = req.tool_choice is not None and req.tool_choice.type in ("any", "tool")
     constraint, field = with_tool_constraint({"json": fmt.json_schema} if fmt else None,

@@ -143,16 +143,12 @@ def test_a_call_cut_off_sends_no_more_and_its_text_is_content():
 ])
 def test_non_streamed_content_beside_calls_is_the_streamed_text(text, content):
     """The text around the calls keeps its whitespace, as the stream sends it (and vLLM answers); blank: null."""
-    from types import SimpleNamespace
-
     from dsinfer.engine.outputs import CompletionOutput, RequestOutput
 
     ctx, gen, _ = fake_stream([text], "chatcmpl-1", MODEL)
-    ctx.chat_role = "assistant"
+    gen.usage = lambda: {}
     req = ChatCompletionRequest(model=MODEL, messages=ASK, tools=CHAT_TOOLS)
     out = RequestOutput("r", None, [1], None, [CompletionOutput(0, text, [1], finish_reason="stop")], True)
-    gen.usage = lambda: {}
-    ctx = SimpleNamespace(**vars(ctx), max_logprobs=0)
     (choice,) = openai_chat._response(ctx, req, gen, out, {"tool_parser": HermesToolParser})["choices"]
     assert choice["message"]["content"] == content and choice["finish_reason"] == "tool_calls"
     streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in _chunks(_pieces(text, 5),
