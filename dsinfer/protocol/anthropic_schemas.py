@@ -99,7 +99,7 @@ class OutputFormat(WireModel):
     """``output_config.format``: the answer is JSON that the schema accepts (Anthropic's structured outputs)."""
 
     type: Literal["json_schema"]
-    json_schema: dict[str, Any] = Field(alias="schema")
+    schema_: dict[str, Any] = Field(alias="schema")  # not ``json_schema``: a key of that name must not fill it
 
 
 class OutputConfig(WireModel):

@@ -69,13 +69,17 @@ def completion_logprobs(
 ) -> tuple[dict[str, Any], int]:
     """``choices[i].logprobs`` of the legacy completions API, and the text offset after these tokens. The
     offsets count the tokens' text, also when ``as_token_ids`` writes them as ``token_id:N`` (vLLM counts the
-    ``token_id:N`` strings, which would point past the text)."""
+    ``token_id:N`` strings, which would point past the text). ``top_logprobs`` holds the chosen token besides
+    the ``top_k`` most likely ones, so up to ``top_k + 1`` entries, as OpenAI's legacy API and vLLM answer."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for tid, position in zip(token_ids, positions or []):
         lp = position.get(tid)
-        tokens.append(_token(tokenizer, tid, lp, as_token_ids))
+        token = _token(tokenizer, tid, lp, as_token_ids)
+        tokens.append(token)
         token_logprobs.append(_finite(lp.logprob if lp else -math.inf))
-        tops.append({_token(tokenizer, i, p, as_token_ids): _finite(p.logprob) for i, p in _top(position, top_k)})
+        chosen = {token: _finite(lp.logprob)} if lp is not None else {}
+        tops.append(chosen | {_token(tokenizer, i, p, as_token_ids): _finite(p.logprob)
+                              for i, p in _top(position, top_k)})
         offsets.append(text_offset)
         text_offset += len(_token_text(tokenizer, tid, lp))
     logprobs = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}

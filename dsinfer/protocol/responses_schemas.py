@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictBool, StrictStr, ValidationInfo, field_validator
+from pydantic import Field, StrictBool, StrictStr, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from dsinfer.protocol.fields import MaxTokens, Seed, ShortStr, Temperature, TopLogprobs, TopP, WireModel
@@ -93,8 +93,16 @@ class TextFormat(WireModel):
     type: Literal["text", "json_object", "json_schema"]
     name: ShortStr | None = None
     description: Annotated[str, Field(max_length=65536)] | None = None
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    # ``schema_``, not ``json_schema``: the models take fields by name too, and a chat-style ``json_schema`` key
+    # (the wrapper object) would otherwise become the schema
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _json_schema_is_named(self) -> TextFormat:
+        if self.type == "json_schema" and self.name is None:
+            raise ValueError('a "json_schema" format needs its "name"')
+        return self
 
 
 class TextConfig(WireModel):

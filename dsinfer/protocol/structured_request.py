@@ -37,9 +37,9 @@ def text_format_constraint(fmt: Any) -> dict[str, Any] | None:
         return None
     if fmt.type == "json_object":
         return {"json_object": True}
-    if not isinstance(fmt.json_schema, dict):
+    if not isinstance(fmt.schema_, dict):
         raise ProtocolError("text.format.schema must be a JSON schema object", param="text.format.schema")
-    return {"json": fmt.json_schema}
+    return {"json": fmt.schema_}
 
 
 def structured_outputs_of(req: Any) -> tuple[dict[str, Any] | None, str | None]:

@@ -105,7 +105,7 @@ async def _prepare(ctx: ServingContext, req: CountTokensRequest) -> tuple[Encode
                                     continue_final_message=ends_with_prefill(messages))
     fmt = req.output_config.format if req.output_config is not None else None
     forced = req.tool_choice is not None and req.tool_choice.type in ("any", "tool")
-    constraint, field = with_tool_constraint({"json": fmt.json_schema} if fmt else None,
+    constraint, field = with_tool_constraint({"json": fmt.schema_} if fmt else None,
                                              "output_config.format" if fmt else None,
                                              _tool_choice_constraint(ctx, req), forced, "output_config.format")
     await validate_structured_outputs(constraint, field or "tool_choice")

@@ -217,3 +217,21 @@ def test_content_parts_are_text_and_a_text_part_needs_its_text():
     with pytest.raises(ProtocolError, match="'image_url' is not supported") as err:
         openai_chat_messages(messages({"type": "image_url", "image_url": {"url": "x"}}))
     assert err.value.param == "messages.0.content.0.type"
+
+
+def test_completion_top_logprobs_hold_the_chosen_token_besides_the_top_k():
+    """OpenAI's legacy API (and vLLM): up to logprobs + 1 entries, the chosen token always among them."""
+    from dsinfer.engine.outputs import Logprob
+    from dsinfer.protocol.logprobs import completion_logprobs
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(f"<{i}>" for i in ids)
+
+    tok = Tok()
+    unlikely = {7: Logprob(-14.0, 40, "<7>"), 1: Logprob(-0.5, 1, "<1>"), 2: Logprob(-1.5, 2, "<2>")}
+    likely = {1: Logprob(-0.5, 1, "<1>"), 2: Logprob(-1.5, 2, "<2>")}
+    out, _ = completion_logprobs(tok, [7, 1], [unlikely, likely], 1)
+    assert out["top_logprobs"] == [{"<7>": -14.0, "<1>": -0.5}, {"<1>": -0.5}]
+    out, _ = completion_logprobs(tok, [7, 1], [unlikely, likely], 0)
+    assert out["top_logprobs"] == [{"<7>": -14.0}, {"<1>": -0.5}]

@@ -185,6 +185,7 @@ def test_output_config_format_constrains_the_answer_to_the_schema(client):
 @pytest.mark.parametrize("output_config, param", [
     ({"format": {"type": "json_object", "schema": {}}}, "output_config.format.type"),
     ({"format": {"type": "json_schema"}}, "output_config.format.schema"),
+    ({"format": {"type": "json_schema", "json_schema": PERSON}}, "output_config.format.schema"),  # not its name
     ({"format": {"type": "json_schema", "schema": {"type": "nope"}}}, "output_config.format"),
     ({"effort": "extreme"}, "output_config.effort"),
 ])

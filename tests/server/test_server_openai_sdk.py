@@ -235,6 +235,14 @@ def test_responses_text_format_json_schema_constrains_the_output(client, model, 
     bad = server.post("/v1/responses", json={"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
                                                                                "schema": "not a schema"}}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format.schema", bad.text
+    # chat's response_format shape (the schema under "json_schema") is not this API's: its wrapper object must not
+    # become the schema
+    chat_style = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    bad = server.post("/v1/responses", json={"input": "hi", "text": {"format": {**chat_style, "name": "x"}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format.schema", bad.text
+    bad = server.post("/v1/responses", json={"input": "hi", "text": {"format": {"type": "json_schema",
+                                                                               "schema": schema}}})
+    assert bad.status_code == 400 and "name" in bad.json()["error"]["message"], bad.text
 
 
 def test_responses_top_logprobs_score_the_output_text(client, model):
