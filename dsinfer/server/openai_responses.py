@@ -141,13 +141,15 @@ def _response(
     items: list[dict[str, Any]],
     finish_reason: str | None,
     status: str | None = None,
+    created_at: int | None = None,
 ) -> dict[str, Any]:
+    """The response object; ``status`` "in_progress" (a stream's first events) has no usage yet, as OpenAI's."""
     incomplete = finish_reason == "length"
     status = status or ("incomplete" if incomplete else "completed")
     return {
         "id": gen.request_id,
         "object": "response",
-        "created_at": int(time.time()),
+        "created_at": int(time.time()) if created_at is None else created_at,
         "status": status,
         "model": ctx.reported_model(req.model),
         "output": items,
@@ -167,7 +169,7 @@ def _response(
         "parallel_tool_calls": req.parallel_tool_calls,
         "store": False,
         "metadata": req.metadata or {},
-        "usage": {
+        "usage": None if status == "in_progress" else {
             "input_tokens": len(gen.prompt_ids),
             "output_tokens": gen.num_generated,
             "total_tokens": len(gen.prompt_ids) + gen.num_generated,
@@ -335,8 +337,9 @@ async def _stream(
     parser_kwargs: dict[str, Any],
 ) -> AsyncIterator[str]:
     w = _EventWriter()
-    yield w.event("response.created", response=_response(ctx, req, gen, [], None, status="in_progress"))
-    yield w.event("response.in_progress", response=_response(ctx, req, gen, [], None, status="in_progress"))
+    created = int(time.time())  # one creation time for every event's response object
+    for kind in ("response.created", "response.in_progress"):
+        yield w.event(kind, response=_response(ctx, req, gen, [], None, status="in_progress", created_at=created))
     parser, finish = ChatOutputParser(**parser_kwargs), None
     try:
         async for out in outputs:
@@ -353,6 +356,6 @@ async def _stream(
         return
     for event in w.finish(cut=finish == "length"):
         yield event
-    final = _response(ctx, req, gen, w.items, finish)
+    final = _response(ctx, req, gen, w.items, finish, created_at=created)
     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
     yield w.event(kind, response=final)

@@ -98,6 +98,9 @@ def _response_events(client, **kwargs):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
     assert events[0].response.id == events[-1].response.id
+    assert events[0].response.created_at == events[1].response.created_at == events[-1].response.created_at
+    assert events[0].response.usage is None and events[1].response.usage is None  # no tokens yet, as OpenAI
+    assert events[-1].response.usage.output_tokens > 0
     return full, events
 
 
