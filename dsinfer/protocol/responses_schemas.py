@@ -125,5 +125,11 @@ class ResponsesRequest(WireModel):
     stream: StrictBool = False
     store: StrictBool = False
     previous_response_id: ShortStr | None = None
+    # stateful or stored features this server does not have: read so that a request using them gets a 400 rather
+    # than an answer that silently lacks them
+    conversation: ShortStr | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    background: StrictBool = False
+    truncation: Literal["auto", "disabled"] | None = None
     metadata: dict[str, Any] | None = None
     user: Annotated[str, Field(max_length=1024)] | None = None

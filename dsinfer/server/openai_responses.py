@@ -32,11 +32,15 @@ async def responses(request: Request):
     ctx: ServingContext = request.app.state.ctx
     req = await parse_body(request, ResponsesRequest)
     ctx.check_model(req.model)
-    if req.previous_response_id is not None:
-        raise ProtocolError(
-            "previous_response_id is not supported: this server does not store responses",
-            param="previous_response_id",
-        )
+    unsupported = {
+        "previous_response_id": "this server does not store responses",
+        "conversation": "this server does not store conversations",
+        "prompt": "this server has no stored prompt templates",
+        "background": "responses run in the request (no background mode)",
+    }
+    for field, why in unsupported.items():
+        if getattr(req, field) not in (None, False):
+            raise ProtocolError(f"{field} is not supported: {why}", param=field)
     use_tools = bool(req.tools) and req.tool_choice != "none"  # the answer is parsed for tool calls
     tools = responses_tools(req) if ctx.prompt_has_tools(req.tools, req.tool_choice == "none") else None
     encoded = await ctx.encode_chat(responses_messages(req), tools)

@@ -42,3 +42,21 @@ def test_the_sdk_reads_the_400_for_a_missing_content(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model=MODEL, input=[{"type": "message", "role": "user"}], max_output_tokens=1)
     assert err.value.param == "input.0.content" and err.value.type == "invalid_request_error"
+
+
+@pytest.mark.parametrize("field, value", [("previous_response_id", "resp_1"), ("conversation", "conv_1"),
+                                          ("conversation", {"id": "conv_1"}), ("prompt", {"id": "pmpt_1"}),
+                                          ("background", True)])
+def test_stored_or_stateful_features_are_a_400_naming_them(server, field, value):
+    """This server keeps no responses, conversations or prompt templates and answers in the request: a request
+    that relies on them is refused, not answered without them."""
+    r = server.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert "not supported" in r.json()["error"]["message"]
+
+
+def test_truncation_takes_the_apis_values(server):
+    assert server.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2,
+                                              "truncation": "auto"}).status_code == 200
+    r = server.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "truncation": "sometimes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncation", r.text
