@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.layers.linear import Linear
+from dsinfer.ops.activation import silu_and_mul
 from dsinfer.ops.fp8 import FP8_DTYPE, block_dequantize, block_quantize, fp8_block_linear, scale_grid
 
 
@@ -167,3 +168,7 @@ class Fp8BlockLinear(nn.Module):
         if self.dense is not None:
             return F.linear(x, self.dense, self.bias)
         return fp8_block_linear(x, self.weight, self.weight_scale_inv, self.shards.block_size, self.bias)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up of a merged [gate, up] projection, as ``Linear.silu_mul`` (here always two ops)."""
+        return silu_and_mul(self(x))

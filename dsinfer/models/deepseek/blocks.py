@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from dsinfer import batch_invariant, envs
-from dsinfer.layers.activation import SiluAndMul
 from dsinfer.layers.fp8_linear import Fp8Config, make_linear
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.mla import MLAAttention
@@ -120,16 +119,11 @@ class DeepseekMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = make_linear(hidden, [intermediate, intermediate], quant)
         self.down_proj = make_linear(intermediate, hidden, quant)
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
         """MLP(x), or ``add_to + MLP(x)``: with a plain (unquantized, bias-free) down_proj the sum is the down
         GEMM's own epilogue (``addmm_``, in place on ``add_to``: one kernel, not a GEMM and an add)."""
-        gate_up = self.gate_up_proj
-        if type(gate_up) is Linear:  # FP8 projections keep their own GEMM
-            h = gate_up.silu_mul(x)
-        else:
-            h = self.act(gate_up(x))
+        h = self.gate_up_proj.silu_mul(x)
         down = self.down_proj
         if add_to is None:
             return down(h)

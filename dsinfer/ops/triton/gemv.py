@@ -42,24 +42,24 @@ def tuned_config(rows: int, weight: torch.Tensor, gated: bool = False) -> dict |
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: dict) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias) in x's dtype, float32 accumulation."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    grouped_gemm(x2, weight, out, cfg, bias=bias)
-    return out.view(*lead, weight.shape[0])
+    return _rows_through(x, weight.shape[0], lambda x2, out: grouped_gemm(x2, weight, out, cfg, bias=bias))
 
 
 def linear_silu_mul_triton(x: torch.Tensor, weight: torch.Tensor, cfg: dict) -> torch.Tensor:
     """SiLU(x W_gate^T) * (x W_up^T) for weight [2N, K] (gate rows, then up rows), in x's dtype: both products
     accumulate in float32 in one program, the epilogue multiplies them and rounds once. No split-K: the SiLU
     needs whole sums."""
+    gated_cfg = dict(cfg, split_k=1)
+    return _rows_through(x, weight.shape[0] // 2,
+                         lambda x2, out: grouped_gemm(x2, weight, out, gated_cfg, gated=True))
+
+
+def _rows_through(x: torch.Tensor, n: int, gemm) -> torch.Tensor:
+    """x [..., K] as contiguous rows [M, K] into ``gemm(rows, out [M, n])``; out shaped [..., n]."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    n = weight.shape[0] // 2
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
-    grouped_gemm(x2, weight, out, dict(cfg, split_k=1), gated=True)
+    gemm(x2, out)
     return out.view(*lead, n)
