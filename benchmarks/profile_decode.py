@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e5m2")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also profile the host side (cProfile) of the same steps and print its top N functions")
+    p.add_argument("--sequence", type=int, default=0, metavar="N",
+                   help="also print the last step's first N kernels in launch order, with their gaps")
     return p.parse_args(argv)
 
 
@@ -198,7 +200,25 @@ def report(profiled, args) -> int:
     print(f"{'ms/step':>8} {'share':>6} {'n/step':>7}  kernel")
     for name, (ms, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[: args.top]:
         print(f"{ms / steps:8.3f} {100 * ms / steps / total_ms:5.1f}% {n / steps:7.1f}  {name[:110]}")
+    if args.sequence:
+        print_sequence(prof, launches, args.sequence)
     return 0
+
+
+def print_sequence(prof, launches: float, count: int) -> None:
+    """The last profiled step's first ``count`` kernels in start order: start and duration in µs and the gap since
+    the previous kernel ended (negative: they overlapped, e.g. under programmatic dependent launch)."""
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    last = kernels[-round(launches):][:count]
+    if not last:
+        return
+    print(f"{'start us':>9} {'us':>7} {'gap us':>7}  kernel (the last step, launch order)")
+    t0, prev_end = last[0].time_range.start, last[0].time_range.start
+    for e in last:
+        start, end = e.time_range.start, e.time_range.end
+        print(f"{start - t0:9.1f} {end - start:7.2f} {start - prev_end:7.2f}  {e.name[:90]}")
+        prev_end = max(prev_end, end)
 
 
 if __name__ == "__main__":
