@@ -142,7 +142,7 @@ def main(argv=None) -> None:
             floor = decode_floor_ms(shape, batch, args.context, runner.kv_bytes_per_token, bandwidth)
             print(f"| {value} | {batch} | {graph_ms:.3f} | {step_ms:.3f} | {floor:.3f} | {graph_ms / floor:.3f} | "
                   f"{diff:.3g} |", flush=True)
-            rows.append((value, batch, graph_ms, step_ms))
+            rows.append((str(value), batch, graph_ms, step_ms))  # str: a constant's value may be a dict
     print()
     print("\n".join(summary_rows(rows)))
 

@@ -40,3 +40,23 @@ def test_the_summary_averages_the_repeats_against_the_first_value():
         "| mla,split | 1 | 2 | 1.900 | 2.000 | -9.5% | -9.1% |",
         "| mla,split | 64 | 1 | 9.000 | 9.100 | +0.0% | +0.0% |",
     ]
+
+
+def test_a_table_entry_takes_gate_up_and_down_overrides():
+    from benchmarks.moe_config_sweep import overridden
+
+    entry = {"block_n": 128, "num_stages": 3, "down": {"num_stages": 4}}
+    assert overridden(entry, {}) == entry
+    assert overridden(entry, {"gate_up": {"num_warps": 8}, "down": {"num_stages": 5}}) == {
+        "block_n": 128, "num_stages": 3, "num_warps": 8, "down": {"num_stages": 5}}
+    assert "down" not in overridden({"block_n": 64}, {"gate_up": {"split_k": 2}})  # a dense entry stays dense
+    with pytest.raises(ValueError, match="'gate_up' and 'down'"):
+        overridden(entry, {"gu": {"num_warps": 8}})
+
+
+def test_an_unknown_table_entry_is_refused_before_loading(capsys):
+    from benchmarks.moe_config_sweep import main
+
+    with pytest.raises(SystemExit):
+        main(["--key", "1,2,3,bfloat16", "--bucket", "1", "--values", "{}"])
+    assert "no bucket '1' under '1,2,3,bfloat16'" in capsys.readouterr().err
