@@ -10,7 +10,7 @@ _TYPES: dict[int, tuple[str, str]] = {
     400: ("invalid_request_error", "invalid_request_error"),
     401: ("authentication_error", "authentication_error"),
     403: ("permission_error", "permission_error"),
-    404: ("not_found_error", "not_found_error"),
+    404: ("invalid_request_error", "not_found_error"),  # OpenAI answers an unknown model or URL so
     405: ("invalid_request_error", "invalid_request_error"),
     413: ("invalid_request_error", "request_too_large"),
     422: ("invalid_request_error", "invalid_request_error"),

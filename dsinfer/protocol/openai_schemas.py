@@ -160,6 +160,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False  # vLLM's: the last (assistant) message is continued, not closed
+    echo: StrictBool = False  # vLLM's: the answer starts with the last message's text when the roles match
 
 
 # a batch is one engine request per prompt, each with n choices: their count, prompts x n, has n's cap

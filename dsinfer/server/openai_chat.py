@@ -123,8 +123,9 @@ async def chat_completions(request: Request):
     if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
         raise ProtocolError("continue_final_message and add_generation_prompt cannot both be true",
                             param="continue_final_message")
+    messages = openai_chat_messages(req.messages)
     encoded = await ctx.encode_chat(
-        openai_chat_messages(req.messages),
+        messages,
         openai_chat_tools(req.tools) if ctx.prompt_has_tools(req.tools, req.tool_choice == "none") else None,
         req.chat_template,
         req.chat_template_kwargs,
@@ -139,12 +140,13 @@ async def chat_completions(request: Request):
     await validate_structured_outputs(structured, field)
     gen = Generation(ctx, ids, params, new_id("chatcmpl-"))
     parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools, req.parallel_tool_calls)
+    echo = (messages[-1]["content"] or "") if req.echo and req.messages[-1].role == _role(ctx, req) else ""
     if req.stream:
         outputs = await primed(request, gen.outputs())
-        body = _stream(ctx, req, gen, outputs, parser_kwargs)
+        body = _stream(ctx, req, gen, outputs, parser_kwargs, echo)
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
     out = await gen.final(request)
-    return JSONResponse(_response(ctx, req, gen, out, parser_kwargs))
+    return JSONResponse(_response(ctx, req, gen, out, parser_kwargs, echo))
 
 
 def _tool_calls(delta: OutputDelta, first_index: int) -> list[dict[str, Any]]:
@@ -190,7 +192,9 @@ def _response(
     gen: Generation,
     out: RequestOutput,
     parser_kwargs: dict[str, Any],
+    echo: str = "",
 ) -> dict[str, Any]:
+    """The chat.completion body; ``echo``: the last message's text, put before each answer (vLLM's ``echo``)."""
     choices = []
     for c in sorted(out.outputs, key=lambda c: c.index):
         parsed = parse_output(c.text, c.finish_reason == "length", **parser_kwargs)
@@ -201,6 +205,8 @@ def _response(
             message["tool_calls"] = [
                 {k: v for k, v in tc.items() if k != "index"} for tc in _tool_calls(parsed, 0)
             ]
+        if echo:
+            message["content"] = echo + (message["content"] or "")
         if parsed.reasoning:
             message["reasoning_content"] = parsed.reasoning
         choices.append(
@@ -229,6 +235,7 @@ async def _stream(
     gen: Generation,
     outputs: AsyncIterator[RequestOutput],
     parser_kwargs: dict[str, Any],
+    echo: str = "",
 ) -> AsyncIterator[str]:
     base = {
         "id": gen.request_id,
@@ -244,6 +251,9 @@ async def _stream(
             "logprobs": None,
             "finish_reason": None,
         }
+        yield sse_data({**base, "choices": [choice], **usage_now(req, gen, before_output=True)})
+    for i in range(req.n if echo else 0):  # the echoed text in a chunk of its own, as vLLM sends it
+        choice = {"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}
         yield sse_data({**base, "choices": [choice], **usage_now(req, gen, before_output=True)})
     try:
         async for out in outputs:

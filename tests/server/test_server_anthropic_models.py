@@ -60,13 +60,13 @@ def test_openai_clients_keep_openais_shapes(client, server):
     assert models.object == "list" and models.data[0].object == "model" and models.data[0].id == MODEL
     with pytest.raises(openai.NotFoundError) as err:
         client.models.retrieve("claude-sonnet-4-5")
-    assert err.value.body["type"] == "not_found_error" and err.value.body["code"] == "model_not_found"
+    assert err.value.body["type"] == "invalid_request_error" and err.value.body["code"] == "model_not_found"
     # anthropic-version beside an OpenAI-only header is an OpenAI client
     r = httpx.get(f"{server.v1}/models", timeout=30,
                   headers={**ANTHROPIC_HEADERS, "OpenAI-Organization": "org-1"})
     assert r.json()["object"] == "list" and "request-id" not in r.headers
     r = httpx.get(f"{server.v1}/models/nope", timeout=30, headers={**ANTHROPIC_HEADERS, "OpenAI-Project": "p"})
-    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_anthropic_messages_carry_a_request_id(claude):

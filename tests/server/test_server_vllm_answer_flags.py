@@ -187,6 +187,28 @@ def test_without_a_generation_prompt_the_role_is_the_last_messages(flagged):
     assert _ok(flagged, "/v1/chat/completions", prefill)["choices"][0]["message"]["role"] == "assistant"
 
 
+def test_chat_echo_puts_the_continued_message_before_the_answer(server):
+    """vLLM's chat ``echo``: when the answer's role is the last message's (here a continued assistant prefill),
+    the answer starts with that message's text, in the body and in a chunk of its own after the role chunk; a
+    request whose answer opens a new turn echoes nothing."""
+    prefill = {"messages": [*MSGS, {"role": "assistant", "content": "My favourite colour is"}], **GREEDY,
+               "continue_final_message": True}
+    plain = _ok(server, "/v1/chat/completions", prefill)["choices"][0]["message"]["content"]
+    echoed = _ok(server, "/v1/chat/completions", {**prefill, "echo": True})["choices"][0]["message"]["content"]
+    assert echoed == "My favourite colour is" + plain
+    events = _events(server, "/v1/chat/completions", {**prefill, "echo": True, "n": 2})
+    deltas = [c["choices"][0] for c in events if c["choices"]]
+    assert [d["delta"] for d in deltas[2:4]] == [{"content": "My favourite colour is"}] * 2
+    assert [d["index"] for d in deltas[2:4]] == [0, 1]
+    streamed = "".join(d["delta"].get("content") or "" for d in deltas if d["index"] == 0)
+    assert streamed == echoed
+    new_turn = _ok(server, "/v1/chat/completions", {"messages": MSGS, **GREEDY, "echo": True})
+    assert new_turn["choices"][0]["message"]["content"] == _ok(
+        server, "/v1/chat/completions", {"messages": MSGS, **GREEDY})["choices"][0]["message"]["content"]
+    r = server.post("/v1/chat/completions", json={"messages": MSGS, **GREEDY, "echo": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+
+
 def test_anthropic_and_responses_answers_keep_their_roles(flagged):
     model = httpx.get(f"{flagged.v1}/models", headers=flagged.headers(), timeout=30).json()["data"][0]["id"]
     message = _ok(flagged, "/v1/messages", {"model": model, "max_tokens": 4, "messages": MSGS})
