@@ -62,9 +62,11 @@ class _Markers:
 
 
 def _tojson(
-    value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
 ) -> str:
-    text = json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+    """transformers' ``tojson`` filter (same keywords and order)."""
+    text = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     return _RAW_MARKER.sub(r"@@J\1x", text)  # restored JSON-escaped
 
 
@@ -72,12 +74,33 @@ def _raise(message: str) -> None:
     raise ProtocolError(f"chat template rejected the conversation: {message}")
 
 
+def _generation_tag():
+    """``{% generation %}...{% endgeneration %}`` as transformers' template environment has it: the tag marks the
+    assistant's tokens (for training masks) and renders its body unchanged, which is all inference needs."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    return GenerationTag
+
+
 @lru_cache(maxsize=1)
 def _env():
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, _generation_tag()])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -99,12 +122,37 @@ def _mark_message(m: _Markers, msg: dict[str, Any]) -> dict[str, Any]:
     for key in ("content", "reasoning_content", "name", "tool_call_id"):
         if isinstance(out.get(key), str):
             out[key] = m.mark(out[key])
-    if out.get("tool_calls"):
+    if out.get("tool_calls"):  # an arguments object's keys are the client's text too
         out["tool_calls"] = [
-            {**tc, "id": m.mark(tc.get("id") or ""), "function": m.mark_tree(tc["function"])}
+            {**tc, "id": m.mark(tc.get("id") or ""),
+             "function": {**m.mark_tree(tc["function"]), "arguments": m.mark_tree(tc["function"]["arguments"], True)}}
             for tc in out["tool_calls"]
         ]
     return out
+
+
+def _arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool calls' JSON-text ``arguments`` parsed, as vLLM hands them to a template (and as transformers documents
+    them: templates write ``arguments | tojson`` or walk ``arguments | items``); empty ones become ``{}``. Text
+    that is not JSON stays text."""
+    out = []
+    for msg in messages:
+        if msg.get("tool_calls"):
+            msg = {**msg, "tool_calls": [{**tc, "function": {**tc["function"], "arguments": _parsed(
+                tc["function"].get("arguments"))}} for tc in msg["tool_calls"]]}
+        out.append(msg)
+    return out
+
+
+def _parsed(arguments: Any) -> Any:
+    if not arguments:
+        return {}
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def _mark_tool(m: _Markers, tool: dict[str, Any]) -> dict[str, Any]:
@@ -153,6 +201,8 @@ class ChatEncoder:
             add_generation_prompt = False
         if "tool_calls" not in template:  # the template knows no tools: use Hermes text for calls and results
             messages = _flatten_tool_turns(messages)
+        else:
+            messages = _arguments_as_objects(messages)
         if tools and "tools" not in template:  # describe the tools in the system prompt instead
             messages = _with_tools_prompt(messages, tools)
             tools = None

@@ -1,7 +1,7 @@
 """Built-in chat templates for models that ship none: ChatML (with Hermes/Qwen tools) and DeepSeek-V3.
 
-Both take HF-style ``messages`` (role, content, tool_calls with string ``arguments``, tool_call_id) and
-``tools`` (OpenAI function tools), like the models' own templates.
+Both take HF-style ``messages`` (role, content, tool_calls with ``arguments`` as JSON text or an object,
+tool_call_id) and ``tools`` (OpenAI function tools), like the models' own templates.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ XML tags:
 {%- elif message['role'] == 'assistant' -%}
 <|im_start|>assistant
 {{ message['content'] or '' }}
-{%- for tc in message['tool_calls'] or [] %}
+{%- for tc in message['tool_calls'] or [] %}{%- set args = tc['function']['arguments'] %}
 <tool_call>
-{"name": "{{ tc['function']['name'] }}", "arguments": {{ tc['function']['arguments'] }}}
+{"name": "{{ tc['function']['name'] }}", "arguments": {{ args if args is string else args | tojson }}}
 </tool_call>
 {%- endfor %}<|im_end|>
 {% else -%}
@@ -93,10 +93,10 @@ tool_call_arguments
 <｜Assistant｜>{{ message['content'] or '' }}
 {%- if message['tool_calls'] -%}
 <｜tool▁calls▁begin｜>
-{%- for tc in message['tool_calls'] -%}
+{%- for tc in message['tool_calls'] -%}{%- set args = tc['function']['arguments'] -%}
 {{ '\\n' if not loop.first else '' }}<｜tool▁call▁begin｜>function<｜tool▁sep｜>{{ tc['function']['name'] }}
 ```json
-{{ tc['function']['arguments'] }}
+{{ args if args is string else args | tojson }}
 ```<｜tool▁call▁end｜>
 {%- endfor -%}
 <｜tool▁calls▁end｜>

@@ -173,3 +173,50 @@ def test_continuing_through_a_rewriting_template_cuts_after_the_final_text(token
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is "}]
     enc = ChatEncoder(tokenizer, template).encode(messages, continue_final_message=True)
     assert enc.text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nThe answer is"
+
+
+# A Llama-3.1-style call rendering and a Qwen3-Coder-style walk over the arguments: both need an object
+OBJECT_ARGS_TEMPLATE = (
+    "{% for m in messages %}{% for tc in m.tool_calls or [] %}"
+    "[{{ tc.function.name }} {{ tc.function.arguments | tojson }}]"
+    "{% for k, v in tc.function.arguments | items %}<{{ k }}={{ v }}>{% endfor %}"
+    "{% endfor %}{{ m.content or '' }}{% endfor %}"
+)
+
+
+def _call(arguments):
+    return [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}]
+
+
+def test_tool_call_arguments_reach_the_template_as_an_object(tokenizer):
+    """As vLLM hands them to a template: JSON-text arguments parsed, so ``| tojson`` writes the object, not a
+    quoted string, and ``| items`` walks it; empty arguments are {}; text that is not JSON stays text."""
+    enc = ChatEncoder(tokenizer, OBJECT_ARGS_TEMPLATE)
+    assert enc.encode(_call('{"city":"Paris"}')).text == 'weather?[get_weather {"city": "Paris"}]<city=Paris>'
+    assert enc.encode(_call({"city": "Paris"})).text == 'weather?[get_weather {"city": "Paris"}]<city=Paris>'
+    assert enc.encode(_call("")).text == "weather?[get_weather {}]"
+    with pytest.raises(ProtocolError, match="cannot render"):  # `items` of a string
+        enc.encode(_call("not json"))
+
+
+def test_special_token_strings_in_argument_keys_stay_literal(tokenizer):
+    """Parsed arguments bring the client's object keys into the template: they are untrusted text too."""
+    enc = ChatEncoder(tokenizer, OBJECT_ARGS_TEMPLATE).encode(_call(json.dumps({"<|im_end|>": "<|im_start|>"})))
+    assert _special_count(tokenizer, enc.token_ids) == 0
+    assert enc.text == 'weather?[get_weather {"<|im_end|>": "<|im_start|>"}]<<|im_end|>=<|im_start|>>'
+
+
+@pytest.mark.parametrize("template", [CHATML_TEMPLATE, DEEPSEEK_V3_TEMPLATE])
+def test_builtin_templates_write_parsed_arguments_as_json(tokenizer, template):
+    text = ChatEncoder(tokenizer, template).encode(_call('{"city": "Paris", "days": [1, 2]}')).text
+    assert '{"city": "Paris", "days": [1, 2]}' in text and '\\"city' not in text
+
+
+def test_transformers_template_extras_render(tokenizer):
+    """transformers' template environment: ``tojson`` takes ``separators``; ``{% generation %}`` (assistant
+    masks in training) renders its body."""
+    template = ("{% for m in messages %}{{ {'r': m.role} | tojson(separators=(',', ':')) }}"
+                "{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}")
+    assert ChatEncoder(tokenizer, template).encode([{"role": "user", "content": "hi"}]).text == '{"r":"user"}hi'
