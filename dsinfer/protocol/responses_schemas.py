@@ -109,6 +109,15 @@ class TextConfig(WireModel):
     format: TextFormat | None = None
 
 
+# ``include``'s values (the openai SDK's ``ResponseIncludable``); only the output logprobs change an answer here:
+# the others name tools and inputs this server does not have, and add nothing
+INCLUDABLE = Literal[
+    "message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
+    "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+    "computer_call_output.output.image_url", "code_interpreter_call.outputs",
+]
+
+
 class ResponsesRequest(WireModel):
     model: ShortStr | None = None
     input: StrictStr | Annotated[list[InputItem], Field(min_length=1, max_length=4096)]
@@ -117,6 +126,7 @@ class ResponsesRequest(WireModel):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_logprobs: TopLogprobs | None = None
+    include: Annotated[list[INCLUDABLE], Field(max_length=16)] | None = None
     seed: Seed | None = None
     tools: Annotated[list[FunctionTool], Field(max_length=256)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
@@ -133,3 +143,11 @@ class ResponsesRequest(WireModel):
     truncation: Literal["auto", "disabled"] | None = None
     metadata: dict[str, Any] | None = None
     user: Annotated[str, Field(max_length=1024)] | None = None
+
+    @property
+    def output_logprobs(self) -> int | None:
+        """How many alternatives each output token's logprob entry lists, None when the request did not include
+        ``message.output_text.logprobs`` (as OpenAI and vLLM: ``top_logprobs`` alone returns none)."""
+        if "message.output_text.logprobs" not in (self.include or ()):
+            return None
+        return self.top_logprobs or 0

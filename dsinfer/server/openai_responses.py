@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -53,7 +54,7 @@ async def responses(request: Request):
         temperature=req.temperature,
         top_p=req.top_p,
         seed=req.seed,
-        logprobs=req.top_logprobs,
+        logprobs=req.output_logprobs,
         structured_outputs=structured,
     )
     if use_tools and ctx.tool_markers_special:
@@ -72,21 +73,28 @@ async def responses(request: Request):
         )
     out = await gen.final(request)
     c = out.outputs[0]
-    logprobs = _logprobs(ctx, req, c.token_ids, c.logprobs)
-    items = _items(parse_output(c.text, **parser_kwargs), logprobs)
-    if c.finish_reason == "length":  # the item whose text was cut by max_output_tokens is "incomplete" (OpenAI)
-        next(item for item in reversed(items) if item["type"] in ("message", "reasoning"))["status"] = "incomplete"
-    return JSONResponse(_response(ctx, req, gen, items, c.finish_reason))
+    items, parsed = answer_items(c.text, c.finish_reason, parser_kwargs, _logprobs(ctx, req, c.token_ids, c.logprobs))
+    reasoning_tokens = await _reasoning_tokens(ctx, parsed.reasoning)
+    return JSONResponse(_response(ctx, req, gen, items, c.finish_reason, reasoning_tokens=reasoning_tokens))
 
 
 def _logprobs(ctx: ServingContext, req: ResponsesRequest, token_ids: list[int], positions) -> list[dict[str, Any]]:
-    """``output_text.logprobs`` entries (chat's format) of these tokens when ``top_logprobs`` is set. Every
+    """``output_text.logprobs`` entries (chat's format) of these tokens when the request includes them. Every
     generated token is scored in the answer's text, reasoning or tool-call tokens included, as vLLM. Tokens are
     ``token_id:N`` under --return-tokens-as-token-ids: vLLM's Responses API follows the server flag only (its
     request has no ``return_tokens_as_token_ids``; the field is ignored here as there)."""
-    if req.top_logprobs is None:
+    if req.output_logprobs is None:
         return []
-    return chat_logprobs(ctx.tokenizer, token_ids, positions, req.top_logprobs, ctx.tokens_as_ids(None))
+    return chat_logprobs(ctx.tokenizer, token_ids, positions, req.output_logprobs, ctx.tokens_as_ids(None))
+
+
+async def _reasoning_tokens(ctx: ServingContext, reasoning: str) -> int:
+    """``output_tokens_details.reasoning_tokens``: the reasoning text's tokens, counted by encoding it again (the
+    parsers split text, not tokens; a generated text re-encodes to its own tokens but at rare merges), off the
+    event loop as every encoding."""
+    if not reasoning:
+        return 0
+    return len(await asyncio.to_thread(ctx.tokenizer.encode, reasoning, add_special_tokens=False))
 
 
 def _tool_choice_constraint(ctx: ServingContext, req: ResponsesRequest) -> dict[str, Any] | None:
@@ -130,6 +138,23 @@ def _call_item(name: str, arguments: str) -> dict[str, Any]:
     }
 
 
+def answer_items(text: str, finish_reason: str | None, parser_kwargs: dict[str, Any],
+                 logprobs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], OutputDelta]:
+    """The non-streamed answer's output items, and the parse they come from. The item max_output_tokens cut short
+    is "incomplete" (OpenAI): a call read only in part (its arguments so far, as the stream sent them), else the
+    last text; none when the cut fell right after a whole call."""
+    cut = finish_reason == "length"
+    parsed = parse_output(text, cut, **parser_kwargs)
+    items = _items(parsed, logprobs)
+    if cut:
+        partial_call = len(parsed.tool_calls) > len(parse_output(text, **parser_kwargs).tool_calls)
+        cut_item = items[-1] if partial_call else next(
+            (item for item in reversed(items) if item["type"] in ("message", "reasoning")), None)
+        if cut_item is not None:
+            cut_item["status"] = "incomplete"
+    return items, parsed
+
+
 def _items(parsed: OutputDelta, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     items = [_reasoning_item(parsed.reasoning)] if parsed.reasoning else []
     if parsed.content.strip() or not parsed.tool_calls:
@@ -146,6 +171,7 @@ def _response(
     finish_reason: str | None,
     status: str | None = None,
     created_at: int | None = None,
+    reasoning_tokens: int = 0,
 ) -> dict[str, Any]:
     """The response object; ``status`` "in_progress" (a stream's first events) has no usage yet, as OpenAI's."""
     incomplete = finish_reason == "length"
@@ -165,6 +191,7 @@ def _response(
         "max_output_tokens": req.max_output_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,
+        "top_logprobs": req.top_logprobs,
         "tools": [t.model_dump() for t in req.tools or []],
         "tool_choice": req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunction)
         else req.tool_choice or "auto",
@@ -181,7 +208,7 @@ def _response(
             # here is the engine's automatic prefix cache, which bills nothing for writes and reports none, so 0,
             # as the Anthropic route's cache_creation_input_tokens
             "input_tokens_details": {"cached_tokens": gen.num_cached, "cache_write_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, gen.num_generated)},
         },
     }
 
@@ -199,6 +226,8 @@ class _EventWriter:
         # whitespace before any message text: it opens no message by itself (a call may follow, beside which the
         # non-streamed answer drops whitespace-only text), but leads the text if text comes
         self.space = ""
+        self.cut = False  # the answer's end is being written and max_output_tokens cut it: a call ending now is
+        # one read in part
 
     def event(self, kind: str, **fields: Any) -> str:
         self.seq += 1
@@ -303,11 +332,12 @@ class _EventWriter:
         if self.call is None or self.call[0] not in ended:
             return []
         (index, item), self.call = self.call, None
-        item.update(arguments=ended.pop(index).arguments, status="completed")
+        item.update(arguments=ended.pop(index).arguments, status="incomplete" if self.cut else "completed")
         idx = self.items.index(item)
-        return [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                           arguments=item["arguments"]),
-                self.event("response.output_item.done", output_index=idx, item=item)]
+        events = [] if self.cut else [  # no arguments.done after a cut: it says the arguments are whole
+            self.event("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                       arguments=item["arguments"])]
+        return events + [self.event("response.output_item.done", output_index=idx, item=item)]
 
     def close_call(self) -> list[str]:
         """The call streaming that did not complete (markup that does not parse, or cut off: its text is content
@@ -344,22 +374,27 @@ async def _stream(
     created = int(time.time())  # one creation time for every event's response object
     for kind in ("response.created", "response.in_progress"):
         yield w.event(kind, response=_response(ctx, req, gen, [], None, status="in_progress", created_at=created))
-    parser, finish = ChatOutputParser(**parser_kwargs), None
+    parser, finish, reasoning = ChatOutputParser(**parser_kwargs), None, []
     try:
         async for out in outputs:
             for c in out.outputs[:1]:
                 w.pending += _logprobs(ctx, req, c.token_ids, c.logprobs)
-                delta = parser.feed(c.text)
-                if c.finish_reason is not None:
-                    delta.extend(parser.finish())
+                deltas = [parser.feed(c.text)]
+                if c.finish_reason is not None:  # the end apart: a call it completes was cut off (``w.cut``)
                     finish = c.finish_reason
-                for event in w.write(delta):
-                    yield event
+                    deltas.append(parser.finish(cut_off=finish == "length"))
+                for k, delta in enumerate(deltas):
+                    w.cut = k == 1 and finish == "length"
+                    reasoning.append(delta.reasoning)
+                    for event in w.write(delta):
+                        yield event
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
-        yield w.event("error", **stream_error_payload(exc)["error"])
+        error = {k: v for k, v in stream_error_payload(exc)["error"].items() if k != "type"}  # type: "error"
+        yield w.event("error", **error)
         return
     for event in w.finish(cut=finish == "length"):
         yield event
-    final = _response(ctx, req, gen, w.items, finish, created_at=created)
+    final = _response(ctx, req, gen, w.items, finish, created_at=created,
+                      reasoning_tokens=await _reasoning_tokens(ctx, "".join(reasoning)))
     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
     yield w.event(kind, response=final)

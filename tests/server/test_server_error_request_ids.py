@@ -13,6 +13,8 @@ from types import SimpleNamespace
 
 import anthropic
 import httpx
+import openai
+import openai.types.responses as response_types
 import pytest
 
 from dsinfer.engine.outputs import CompletionOutput, RequestOutput
@@ -217,3 +219,18 @@ def test_an_unhandled_error_is_a_500_with_the_ids_and_is_counted(engine):
                if sample.name.endswith("_total")}
     assert counted[("/v1/chat/completions", "500")] == 1 and counted[("/v1/messages", "500")] == 1
 
+
+
+def test_responses_in_stream_error_event_is_typed_error(engine):
+    """The openai SDK's ``ResponseErrorEvent``: ``type`` "error" with the error's message, code and param (the
+    error's own type must not replace it, or the SDK reads another event class and never sees the error)."""
+    engine.mode = "dies"
+    r = _call(engine, "POST", "/v1/responses", OPENAI, json={"input": "Hello", "max_output_tokens": 4,
+                                                             "stream": True})
+    assert r.status_code == 200
+    name, data = r.text.strip().split("\n\n")[-1].split("\n", 1)
+    event = json.loads(data.removeprefix("data: "))
+    assert name == "event: error" and event["type"] == "error" and event["message"] == "the engine loop crashed"
+    assert set(event) == {"type", "sequence_number", "message", "code", "param"}
+    parsed = openai._models.construct_type(type_=response_types.ResponseStreamEvent, value=event)
+    assert isinstance(parsed, response_types.ResponseErrorEvent)

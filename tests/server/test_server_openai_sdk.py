@@ -246,8 +246,17 @@ def test_responses_text_format_json_schema_constrains_the_output(client, model, 
 
 
 def test_responses_top_logprobs_score_the_output_text(client, model):
-    kwargs = dict(model=model, input="Name a fruit.", max_output_tokens=5, temperature=0, top_logprobs=2)
+    """Logprobs come with ``include=["message.output_text.logprobs"]``, ``top_logprobs`` alternatives each (0 when
+    unset), as OpenAI and vLLM; ``top_logprobs`` alone includes none, and the response repeats it."""
+    kwargs = dict(model=model, input="Name a fruit.", max_output_tokens=5, temperature=0, top_logprobs=2,
+                  include=["message.output_text.logprobs"])
     r = client.responses.create(**kwargs)
+    assert r.top_logprobs == 2
+    plain = client.responses.create(**{**kwargs, "include": None})
+    assert plain.output[-1].content[0].logprobs == [] and plain.top_logprobs == 2
+    bare = client.responses.create(**{**kwargs, "top_logprobs": None})
+    assert bare.output[-1].content[0].logprobs and all(lp.top_logprobs == [] for lp in
+                                                      bare.output[-1].content[0].logprobs)
     part = r.output[-1].content[0]
     assert len(part.logprobs) == r.usage.output_tokens
     assert "".join(lp.token for lp in part.logprobs) == part.text

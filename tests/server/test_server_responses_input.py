@@ -60,3 +60,13 @@ def test_truncation_takes_the_apis_values(server):
                                               "truncation": "auto"}).status_code == 200
     r = server.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "truncation": "sometimes"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncation", r.text
+
+
+def test_include_takes_the_apis_values(server):
+    """``include``'s values are the SDK's ``ResponseIncludable``: those naming tools this server lacks add nothing;
+    any other is a 400 naming the field."""
+    r = server.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2,
+                                           "include": ["reasoning.encrypted_content", "file_search_call.results"]})
+    assert r.status_code == 200, r.text
+    r = server.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "include": ["output.everything"]})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("include"), r.text

@@ -19,7 +19,8 @@ EVENT_TYPES = {cls.model_fields["type"].annotation.__args__[0]: cls
                for cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
 RESPONSES = {
-    "text, cut": {"input": "Hi", "max_output_tokens": 3, "top_logprobs": 2},
+    "text, cut": {"input": "Hi", "max_output_tokens": 3, "top_logprobs": 2,
+                  "include": ["message.output_text.logprobs"]},
     "forced call": {"input": ASK, "max_output_tokens": 60, "temperature": 0, "tools": RESPONSES_TOOLS,
                     "tool_choice": "required"},
     "json schema": {"input": "Give JSON", "max_output_tokens": 30, "temperature": 0,

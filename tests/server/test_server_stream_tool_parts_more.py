@@ -145,7 +145,7 @@ def _responses(pieces: list[str], parser=HermesToolParser, finish: str = "stop")
     state = ResponseStreamState(input_tools=openai.omit, text_format=openai.omit)
     for event in events:
         state.handle_event(event)
-    items = openai_responses._items(parse_output("".join(pieces), **kwargs), [])
+    items, _ = openai_responses.answer_items("".join(pieces), finish, kwargs, [])
     return raw, events[-1].response, items
 
 
@@ -181,18 +181,46 @@ def test_responses_function_call_arguments_stream_in_pieces(fmt, size):
 @pytest.mark.parametrize("finish, status", [("stop", "completed"), ("length", "incomplete")])
 @pytest.mark.parametrize("text", [CUT, BROKEN])
 def test_responses_call_that_never_completes_is_done_incomplete(text, finish, status):
-    """The call item is done "incomplete" with the arguments sent (no arguments.done: they are not whole); its
-    text follows as a message, the non-streamed answer's, and the response's status is the non-streamed one."""
+    """A call whose markup ends or breaks before the generation does: its item is done "incomplete" with the
+    arguments sent (no arguments.done: they are not whole) and its text follows as a message, the non-streamed
+    answer's. Cut off by max_output_tokens instead (``test_responses_call_cut_off_is_an_incomplete_call``), a call
+    is only a call."""
+    if text == CUT and finish == "length":
+        return
     raw, final, items = _responses(_pieces(text, 3), finish=finish)
     assert [i["type"] for i in items] == ["message"] and [o.type for o in final.output] == ["function_call",
                                                                                             "message"]
     assert final.status == status and final.output[1].content[0].text == items[0]["content"][0]["text"] == text
+    assert final.output[1].status == items[0]["status"] == status
     call = final.output[0]
     assert call.status == "incomplete" and call.arguments and text.endswith("Par") == (call.arguments[-3:] == "Par")
     assert not any(e["type"] == "response.function_call_arguments.done" for e in raw)
     done = [e for e in raw if e["type"] == "response.output_item.done"]
     assert [(e["output_index"], e["item"]["id"], e["item"]["status"]) for e in done] == [
         (0, call.id, "incomplete"), (1, final.output[1].id, final.output[1].status)]
+
+
+@pytest.mark.parametrize("lead", ["", LEAD])
+def test_responses_call_cut_off_is_an_incomplete_call(lead):
+    """max_output_tokens cutting a call short: streamed or not, the answer is that call, "incomplete", with the
+    arguments read so far (no message repeating its markup), after any text before it; the response is
+    "incomplete" too."""
+    raw, final, items = _responses(_pieces(lead + CUT, 3), finish="length")
+    assert [(i["type"], i["status"]) for i in items] == [(o.type, o.status) for o in final.output] == (
+        [("message", "completed")] if lead else []) + [("function_call", "incomplete")]
+    assert final.status == "incomplete" and final.output[-1].arguments == items[-1]["arguments"] == '{"city": "Par'
+    assert not any(e["type"] == "response.function_call_arguments.done" for e in raw)
+
+
+def test_responses_cut_right_after_a_whole_call_keeps_it_completed():
+    """The length limit falling just after a call's closing markup: the call is whole ("completed", arguments
+    done), streamed or not, and only the response is "incomplete" (a 500 before: no text item to mark)."""
+    whole = CUT + 'is"}}\n</tool_call>'
+    raw, final, items = _responses(_pieces(whole, 3), finish="length")
+    assert [(i["type"], i["status"]) for i in items] == [(o.type, o.status) for o in final.output] == [
+        ("function_call", "completed")]
+    assert final.status == "incomplete" and final.output[0].arguments == items[0]["arguments"] == '{"city": "Paris"}'
+    assert any(e["type"] == "response.function_call_arguments.done" for e in raw)
 
 
 def test_live_anthropic_forced_tool_use_streams_its_input_in_pieces(claude):
@@ -219,3 +247,20 @@ def test_live_responses_forced_call_streams_its_arguments_in_pieces(client):
     deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     assert len(deltas) > 2 and "".join(deltas) == final.output[0].arguments == full.output[0].arguments
     assert {e.output_index for e in events if hasattr(e, "output_index")} == {0}
+
+
+def test_responses_usage_counts_the_reasoning_tokens():
+    """``output_tokens_details.reasoning_tokens``: the reasoning item's text, encoded again (here by a stand-in
+    tokenizer of one token a word)."""
+    req = ResponsesRequest(input="hi", stream=True)
+    pieces = ["<think>", "one two", " three", "</think>", "Answer."]
+
+    async def collect() -> list[str]:
+        ctx, gen, outputs = fake_stream(pieces, "id_1", MODEL)
+        ctx.tokenizer = type("Words", (), {"encode": staticmethod(lambda text, add_special_tokens: text.split())})
+        return [e async for e in openai_responses._stream(ctx, req, gen, outputs, {"reasoning": True})]
+
+    events = [json.loads(e.split("\ndata: ", 1)[1]) for e in asyncio.run(collect())]
+    final = events[-1]["response"]
+    assert [i["type"] for i in final["output"]] == ["reasoning", "message"]
+    assert final["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}

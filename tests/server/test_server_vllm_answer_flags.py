@@ -147,7 +147,8 @@ def test_the_flag_makes_token_ids_the_default_and_a_request_can_turn_it_off(flag
 def test_the_flag_gives_token_ids_in_responses_logprobs_too(flagged, server, stream):
     """As vLLM's Responses API: the server flag turns output_text.logprobs into "token_id:N", streamed and not;
     a request's return_tokens_as_token_ids is not a Responses field there, nor here."""
-    body = {"input": "Name a color.", "max_output_tokens": 4, "temperature": 0, "top_logprobs": 2}
+    body = {"input": "Name a color.", "max_output_tokens": 4, "temperature": 0, "top_logprobs": 2,
+            "include": ["message.output_text.logprobs"]}
 
     def logprobs(live, extra: dict) -> tuple[list[dict], str]:
         if not stream:
