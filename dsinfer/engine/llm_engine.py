@@ -329,11 +329,14 @@ class LLMEngine:
         past_min = request.num_output_tokens >= params.min_tokens
         eos = grammar_end or (past_min and token in request.eos_token_ids and not params.ignore_eos)
         stop_token = past_min and token in params.stop_token_ids
-        stop_str = None  # a stop string the text now holds (searched for only past min_tokens)
+        # a stop string the text now holds, searched for once the output is longer than min_tokens (vLLM's
+        # detokenizer: the text of the first min_tokens tokens never stops it)
+        stop_str = None
         # A stop token ends the text without its own text (EOS with skip_special_tokens=False included), unless
         # include_stop_str_in_output, as vLLM; its id stays in token_ids
         if child.detokenizer and (not (eos or stop_token) or params.include_stop_str_in_output):
-            stop_str = child.detokenizer.add_token(token, past_min and not (eos or stop_token))
+            check = request.num_output_tokens > params.min_tokens and not (eos or stop_token)
+            stop_str = child.detokenizer.add_token(token, check)
         if eos:
             if token in self.extra_eos_token_ids:  # vLLM makes these stop tokens: the id is the stop_reason
                 request.stop_reason = token

@@ -191,6 +191,27 @@ def test_stop_token_ids_and_min_tokens(tiny_llm):
     assert held.outputs[0].finish_reason == ("stop" if tokens[-1] == stop else "length")
 
 
+def test_stop_strings_count_once_the_output_passes_min_tokens(smollm2_llm):
+    """vLLM's detokenizer searches for stop strings once the output is longer than min_tokens: the text of a
+    token at position min_tokens (1-based) does not stop it, one token later it does."""
+    llm, prompt = smollm2_llm, "The capital of France is"
+    free = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    pieces = [llm.get_tokenizer().decode(free.token_ids[: k + 1]) for k in range(len(free.token_ids))]
+    texts = [b[len(a):] for a, b in zip([""] + pieces, pieces)]
+    k = next(k for k in range(2, len(texts)) if texts[k].strip() and texts[k] not in "".join(texts[:k]))
+    stop = texts[k]  # first written by token k + 1 (1-based)
+
+    def run(min_tokens):
+        return llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop],
+                                                   min_tokens=min_tokens), use_tqdm=False)[0].outputs[0]
+
+    early = run(k)  # output of k + 1 tokens > min_tokens: stops there
+    assert early.finish_reason == "stop" and len(early.token_ids) == k + 1 and early.text == "".join(texts[:k])
+    held = run(k + 1)  # the stop string's token is at position min_tokens: not searched
+    assert len(held.token_ids) > k + 1 and held.text.startswith("".join(texts[: k + 1]))
+
+
 def test_ignore_eos(tiny_llm):
     prompt = {"prompt_token_ids": [9, 8, 7]}
     force_eos = {EOS: 100.0}
