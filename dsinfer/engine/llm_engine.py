@@ -100,6 +100,7 @@ class LLMEngine:
             if clash is not None:
                 raise ValueError(f"request id {request_id!r} is already in use: its sample {clash!r} is a running "
                                  "request's id")
+        params = params.with_vocab_logprobs(self.model_config.vocab_size)
         params.check_logprobs_limit(self.model_config.logprobs_limit)
         text, token_ids = self._prompt_ids(prompt)
         token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.model_config.max_model_len)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import numbers
 from collections.abc import Mapping
@@ -220,9 +222,10 @@ class SamplingParams:
             if value is None:
                 continue
             _check_number(name, value, integer=True)
-            # the upper bound is the engine's max_logprobs (check_logprobs_limit, at add_request), as in vLLM
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
+            # the upper bound is the engine's max_logprobs (check_logprobs_limit, at add_request), as in vLLM;
+            # -1 is vLLM's "the whole vocabulary" (``with_vocab_logprobs``)
+            if value < -1:
+                raise ValueError(f"{name} must be >= 0, or -1 for the whole vocabulary, got {value}")
         for tid in self.stop_token_ids:
             _check_number("stop_token_ids", tid, integer=True)
             if tid < 0:
@@ -245,6 +248,16 @@ class SamplingParams:
                 raise ValueError(f"logit_bias value must be finite, got {tid}: {bias}")
             if tid < 0:
                 raise ValueError(f"logit_bias must map token ids >= 0 to finite values, got {tid}: {bias}")
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's ``clone``): per-request edits leave the original alone."""
+        return copy.deepcopy(self)
+
+    def with_vocab_logprobs(self, vocab_size: int) -> SamplingParams:
+        """These params with vLLM's -1 for logprobs / prompt_logprobs resolved to ``vocab_size`` (a copy; self when
+        neither is -1)."""
+        resolved = {name: vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(self, name) == -1}
+        return dataclasses.replace(self, **resolved) if resolved else self
 
     def check_logprobs_limit(self, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
         """logprobs and prompt_logprobs must not exceed an engine's max_logprobs (already resolved: vLLM's -1 is

@@ -45,8 +45,8 @@ def serves_a_good_request(llm: LLM) -> bool:
     (dict(max_tokens=0), "max_tokens must be >= 1"),
     (dict(min_tokens=-1), "min_tokens must be >= 0"),
     (dict(min_tokens=5, max_tokens=3), r"min_tokens \(5\) must be <= max_tokens \(3\)"),
-    (dict(logprobs=-1), "logprobs must be >= 0"),  # the upper bound is the engine's (test_max_logprobs.py)
-    (dict(prompt_logprobs=-1), "prompt_logprobs must be >= 0"),
+    (dict(logprobs=-2), "logprobs must be >= 0, or -1"),  # the upper bound is the engine's (test_max_logprobs.py)
+    (dict(prompt_logprobs=-2), "prompt_logprobs must be >= 0, or -1"),
     (dict(seed=2**64), "seed must fit"),
     (dict(stop=[""]), "stop must be non-empty strings"),
     (dict(stop_token_ids=[-3]), "stop_token_ids must be >= 0"),

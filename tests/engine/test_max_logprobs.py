@@ -54,6 +54,11 @@ def test_minus_one_allows_the_whole_vocabulary(tiny_llama_dir):
     assert len(_generate(llm, logprobs=VOCAB).outputs[0].logprobs[0]) == VOCAB
     with pytest.raises(ValueError, match=rf"logprobs must be in \[0, {VOCAB}\]"):
         _generate(llm, logprobs=VOCAB + 1)
+    # vLLM's -1: the whole vocabulary, for logprobs and prompt_logprobs, where the limit allows it
+    out = _generate(llm, logprobs=-1, prompt_logprobs=-1)
+    assert len(out.outputs[0].logprobs[0]) == VOCAB and len(out.prompt_logprobs[1]) == VOCAB
+    with pytest.raises(ValueError, match=r"logprobs must be in \[0, 20\]"):
+        _generate(LLM(str(tiny_llama_dir)), logprobs=-1)
 
 
 @pytest.mark.parametrize("value", [-2, 1.5, True])
@@ -67,5 +72,8 @@ def test_sampling_params_alone_checks_the_shape_and_vllms_default_limit():
     with pytest.raises(ValueError, match=r"logprobs must be in \[0, 20\]"):
         params.check_logprobs_limit()
     params.check_logprobs_limit(50)
-    with pytest.raises(ValueError, match="logprobs must be >= 0, got -3"):
+    with pytest.raises(ValueError, match="logprobs must be >= 0, or -1 for the whole vocabulary, got -3"):
         SamplingParams(logprobs=-3)
+    params = SamplingParams(logprobs=-1, prompt_logprobs=2)
+    assert params.with_vocab_logprobs(100) == params.clone().with_vocab_logprobs(100)
+    assert (params.with_vocab_logprobs(100).logprobs, params.logprobs) == (100, -1)  # a copy; the original stays
