@@ -2,6 +2,7 @@
 
 from dsinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from dsinfer.engine.sampling_params import RequestOutputKind, SamplingParams
+from dsinfer.structured.spec import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -20,4 +21,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLM", "CompletionOutput", "EngineArgs", "Logprob", "RequestOutput", "RequestOutputKind",
-           "SamplingParams", "__version__"]
+           "SamplingParams", "StructuredOutputsParams", "__version__"]

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from dsinfer.structured.spec import StructuredOutputsParams, parse_structured_outputs
+
 _MAX_N = 128
 # vLLM's default max_logprobs: the most logprobs / prompt_logprobs a request may ask for unless the engine's
 # max_logprobs (EngineArgs, ``--max-logprobs``) says otherwise; ``check_logprobs_limit`` applies it
@@ -110,7 +112,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # sample only these (vLLM)
     bad_words: list[str] | None = None  # never generate these words (vLLM: with and without a leading space)
-    structured_outputs: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | StructuredOutputsParams | None = None  # a dict once made
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -188,8 +190,8 @@ class SamplingParams:
         self._validate_lengths()
         self._validate_logprobs_and_ids()
         if self.structured_outputs is not None:
-            from dsinfer.structured.spec import parse_structured_outputs
-
+            if isinstance(self.structured_outputs, StructuredOutputsParams):  # vLLM's type: kept as its dict
+                self.structured_outputs = self.structured_outputs.as_dict()
             parse_structured_outputs(self.structured_outputs)  # shape only; the grammar is checked at add_request
 
     def _validate_lengths(self) -> None:

@@ -24,6 +24,7 @@ class LLM:
     """An offline engine. Keyword arguments are ``EngineArgs`` fields (max_num_seqs, block_size, ...)."""
 
     def __init__(self, model: str | None = None, **kwargs: Any):
+        _take_vllm_only_args(kwargs)
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {sorted(unknown)}; "
@@ -33,6 +34,11 @@ class LLM:
         self.load_seconds = time.perf_counter() - started
         self._ids = itertools.count()
         self._hf_tokenizer: HFTokenizerView | None = None
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine, by vLLM's name for it (``llm.llm_engine``); dsinfer's is ``llm.engine``."""
+        return self.engine
 
     def get_tokenizer(self) -> HFTokenizerView | None:
         """The tokenizer with the transformers API that vLLM's ``get_tokenizer()`` gives (``tok(text)``,
@@ -232,3 +238,19 @@ def _final_only(params: SamplingParams) -> SamplingParams:
     from dataclasses import replace
 
     return replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+# vLLM's LLM arguments that dsinfer answers as ``dsinfer serve`` answers the flags: a parallel size of 1 (one GPU
+# per engine), and trust_remote_code, which changes nothing (dsinfer never runs a model's own Python code)
+_PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+
+
+def _take_vllm_only_args(kwargs: dict[str, Any]) -> None:
+    for name in _PARALLEL_SIZES:
+        value = kwargs.pop(name, 1)
+        if type(value) is not int or value != 1:
+            raise ValueError(f"{name}={value!r}: dsinfer runs one GPU per engine (only 1 is accepted); run one "
+                             "engine per GPU")
+    trust = kwargs.pop("trust_remote_code", False)
+    if not isinstance(trust, bool):
+        raise ValueError(f"trust_remote_code must be a bool, got {trust!r}")

@@ -7,6 +7,6 @@ fills the token bitmask that ``ops.apply_token_bitmask`` applies to the logits b
 ``import dsinfer`` never imports xgrammar.
 """
 
-from dsinfer.structured.spec import StructuredSpec, parse_structured_outputs
+from dsinfer.structured.spec import StructuredOutputsParams, StructuredSpec, parse_structured_outputs
 
-__all__ = ["StructuredSpec", "parse_structured_outputs"]
+__all__ = ["StructuredOutputsParams", "StructuredSpec", "parse_structured_outputs"]

@@ -7,7 +7,7 @@ before it reaches the engine. ``key`` identifies the compiled grammar in the cac
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 KINDS = ("json", "json_object", "regex", "grammar", "choice", "structural_tag")
@@ -27,6 +27,31 @@ class StructuredSpec:
         """Canonical text of the constraint: equal keys share one compiled grammar."""
         value = json.dumps(self.value, sort_keys=True, separators=(",", ":"))
         return f"{self.kind}|{int(self.any_whitespace)}|{value}"
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's ``StructuredOutputsParams``: exactly one constraint (``json`` schema, ``regex``, ``choice``, EBNF
+    ``grammar``, ``json_object`` or ``structural_tag``) and its options. ``SamplingParams(structured_outputs=...)``
+    takes it or a dict of the same fields; it is checked as it is made."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        parse_structured_outputs(self.as_dict())
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields set (None and False left out), as ``SamplingParams.structured_outputs`` holds them."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) not in (None, False)}
 
 
 def parse_structured_outputs(raw: dict[str, Any]) -> StructuredSpec:

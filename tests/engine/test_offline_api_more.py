@@ -103,3 +103,17 @@ def test_use_tqdm_may_be_a_tqdm_factory_as_in_vllm(tiny_llm):
 
     outs = tiny_llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, SamplingParams(**GREEDY), use_tqdm=factory)
     assert len(outs) == 2 and len(made) == 1 and made[0]["total"] == 2
+
+
+def test_vllms_single_gpu_arguments_are_taken(tiny_llama_dir):
+    """``LLM(..., tensor_parallel_size=1, trust_remote_code=True)`` as vLLM scripts write it; ``llm.llm_engine``
+    is the engine; a parallel size past 1 is refused before anything loads, naming the argument."""
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=1, pipeline_parallel_size=1, trust_remote_code=True)
+    assert llm.llm_engine is llm.engine
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        with pytest.raises(ValueError, match=f"{name}=2: dsinfer runs one GPU per engine"):
+            LLM(str(tiny_llama_dir), **{name: 2})
+    with pytest.raises(ValueError, match="trust_remote_code must be a bool"):
+        LLM(str(tiny_llama_dir), trust_remote_code="yes")
+    with pytest.raises(TypeError, match="unknown argument"):
+        LLM(str(tiny_llama_dir), tensor_paralel_size=1)

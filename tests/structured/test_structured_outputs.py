@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from dsinfer import SamplingParams
+from dsinfer import SamplingParams, StructuredOutputsParams
 from dsinfer.engine.sampling_params import RequestOutputKind
 
 from .schemas import ARITHMETIC_EBNF, ARITHMETIC_REGEX, REGEXES, SCHEMAS
@@ -59,6 +59,17 @@ def test_ebnf_grammar_and_choice(smollm2_llm):
     for out in outputs[:4]:
         assert re.fullmatch(ARITHMETIC_REGEX, out.outputs[0].text), out.outputs[0].text
     assert outputs[4].outputs[0].text in ("positive", "negative", "neutral")
+
+
+def test_vllms_params_class_is_taken(smollm2_llm):
+    """vLLM scripts pass ``StructuredOutputsParams(...)``: the same constraint as the dict, checked as it is made."""
+    made = StructuredOutputsParams(regex=r"[0-9]{3}", disable_any_whitespace=True)
+    params = SamplingParams(temperature=0.7, seed=3, max_tokens=8, structured_outputs=made)
+    assert params.structured_outputs == {"regex": "[0-9]{3}", "disable_any_whitespace": True}
+    (out,) = _chat(smollm2_llm, ["A number?"], [params])
+    assert re.fullmatch(r"[0-9]{3}", out.outputs[0].text), out.outputs[0].text
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams(regex="a", choice=["b"])
 
 
 def test_choices_outside_the_basic_plane_come_out_whole(smollm2_llm):
