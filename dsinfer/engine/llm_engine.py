@@ -24,7 +24,7 @@ from dsinfer.engine.detokenizer import IncrementalDetokenizer
 from dsinfer.engine.output_processor import ChildState, LogprobDecoder, ParentRequest
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.request import Request, RequestStatus
-from dsinfer.engine.sampling_params import SamplingParams, truncate_prompt
+from dsinfer.engine.sampling_params import SamplingParams, token_id_list, truncate_prompt
 from dsinfer.kvcache.manager import KVCacheManager
 from dsinfer.runner.model_runner import ModelRunner, RunnerOutput, StepHandle
 from dsinfer.scheduler.scheduler import Scheduler, SchedulerOutput
@@ -185,14 +185,14 @@ class LLMEngine:
                 raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
+            ids = token_id_list(prompt["prompt_token_ids"])
             vocab = self.model_config.vocab_size
-            if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            if ids is None:
                 raise ValueError("prompt_token_ids must be a list of integers")
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt_token_ids contains {bad[0]}, outside the vocabulary [0, {vocab})")
-            return prompt.get("prompt"), list(ids)
+            return prompt.get("prompt"), ids
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
             return self._prompt_ids(prompt["prompt"])
         raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [...]}, got "

@@ -75,6 +75,18 @@ def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) 
     return token_ids[-(max_model_len - 1 if keep == -1 else keep):]
 
 
+def token_id_list(value: Any) -> list[int] | None:
+    """``value`` as a list of Python ints when it is a sequence (or a numpy / torch array, by ``tolist``) of
+    integers of any integral type; None when it is not (bools are not ids), for the caller to refuse."""
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        return None
+    if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in value):
+        return None
+    return [int(t) for t in value]
+
+
 @dataclass
 class SamplingParams:
     """Per-request decoding settings. Invalid values raise ``ValueError`` naming the field and its range.
@@ -127,6 +139,10 @@ class SamplingParams:
                 setattr(self, name, 1)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("stop_token_ids", "allowed_token_ids"):  # numpy ids and arrays, as the single numbers
+            ids = token_id_list(getattr(self, name))
+            if ids is not None:
+                setattr(self, name, ids)
         for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, list | tuple):

@@ -117,3 +117,22 @@ def test_vllms_single_gpu_arguments_are_taken(tiny_llama_dir):
         LLM(str(tiny_llama_dir), trust_remote_code="yes")
     with pytest.raises(TypeError, match="unknown argument"):
         LLM(str(tiny_llama_dir), tensor_paralel_size=1)
+
+
+def test_numpy_and_torch_token_ids_are_taken(tiny_llm):
+    """Ids straight from numpy or torch (a tokenizer's arrays), as vLLM takes them: prompt_token_ids,
+    stop_token_ids and allowed_token_ids, each as an array or a list of numpy integers."""
+    import numpy as np
+    import torch
+
+    plain = tiny_llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(**GREEDY), use_tqdm=False)[0]
+    for ids in (np.array([5, 6, 7]), [np.int64(5), np.int32(6), 7], torch.tensor([5, 6, 7])):
+        out = tiny_llm.generate({"prompt_token_ids": ids}, SamplingParams(**GREEDY), use_tqdm=False)[0]
+        assert out.prompt_token_ids == [5, 6, 7] and out.outputs[0].token_ids == plain.outputs[0].token_ids
+    params = SamplingParams(stop_token_ids=[np.int64(3)], allowed_token_ids=np.arange(2, 9))
+    assert params.stop_token_ids == [3] and params.allowed_token_ids == list(range(2, 9))
+    assert all(type(t) is int for t in params.allowed_token_ids)
+    with pytest.raises(ValueError, match="prompt_token_ids must be a list of integers"):
+        tiny_llm.generate({"prompt_token_ids": np.array([[5, 6]])}, SamplingParams(**GREEDY), use_tqdm=False)
+    with pytest.raises(ValueError, match="stop_token_ids must be a list"):
+        SamplingParams(stop_token_ids=np.float32(3.0))
