@@ -125,7 +125,8 @@ def _mark_message(m: _Markers, msg: dict[str, Any]) -> dict[str, Any]:
     if out.get("tool_calls"):  # an arguments object's keys are the client's text too
         out["tool_calls"] = [
             {**tc, "id": m.mark(tc.get("id") or ""),
-             "function": {**m.mark_tree(tc["function"]), "arguments": m.mark_tree(tc["function"]["arguments"], True)}}
+             "function": {**m.mark_tree(tc["function"]),
+                          "arguments": m.mark_tree(tc["function"].get("arguments"), True)}}
             for tc in out["tool_calls"]
         ]
     return out
@@ -144,15 +145,27 @@ def _arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]
     return out
 
 
+_MAX_ARGUMENTS_DEPTH = 64  # deeper JSON stays text: marking and rendering it would recurse past Python's limit
+
+
 def _parsed(arguments: Any) -> Any:
     if not arguments:
         return {}
     if not isinstance(arguments, str):
         return arguments
     try:
-        return json.loads(arguments)
-    except ValueError:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
         return arguments
+    return value if _within_depth(value, _MAX_ARGUMENTS_DEPTH) else arguments
+
+
+def _within_depth(value: Any, depth: int) -> bool:
+    if isinstance(value, dict):
+        value = list(value.values())
+    if not isinstance(value, list):
+        return True
+    return depth > 0 and all(_within_depth(v, depth - 1) for v in value)
 
 
 def _mark_tool(m: _Markers, tool: dict[str, Any]) -> dict[str, Any]:

@@ -340,9 +340,9 @@ class _EventWriter:
         return events + [self.event("response.output_item.done", output_index=idx, item=item)]
 
     def close_call(self) -> list[str]:
-        """The call streaming that did not complete (markup that does not parse, or cut off: its text is content
-        next, as in the non-streamed answer) is done "incomplete" with the arguments sent, as OpenAI leaves a call
-        cut off; no arguments.done, which says the arguments are whole."""
+        """The call streaming whose markup did not parse (its text is content next, as in the non-streamed answer)
+        is done "incomplete" with the arguments sent; no arguments.done, which says the arguments are whole. (A
+        call max_output_tokens cuts off ends through ``_end_call`` with ``cut``: also "incomplete", no text.)"""
         if self.call is None:
             return []
         (_, item), self.call = self.call, None

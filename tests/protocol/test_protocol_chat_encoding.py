@@ -220,3 +220,13 @@ def test_transformers_template_extras_render(tokenizer):
     template = ("{% for m in messages %}{{ {'r': m.role} | tojson(separators=(',', ':')) }}"
                 "{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}")
     assert ChatEncoder(tokenizer, template).encode([{"role": "user", "content": "hi"}]).text == '{"r":"user"}hi'
+
+
+def test_arguments_nested_past_the_depth_limit_stay_text(tokenizer):
+    deep = "[" * 5000 + "]" * 5000  # valid JSON; as an object it would recurse past Python's limit when marked
+    text = ChatEncoder(tokenizer, OBJECT_ARGS_TEMPLATE.replace("{% for k, v in tc.function.arguments | items %}"
+                                                               "<{{ k }}={{ v }}>{% endfor %}", "")).encode(
+        _call(deep)).text
+    assert text == f"weather?[get_weather {json.dumps(deep)}]"
+    shallow = "[" * 10 + "]" * 10
+    assert ChatEncoder(tokenizer, CHATML_TEMPLATE).encode(_call(shallow)).text.count(shallow) == 1
