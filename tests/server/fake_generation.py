@@ -20,7 +20,9 @@ def fake_stream(pieces: list[str], request_id: str, model: str):
         for out in outs:
             yield out
 
-    ctx = SimpleNamespace(reported_model=lambda _: model, settings=ServerSettings())
+    # a stand-in tokenizer of one token a word: what a route counts with it (the Responses API's reasoning tokens)
+    words = SimpleNamespace(encode=lambda text, add_special_tokens=True: text.split())
+    ctx = SimpleNamespace(reported_model=lambda _: model, settings=ServerSettings(), tokenizer=words)
     gen = SimpleNamespace(request_id=request_id, prompt_ids=[1], num_generated=len(pieces), num_cached=0)
     return ctx, gen, outputs()
 

@@ -250,14 +250,13 @@ def test_live_responses_forced_call_streams_its_arguments_in_pieces(client):
 
 
 def test_responses_usage_counts_the_reasoning_tokens():
-    """``output_tokens_details.reasoning_tokens``: the reasoning item's text, encoded again (here by a stand-in
-    tokenizer of one token a word)."""
+    """``output_tokens_details.reasoning_tokens``: the reasoning item's text, encoded again (here by
+    ``fake_stream``'s stand-in tokenizer of one token a word)."""
     req = ResponsesRequest(input="hi", stream=True)
     pieces = ["<think>", "one two", " three", "</think>", "Answer."]
 
     async def collect() -> list[str]:
         ctx, gen, outputs = fake_stream(pieces, "id_1", MODEL)
-        ctx.tokenizer = type("Words", (), {"encode": staticmethod(lambda text, add_special_tokens: text.split())})
         return [e async for e in openai_responses._stream(ctx, req, gen, outputs, {"reasoning": True})]
 
     events = [json.loads(e.split("\ndata: ", 1)[1]) for e in asyncio.run(collect())]
