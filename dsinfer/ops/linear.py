@@ -48,7 +48,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``silu_and_mul(linear(x, weight, bias))`` for a merged gate/up weight [2I, K] (gate rows first): [..., I].
     See the module doc for when one Triton kernel runs both (never with a bias: it must be added before the

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dsinfer.engine.outputs import RequestOutput
-from dsinfer.protocol.chat_output import ChatOutputParser, OutputDelta, ToolCallPart, parse_output
+from dsinfer.protocol.chat_output import ChatOutputParser, OutputDelta, ToolCallPart
 from dsinfer.protocol.conversation import responses_messages, responses_tools
 from dsinfer.protocol.errors import ProtocolError
 from dsinfer.protocol.logprobs import chat_logprobs
@@ -144,15 +144,16 @@ def answer_items(text: str, finish_reason: str | None, parser_kwargs: dict[str, 
     is "incomplete" (OpenAI): a call read only in part (its arguments so far, as the stream sent them), else the
     last text; none when the cut fell right after a whole call."""
     cut = finish_reason == "length"
-    parsed = parse_output(text, cut, **parser_kwargs)
-    items = _items(parsed, logprobs)
+    parser = ChatOutputParser(**parser_kwargs)
+    parser.feed(text)
+    tail = parser.finish(cut_off=cut)  # a call it ends was cut off: the stream's rule (``_EventWriter.cut``)
+    items = _items(parser.total, logprobs)
     if cut:
-        partial_call = len(parsed.tool_calls) > len(parse_output(text, **parser_kwargs).tool_calls)
-        cut_item = items[-1] if partial_call else next(
+        cut_item = items[-1] if tail.tool_calls else next(
             (item for item in reversed(items) if item["type"] in ("message", "reasoning")), None)
         if cut_item is not None:
             cut_item["status"] = "incomplete"
-    return items, parsed
+    return items, parser.total
 
 
 def _items(parsed: OutputDelta, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -374,7 +375,7 @@ async def _stream(
     created = int(time.time())  # one creation time for every event's response object
     for kind in ("response.created", "response.in_progress"):
         yield w.event(kind, response=_response(ctx, req, gen, [], None, status="in_progress", created_at=created))
-    parser, finish, reasoning = ChatOutputParser(**parser_kwargs), None, []
+    parser, finish = ChatOutputParser(**parser_kwargs), None
     try:
         async for out in outputs:
             for c in out.outputs[:1]:
@@ -385,7 +386,6 @@ async def _stream(
                     deltas.append(parser.finish(cut_off=finish == "length"))
                 for k, delta in enumerate(deltas):
                     w.cut = k == 1 and finish == "length"
-                    reasoning.append(delta.reasoning)
                     for event in w.write(delta):
                         yield event
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
@@ -395,6 +395,6 @@ async def _stream(
     for event in w.finish(cut=finish == "length"):
         yield event
     final = _response(ctx, req, gen, w.items, finish, created_at=created,
-                      reasoning_tokens=await _reasoning_tokens(ctx, "".join(reasoning)))
+                      reasoning_tokens=await _reasoning_tokens(ctx, parser.total.reasoning))
     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
     yield w.event(kind, response=final)
