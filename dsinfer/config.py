@@ -22,6 +22,9 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+# vLLM's parallel sizes: dsinfer runs one GPU per engine, so 1 is the only value (``check_parallel_size``)
+PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 # vLLM's --kv-cache-dtype values: "auto" keeps the model's dtype; "fp8" is e4m3 (per-layer scales, see Attention)
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}
@@ -83,6 +86,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # requests in one step
     max_num_batched_tokens: int = 2048  # tokens in one step (the token budget)
     enable_chunked_prefill: bool = True  # split long prompts across steps
+    policy: str = "fcfs"  # fcfs | priority: the waiting queue's order and who is preempted (scheduler.py)
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,9 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    # vLLM's scheduling_policy: "fcfs" (arrival order) or "priority" (each request's priority, lower first; then
+    # arrival); a request with a priority other than 0 needs "priority"
+    scheduling_policy: str = "fcfs"
     device: str | None = None
     deterministic: bool | None = None
     async_scheduling: bool | None = None
@@ -190,7 +197,8 @@ class EngineArgs:
             cache=CacheConfig(_resolve_block_size(self.block_size, hf_config, device), self.enable_prefix_caching,
                               self.kv_cache_memory_gb, self.gpu_memory_utilization, self.num_kv_blocks,
                               KV_CACHE_DTYPES[self.kv_cache_dtype]),
-            scheduler=SchedulerConfig(self.max_num_seqs, batched, self.enable_chunked_prefill),
+            scheduler=SchedulerConfig(self.max_num_seqs, batched, self.enable_chunked_prefill,
+                                      self.scheduling_policy),
             load=LoadConfig(load_format, self.seed),
             # deterministic mode keeps CUDA graphs: the runner captures them inside the batch-invariant mode, and
             # the invariant kernels give a row the same result whatever the (padded) batch around it
@@ -246,6 +254,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -264,6 +274,14 @@ class EngineArgs:
         if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
             raise ValueError(f"override_generation_config must be a dict, got "
                              f"{type(self.override_generation_config).__name__}")
+
+
+def check_parallel_size(value: Any, spelled: str) -> None:
+    """One of ``PARALLEL_SIZES`` as the user gave it (``spelled``: "tensor_parallel_size=2" or
+    "--tensor-parallel-size 2"): a ValueError unless it is 1."""
+    if type(value) is not int or value != 1:
+        raise ValueError(f"{spelled}: dsinfer serves one GPU per process (only 1 is accepted); run one engine per "
+                         "GPU (behind a load balancer when serving)")
 
 
 def _check_int(name: str, value: Any, low: int, high: int) -> None:

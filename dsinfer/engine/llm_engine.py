@@ -92,7 +92,9 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """``priority``: under the "priority" scheduling policy, lower runs first (vLLM's); must be 0 otherwise."""
+        self.check_priority(priority)
         if request_id in self._parents or request_id in self._children:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n > 1:  # its samples run as "<id>#<index>": none may be the id of a request already running
@@ -114,7 +116,7 @@ class LLMEngine:
         for index in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             request = Request(child_id, token_ids, params, _wrap_int64(base_seed + index), max_tokens,
-                              self.eos_token_ids, text, parent.arrival_time, request_id, index)
+                              self.eos_token_ids, text, parent.arrival_time, request_id, index, priority)
             if params.prompt_logprobs is not None:
                 request.prompt_logprobs = [None]
             if grammar is not None:
@@ -133,6 +135,14 @@ class LLMEngine:
             self._children[child_id] = (parent, child)
             self.scheduler.add_request(request)
         self._parents[request_id] = parent
+
+    def check_priority(self, priority: Any) -> None:
+        """A ValueError unless ``priority`` is one ``add_request`` takes under this engine's policy."""
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -(1 << 31) <= priority < 1 << 31:
+            raise ValueError(f"priority must be an integer in [-2**31, 2**31), got {priority!r}")
+        if priority and self.config.scheduler.policy != "priority":
+            raise ValueError(f"priority={priority}, but priority scheduling is not enabled: start the engine with "
+                             "scheduling_policy='priority' (--scheduling-policy priority)")
 
     def _bad_word_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
         if not params.bad_words:

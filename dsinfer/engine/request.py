@@ -42,6 +42,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     parent_id: str | None = None  # n > 1: the user's request id, this is sample ``index``
     index: int = 0
+    priority: int = 0  # the "priority" scheduling policy's key: lower is admitted first, preempted last
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

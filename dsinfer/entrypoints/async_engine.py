@@ -45,6 +45,7 @@ class _Submission:
     prompt: str | dict[str, Any]
     params: SamplingParams
     arrival_time: float
+    priority: int = 0
 
 
 class _Stream:
@@ -142,17 +143,22 @@ class AsyncEngine:
         if waiting >= self.max_waiting:
             raise EngineOverloadedError(f"{waiting} requests are already waiting (limit {self.max_waiting})")
 
+    def check_priority(self, priority: int) -> None:
+        """A ValueError unless the engine takes ``priority`` (``LLMEngine.check_priority``)."""
+        self.engine.check_priority(priority)
+
     async def generate(
-        self, prompt: str | dict[str, Any], params: SamplingParams, request_id: str
+        self, prompt: str | dict[str, Any], params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as the engine makes them; aborts the request if the consumer stops early."""
+        """Outputs of one request as the engine makes them; aborts the request if the consumer stops early.
+        ``priority``: see ``LLMEngine.add_request``."""
         self._check_accepting()
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
-            self._submissions.append(_Submission(request_id, prompt, params, time.time()))
+            self._submissions.append(_Submission(request_id, prompt, params, time.time(), priority))
         self._wake.set()
         finished = False
         try:
@@ -205,7 +211,8 @@ class AsyncEngine:
             if stream is None:  # aborted before it reached the engine
                 continue
             try:
-                self.engine.add_request(sub.request_id, sub.prompt, sub.params, arrival_time=sub.arrival_time)
+                self.engine.add_request(sub.request_id, sub.prompt, sub.params, arrival_time=sub.arrival_time,
+                                        priority=sub.priority)
             except (ValueError, TypeError) as exc:
                 with self._lock:
                     self._streams.pop(sub.request_id, None)

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from dsinfer.config import EngineArgs
+from dsinfer.config import PARALLEL_SIZES, EngineArgs, check_parallel_size
 from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -63,9 +63,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: Any = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts. ``use_tqdm`` may be a
-        tqdm class (or a function making one) to draw the progress bar with, as in vLLM."""
+        tqdm class (or a function making one) to draw the progress bar with, as in vLLM.
+
+        ``priority``: one integer per prompt, lower first, for an engine made with
+        ``scheduling_policy="priority"`` (vLLM's). ``lora_request``: None (dsinfer serves no LoRA adapters)."""
+        _check_no_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray)):
@@ -73,12 +79,15 @@ class LLM:
                              f"list of them, got {type(prompts).__name__}")
         prompts = list(prompts)
         params_list = self._params_for(len(prompts), sampling_params)
+        priorities = _priorities(len(prompts), priority)
+        for rank in priorities:  # all checked before the first request is added
+            self.engine.check_priority(rank)
         request_ids = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, rank in zip(prompts, params_list, priorities):
                 params = _final_only(params)
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, priority=rank)
                 request_ids.append(request_id)
         except Exception:
             self.engine.abort_request(request_ids)
@@ -91,6 +100,7 @@ class LLM:
         messages: Messages | Sequence[Messages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: Any = None,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
@@ -106,6 +116,7 @@ class LLM:
         from dsinfer.protocol.chat_encoding import ChatEncoder
         from dsinfer.protocol.errors import ProtocolError
 
+        _check_no_lora(lora_request)
         if not isinstance(messages, list | tuple):
             raise ValueError(f"messages must be a list of message dicts (or of such lists), got "
                              f"{type(messages).__name__}")
@@ -232,6 +243,27 @@ def _text_content(message: dict[str, Any]) -> dict[str, Any]:
     raise ValueError(f"message content must be a string or a list of text parts, got {type(content).__name__}")
 
 
+def _check_no_lora(lora_request: Any) -> None:
+    """vLLM's ``lora_request`` (one, or one per prompt): dsinfer loads no adapters, so only None passes."""
+    requests = lora_request if isinstance(lora_request, list | tuple) else [lora_request]
+    given = next((r for r in requests if r is not None), None)
+    if given is not None:
+        raise ValueError(f"lora_request={given!r:.100}: dsinfer serves no LoRA adapters; merge the adapter into "
+                         "the weights and load the merged model")
+
+
+def _priorities(count: int, priority: Any) -> list[int]:
+    """vLLM's ``priority``: None (all 0) or one integer per prompt (checked by the engine as each is added)."""
+    if priority is None:
+        return [0] * count
+    if isinstance(priority, (str, bytes, Mapping)) or not isinstance(priority, Iterable):
+        raise ValueError(f"priority must be a list of integers, one per prompt, got {type(priority).__name__}")
+    priority = list(priority)
+    if len(priority) != count:
+        raise ValueError(f"got {len(priority)} priorities for {count} prompts; pass one per prompt")
+    return priority
+
+
 def _final_only(params: SamplingParams) -> SamplingParams:
     if params.output_kind == RequestOutputKind.FINAL_ONLY:
         return params
@@ -240,17 +272,12 @@ def _final_only(params: SamplingParams) -> SamplingParams:
     return replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
-# vLLM's LLM arguments that dsinfer answers as ``dsinfer serve`` answers the flags: a parallel size of 1 (one GPU
-# per engine), and trust_remote_code, which changes nothing (dsinfer never runs a model's own Python code)
-_PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
-
-
 def _take_vllm_only_args(kwargs: dict[str, Any]) -> None:
-    for name in _PARALLEL_SIZES:
+    """vLLM's LLM arguments that dsinfer answers as ``dsinfer serve`` answers the flags: a parallel size of 1 (one
+    GPU per engine), and trust_remote_code, which changes nothing (dsinfer never runs a model's own Python code)."""
+    for name in PARALLEL_SIZES:
         value = kwargs.pop(name, 1)
-        if type(value) is not int or value != 1:
-            raise ValueError(f"{name}={value!r}: dsinfer runs one GPU per engine (only 1 is accepted); run one "
-                             "engine per GPU")
+        check_parallel_size(value, f"{name}={value!r}")
     trust = kwargs.pop("trust_remote_code", False)
     if not isinstance(trust, bool):
         raise ValueError(f"trust_remote_code must be a bool, got {trust!r}")

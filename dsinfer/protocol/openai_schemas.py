@@ -12,6 +12,7 @@ from dsinfer.protocol.fields import (
     MinP,
     NumChoices,
     Penalty,
+    Priority,
     RepetitionPenalty,
     Seed,
     ShortStr,
@@ -121,6 +122,7 @@ class SamplingFields(WireModel):
     # vLLM's: keep the prompt's last k tokens; -1 as many as leave room for one output token
     truncate_prompt_tokens: Annotated[int, Field(strict=True, ge=-1, le=1 << 30)] | None = None
     user: Annotated[str, Field(max_length=1024)] | None = None
+    priority: Priority = 0  # vLLM's: lower runs first, under --scheduling-policy priority
     # vLLM's: logprobs tokens as "token_id:N" (None: the server's --return-tokens-as-token-ids)
     return_tokens_as_token_ids: StrictBool | None = None
     # vLLM-style structured outputs (at most one of these and response_format)

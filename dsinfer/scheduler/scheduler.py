@@ -1,9 +1,14 @@
 """Token-budget scheduler: no prefill/decode phases, each request's computed tokens chase its token count.
 
-Each step: running requests first (in arrival order), each gets ``min(num_tokens - num_computed, budget)`` new
-tokens; when KV blocks run out the most recent running request is preempted (blocks freed, recomputed later).
-Then waiting requests are admitted while budget, sequence slots and blocks last, starting after their cached
-prefix. Chunked prefill is just a request getting fewer tokens than it lacks. The scheduler never touches a tensor.
+Each step: running requests first (in admission order), each gets ``min(num_tokens - num_computed, budget)`` new
+tokens; when KV blocks run out a running request is preempted (blocks freed, recomputed later). Then waiting
+requests are admitted while budget, sequence slots and blocks last, starting after their cached prefix. Chunked
+prefill is just a request getting fewer tokens than it lacks. The scheduler never touches a tensor.
+
+Policies (vLLM's ``scheduling_policy``): "fcfs" admits in arrival order and preempts the most recently admitted
+request; "priority" admits by (``request.priority``, arrival), lower first, and preempts the running request
+last in that order (the lowest priority, the latest of them), which may be one already given tokens this step:
+its tokens are taken back. A preempted request goes back to the waiting queue at its place in the policy's order.
 
 Overlap (async scheduling): a token sampled by a step still in flight is a placeholder the scheduler already
 counts (``request.num_pending``), so the next step decodes it before its value reaches the host; the runner
@@ -12,6 +17,8 @@ fills it in on the device. A request whose pending tokens already reach ``max_to
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -62,13 +69,27 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # requests preempted (blocks freed for recompute) since start
+        self.by_priority = config.policy == "priority"
+        self._arrivals = itertools.count()  # the tie-break among equal priorities: the order requests came in
+        self._arrival: dict[int, int] = {}  # id(request) -> its arrival number (priority policy)
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
     def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+        if self.by_priority:
+            self._arrival[id(request)] = next(self._arrivals)
+            self._enqueue(request)
+        else:
+            self.waiting.append(request)
+
+    def _order(self, request: Request) -> tuple[int, int]:
+        return request.priority, self._arrival[id(request)]
+
+    def _enqueue(self, request: Request) -> None:
+        """Priority policy: into the waiting queue at its place by (priority, arrival)."""
+        self.waiting.insert(bisect.bisect(self.waiting, self._order(request), key=self._order), request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -89,7 +110,14 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(request, num_new):
-                victim = self.running.pop()
+                victim = self._pick_victim()
+                index = self.running.index(victim)
+                self.running.pop(index)
+                if index < i:  # given tokens earlier this step (priority policy): take them back
+                    item = next(s for s in out.scheduled if s.request is victim)
+                    out.scheduled.remove(item)
+                    budget += item.num_new_tokens
+                    i -= 1
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
@@ -129,13 +157,21 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
 
+    def _pick_victim(self) -> Request:
+        if self.by_priority:
+            return max(self.running, key=self._order)
+        return self.running[-1]
+
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(request)
+        if self.by_priority:
+            self._enqueue(request)
+        else:
+            self.waiting.appendleft(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Remove a request (finished or aborted) and free its blocks."""
@@ -145,3 +181,4 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
+        self._arrival.pop(id(request), None)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dsinfer.config import KV_CACHE_DTYPES
+from dsinfer.config import KV_CACHE_DTYPES, PARALLEL_SIZES, SCHEDULING_POLICIES, check_parallel_size
 from dsinfer.engine.sampling_params import DEFAULT_MAX_LOGPROBS
 from dsinfer.protocol.chat_formats import BUILTIN_TEMPLATES
 from dsinfer.protocol.tool_parsers import TOOL_PARSERS
@@ -36,6 +36,7 @@ _ENGINE_ARGS = (
     "override_generation_config",
     "max_logprobs",
     "kv_cache_dtype",
+    "scheduling_policy",
 )
 
 
@@ -71,6 +72,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     eng.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                      help="split long prompts across steps (default: on)")
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    eng.add_argument("--scheduling-policy", default=None, choices=list(SCHEDULING_POLICIES),
+                     help="fcfs (default: arrival order) or priority (a request's 'priority' field, lower first, "
+                          "then arrival; the lowest is preempted first)")
     eng.add_argument("--block-size", type=int, default=None,
                      help="tokens per KV block, a power of two (default: 64 for MLA models on CUDA, else 16)")
     eng.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache size in GiB")
@@ -225,11 +229,10 @@ def check_serve_args(args: argparse.Namespace) -> None:
         flag, values = args._greedy[0]
         raise ValueError(f"{flag} took {len(values)} values {values} and no model was given: if the last one is "
                          f"the model, put MODEL before {flag} or pass --model")
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+    for name in PARALLEL_SIZES:
         value = getattr(args, name)
-        if value is not None and value != 1:
-            raise ValueError(f"--{name.replace('_', '-')} {value}: dsinfer serves one GPU per process (only 1 is "
-                             "accepted); run one server per GPU behind a load balancer")
+        if value is not None:
+            check_parallel_size(value, f"--{name.replace('_', '-')} {value}")
     if args.enable_log_requests:
         raise ValueError("--enable-log-requests: dsinfer has no request log (GET /metrics counts requests by "
                          "path and status); drop the flag")

@@ -56,6 +56,14 @@ class ServingContext:
             settings.reasoning_parser == "auto" and has_think
         )
 
+    def check_priority(self, priority: int) -> None:
+        """400 (param "priority") for a priority other than 0 when the engine does not schedule by priority."""
+        if priority:
+            try:
+                self.engine.check_priority(priority)
+            except ValueError as exc:
+                raise ProtocolError(str(exc), param="priority") from None
+
     @property
     def model_name(self) -> str:
         return self.settings.served_model_names[0] if self.settings.served_model_names else "default"

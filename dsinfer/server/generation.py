@@ -55,8 +55,10 @@ async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
 class Generation:
     """One engine request: its outputs as an async iterator, with metrics recorded when it ends."""
 
-    def __init__(self, ctx: ServingContext, prompt_ids: list[int], params: SamplingParams, request_id: str):
+    def __init__(self, ctx: ServingContext, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                 priority: int = 0):
         self.ctx = ctx
+        self.priority = priority
         self.prompt_ids = prompt_ids
         self.params = params
         self.request_id = request_id
@@ -67,7 +69,8 @@ class Generation:
         self.choice_tokens = [0] * params.n  # tokens of each choice: the longest took the decode steps
 
     async def outputs(self) -> AsyncGenerator[RequestOutput, None]:
-        gen = self.ctx.engine.generate({"prompt_token_ids": self.prompt_ids}, self.params, self.request_id)
+        gen = self.ctx.engine.generate({"prompt_token_ids": self.prompt_ids}, self.params, self.request_id,
+                                       self.priority)
         finished = False
         async with aclosing(gen):
             async for out in gen:

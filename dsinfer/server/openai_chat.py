@@ -119,6 +119,7 @@ async def chat_completions(request: Request):
     ctx: ServingContext = request.app.state.ctx
     req = await parse_body(request, ChatCompletionRequest)
     ctx.check_model(req.model)
+    ctx.check_priority(req.priority)
     use_tools = bool(req.tools) and req.tool_choice != "none"  # the answer is parsed for tool calls
     if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
         raise ProtocolError("continue_final_message and add_generation_prompt cannot both be true",
@@ -138,7 +139,7 @@ async def chat_completions(request: Request):
     ids = prompt_ids(ctx, req, encoded.token_ids)
     params = _params(ctx, req, len(ids), use_tools, structured)
     await validate_structured_outputs(structured, field)
-    gen = Generation(ctx, ids, params, new_id("chatcmpl-"))
+    gen = Generation(ctx, ids, params, new_id("chatcmpl-"), req.priority)
     parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools, req.parallel_tool_calls)
     echo = (messages[-1]["content"] or "") if req.echo and req.messages[-1].role == _role(ctx, req) else ""
     if req.stream:

@@ -76,6 +76,7 @@ async def completions(request: Request):
     ctx: ServingContext = request.app.state.ctx
     req = await parse_body(request, CompletionRequest)
     ctx.check_model(req.model)
+    ctx.check_priority(req.priority)
     if req.suffix:
         raise ProtocolError("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -86,7 +87,7 @@ async def completions(request: Request):
     request_id = new_id("cmpl-")
     # one engine request per prompt (vLLM's ids: the answer's, then "-k"); a single prompt's is the answer's
     ids_of = [request_id] if len(prepared) == 1 else [f"{request_id}-{k}" for k in range(len(prepared))]
-    batch = Batch([Generation(ctx, ids, params, rid) for (ids, params), rid in zip(prepared, ids_of)])
+    batch = Batch([Generation(ctx, ids, params, rid, req.priority) for (ids, params), rid in zip(prepared, ids_of)])
     echoes = [ctx.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else "" for ids, _ in prepared]
     if req.stream:
         outputs = await batch.outputs(request)

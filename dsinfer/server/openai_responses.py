@@ -33,6 +33,7 @@ async def responses(request: Request):
     ctx: ServingContext = request.app.state.ctx
     req = await parse_body(request, ResponsesRequest)
     ctx.check_model(req.model)
+    ctx.check_priority(req.priority)
     unsupported = {
         "previous_response_id": "this server does not store responses",
         "conversation": "this server does not store conversations",
@@ -62,7 +63,7 @@ async def responses(request: Request):
     check_logprobs_limit(req.top_logprobs, ctx.max_logprobs, "top_logprobs")
     params = build_sampling_params(fields, ctx.vocab_size, req.stream, ctx.sampling_defaults)
     await validate_structured_outputs(structured, field)
-    gen = Generation(ctx, encoded.token_ids, params, new_id("resp_"))
+    gen = Generation(ctx, encoded.token_ids, params, new_id("resp_"), req.priority)
     parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools, req.parallel_tool_calls)
     if req.stream:
         outputs = await primed(request, gen.outputs())

@@ -111,7 +111,7 @@ def test_vllms_single_gpu_arguments_are_taken(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), tensor_parallel_size=1, pipeline_parallel_size=1, trust_remote_code=True)
     assert llm.llm_engine is llm.engine
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-        with pytest.raises(ValueError, match=f"{name}=2: dsinfer runs one GPU per engine"):
+        with pytest.raises(ValueError, match=f"{name}=2: dsinfer serves one GPU per process"):
             LLM(str(tiny_llama_dir), **{name: 2})
     with pytest.raises(ValueError, match="trust_remote_code must be a bool"):
         LLM(str(tiny_llama_dir), trust_remote_code="yes")

@@ -31,7 +31,7 @@ class FakeEngine:
         self.crash_at = crash_at
         self.step_s = step_s
 
-    def add_request(self, request_id, prompt, params, arrival_time=None):
+    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0):
         if any(t >= 100 for t in prompt["prompt_token_ids"]):
             raise ValueError("out of vocabulary")
         self.requests[request_id] = [params, 0]

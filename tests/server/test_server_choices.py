@@ -80,7 +80,7 @@ def test_time_per_output_token_counts_steps_not_the_choices_tokens(kind):
     token over 4 steps, not over the 5 * n - 1 tokens of every choice together."""
     n, steps = 3, 5
 
-    async def generate(prompt, params, request_id):
+    async def generate(prompt, params, request_id, priority=0):
         for step in range(1, steps + 1):
             last = step == steps
             if kind == RequestOutputKind.DELTA or last:

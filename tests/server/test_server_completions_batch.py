@@ -179,7 +179,7 @@ class _Engine:
         self.steps = steps
         self.closed: list[str] = []
 
-    async def generate(self, prompt, params, request_id):
+    async def generate(self, prompt, params, request_id, priority=0):
         finished = False
         try:
             for step in range(1, self.steps + 1):

@@ -48,7 +48,7 @@ class _Engine:
     def shutdown(self) -> None:
         pass
 
-    async def generate(self, prompt, params, request_id):
+    async def generate(self, prompt, params, request_id, priority=0):
         if self.mode == "overloaded":
             raise EngineOverloadedError("3 requests are already waiting (limit 3)")
         if self.mode == "bug":
