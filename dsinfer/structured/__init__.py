@@ -1,4 +1,4 @@
-"""Structured outputs: JSON schema, JSON object, regex, EBNF grammar and choice constraints via xgrammar.
+"""Structured outputs: JSON schema, JSON object, regex, EBNF (or Lark) grammar and choice constraints via xgrammar.
 
 ``spec.parse_structured_outputs`` checks the shape of ``SamplingParams.structured_outputs`` without xgrammar;
 ``StructuredOutputManager`` (imported lazily by the engine, and only when a request asks for structured output)

@@ -12,6 +12,7 @@ from typing import Any
 
 import xgrammar as xgr
 
+from dsinfer.structured.lark import grammar_from_text
 from dsinfer.structured.spec import StructuredSpec
 from dsinfer.tokenizer import Tokenizer
 
@@ -58,7 +59,7 @@ def _build(spec: StructuredSpec) -> xgr.Grammar:
     if spec.kind == "regex":
         return xgr.Grammar.from_regex(spec.value)
     if spec.kind == "grammar":
-        return xgr.Grammar.from_ebnf(spec.value)
+        return grammar_from_text(spec.value)  # EBNF, or Lark translated to it
     if spec.kind == "choice":
         # EBNF string literals: quotes, backslashes and control characters escaped; anything else as itself, since
         # the grammar reads each \\u escape as one code point and would take a surrogate pair for two (emoji)

@@ -46,9 +46,19 @@ def test_completions_take_structured_outputs(server):
     assert r.json()["choices"][0]["text"] in ("A", "B", "C")
 
 
+def test_a_lark_grammar_is_taken_as_vllm_takes_it(server):
+    lark = 'start: DIGIT ~ 3 "-" WORD\n%import common.DIGIT\n%import common.LCASE_LETTER -> WORD'
+    body = {"messages": MSGS, "max_tokens": 12, "temperature": 0.7, "guided_grammar": lark}
+    assert re.fullmatch(r"[0-9]{3}-[a-z]", _content(server.post(CHAT, json=body)))
+    body = {"prompt": "Code:", "max_tokens": 12, "temperature": 0.7, "structured_outputs": {"grammar": lark}}
+    r = server.post("/v1/completions", json=body)
+    assert r.status_code == 200 and re.fullmatch(r"[0-9]{3}-[a-z]", r.json()["choices"][0]["text"]), r.text
+
+
 @pytest.mark.parametrize("field, value", [
     ("guided_regex", "(unclosed"),
     ("guided_grammar", "root ::= "),
+    ("guided_grammar", "start: NUMBER"),  # Lark: NUMBER is not imported
     ("guided_json", {"type": "nope"}),
     ("guided_json", "{not json"),
     ("structured_outputs", {"regex": "[z-a]"}),
