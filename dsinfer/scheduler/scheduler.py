@@ -113,11 +113,12 @@ class Scheduler:
                 victim = self._pick_victim()
                 index = self.running.index(victim)
                 self.running.pop(index)
-                if index < i:  # given tokens earlier this step (priority policy): take them back
-                    item = next(s for s in out.scheduled if s.request is victim)
-                    out.scheduled.remove(item)
-                    budget += item.num_new_tokens
+                if index < i:  # passed earlier this step (priority policy): tokens it was given are taken back
                     i -= 1
+                    item = next((s for s in out.scheduled if s.request is victim), None)
+                    if item is not None:  # None: it was passed over (nothing to compute, or at max_tokens)
+                        out.scheduled.remove(item)
+                        budget += item.num_new_tokens
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:

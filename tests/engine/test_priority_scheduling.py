@@ -70,6 +70,23 @@ def test_preemption_picks_the_lowest_priority_even_when_it_was_scheduled_first(p
     assert kept.num_computed_tokens == 9  # counted once: the step scheduled it once
 
 
+def test_a_victim_passed_over_this_step_is_preempted_too():
+    """a (priority 5) has its max_tokens pending (async scheduling), so the step passes it over; b then needs a
+    block and none is free: a, before b in the running list but given nothing, is the victim."""
+    sched = make_scheduler("priority", num_blocks=5)
+    a = with_priority("a", 7, 5)
+    sched.add_request(a)
+    fake_step(sched)
+    b = with_priority("b", 8, 0, first_token=50)
+    sched.add_request(b)
+    fake_step(sched)
+    a.max_tokens = a.num_output_tokens
+    assert sched.kv.num_free_blocks == 0
+    out = fake_step(sched)
+    assert out.preempted == [a] and tokens_of(out) == {"b": 1}
+    assert sched.running == [b] and list(sched.waiting) == [a]
+
+
 def test_a_preempted_request_waits_at_its_priority_place_not_at_the_front():
     sched = make_scheduler("priority", num_blocks=6, max_num_seqs=2)
     a = with_priority("a", 7, 5)
