@@ -49,17 +49,23 @@ def test_fcfs_ignores_the_field_and_keeps_arrival_order():
     assert tokens_of(fake_step(sched)) == {"a": 4, "b": 4}
 
 
+def low_then_high(sched: Scheduler):
+    """a (priority 5) admitted and stepped once, then b (priority 0) added: (a, b)."""
+    a = with_priority("a", 7, 5)
+    sched.add_request(a)
+    fake_step(sched)
+    b = with_priority("b", 8, 0, first_token=50)
+    sched.add_request(b)
+    return a, b
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_preemption_picks_the_lowest_priority_even_when_it_was_scheduled_first(policy):
     """5 usable blocks of 4 tokens: a (priority 5) runs first, then b (priority 0); when both need a new block and
     one is left, fcfs preempts the latest (b, itself the one asking), priority preempts a, whose token this step
     is taken back so that b gets a's blocks."""
     sched = make_scheduler(policy, num_blocks=6)
-    a = with_priority("a", 7, 5)
-    sched.add_request(a)
-    fake_step(sched)
-    b = with_priority("b", 8, 0, first_token=50)
-    sched.add_request(b)
+    a, b = low_then_high(sched)
     assert tokens_of(fake_step(sched)) == {"a": 1, "b": 8}
     out = fake_step(sched)
     victim, kept = (b, a) if policy == "fcfs" else (a, b)
@@ -74,11 +80,7 @@ def test_a_victim_passed_over_this_step_is_preempted_too():
     """a (priority 5) has its max_tokens pending (async scheduling), so the step passes it over; b then needs a
     block and none is free: a, before b in the running list but given nothing, is the victim."""
     sched = make_scheduler("priority", num_blocks=5)
-    a = with_priority("a", 7, 5)
-    sched.add_request(a)
-    fake_step(sched)
-    b = with_priority("b", 8, 0, first_token=50)
-    sched.add_request(b)
+    a, b = low_then_high(sched)
     fake_step(sched)
     a.max_tokens = a.num_output_tokens
     assert sched.kv.num_free_blocks == 0
@@ -89,11 +91,7 @@ def test_a_victim_passed_over_this_step_is_preempted_too():
 
 def test_a_preempted_request_waits_at_its_priority_place_not_at_the_front():
     sched = make_scheduler("priority", num_blocks=6, max_num_seqs=2)
-    a = with_priority("a", 7, 5)
-    sched.add_request(a)
-    fake_step(sched)
-    b = with_priority("b", 8, 0, first_token=50)
-    sched.add_request(b)
+    a, b = low_then_high(sched)
     fake_step(sched)
     waiting = [with_priority("x", 4, 1, first_token=100), with_priority("y", 4, 9, first_token=150)]
     for request in waiting:
