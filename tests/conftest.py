@@ -14,6 +14,38 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _row_independent_interpreter_dot() -> None:
+    """Give the interpreter a tl.dot whose every output element sums over K in one fixed order.
+
+    The interpreter's dot is numpy's matmul, whose BLAS (OpenBLAS 0.3.31's Haswell SGEMM, for one) rounds a row
+    differently by its position in the tile, so on CPU a kernel's result would depend on its companion rows where
+    the GPU's MMA does not. The batch-invariance tests check the kernels' own reduction order, which this keeps
+    visible. numpy's einsum runs its own loops, in one order for every row."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = interpreter.InterpreterBuilder
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a_data, b_data = a.data, b.data
+        if any(t.dtype.primitive_bitwidth == 8 and t.dtype.is_floating() for t in (a, b)):  # fp8: via fp16, as Triton
+            a_data = interpreter._convert_float(a_data, a.dtype, tl.float16, None).view(np.float16)
+            b_data = interpreter._convert_float(b_data, b.dtype, tl.float16, None).view(np.float16)
+        acc = d.data.dtype
+        product = np.einsum("...mk,...kn->...mn", a_data.astype(acc), b_data.astype(acc))
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+
+_row_independent_interpreter_dot()
+
 TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
