@@ -33,8 +33,10 @@ install-dev: $(VENV)/.installed-dev
 demo: install
 	$(BIN)/python -m dsinfer.examples.demo
 
+# One pytest worker per core (tests/conftest.py keeps each to one torch thread); idle workers steal queued tests, so
+# the long files at the end do not leave a core idle
 test: install-dev
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests -n auto --dist worksteal
 
 lint: install-dev
 	$(BIN)/ruff check dsinfer tests benchmarks

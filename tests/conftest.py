@@ -14,6 +14,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`make test` runs one worker per core) each worker keeps to one intra-op thread: two workers
+# of two threads each on two cores would only take turns.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 def _row_independent_interpreter_dot() -> None:
     """Give the interpreter a tl.dot whose every output element sums over K in one fixed order.
