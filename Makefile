@@ -33,10 +33,11 @@ install-dev: $(VENV)/.installed-dev
 demo: install
 	$(BIN)/python -m dsinfer.examples.demo
 
-# One pytest worker per core (tests/conftest.py keeps each to one torch thread); idle workers steal queued tests, so
-# the long files at the end do not leave a core idle
+# One pytest worker per core, at most 4 (each holds its own models: 24 GiB is the machine's memory), each on one
+# torch thread (tests/conftest.py); idle workers steal queued tests, so the long files at the end leave no core idle
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=4; echo $$n)
 test: install-dev
-	$(BIN)/python -m pytest tests -n auto --dist worksteal
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist worksteal
 
 lint: install-dev
 	$(BIN)/ruff check dsinfer tests benchmarks
