@@ -21,6 +21,7 @@ MaxTokens = Annotated[int, Strict(), Field(ge=1, le=INT64_MAX)]
 NumChoices = Annotated[int, Strict(), Field(ge=1, le=128)]
 # bounded by the vocabulary only: the engine's max_logprobs (--max-logprobs) is the limit, checked per request
 TopLogprobs = Annotated[int, Strict(), Field(ge=0, le=1 << 31)]
+PromptLogprobs = Annotated[int, Strict(), Field(ge=-1, le=1 << 31)]  # -1: the vocabulary, as vLLM
 Seed = Annotated[int, Strict(), Field(ge=-(2**63), le=INT64_MAX)]
 # vLLM's request priority (lower runs first; the server must run --scheduling-policy priority for any but 0)
 Priority = Annotated[int, Strict(), Field(ge=-(2**31), lt=2**31)]

@@ -100,3 +100,19 @@ def prompt_completion_logprobs(
     out["token_logprobs"].insert(0, None)
     out["top_logprobs"].insert(0, None)
     return out
+
+
+def prompt_logprobs_entries(tokenizer: Any, positions: list[dict[int, Logprob] | None] | None,
+                            ) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs`` of a chat or completions answer: per prompt position None (the first) or
+    ``{token_id: {"logprob", "rank", "decoded_token"}}``, -inf clamped to -9999.0 as vLLM's."""
+    if positions is None:
+        return None
+    return [
+        None if position is None else {
+            str(tid): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                       "decoded_token": _token_text(tokenizer, tid, lp)}
+            for tid, lp in position.items()
+        }
+        for position in positions
+    ]

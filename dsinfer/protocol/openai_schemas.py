@@ -13,6 +13,7 @@ from dsinfer.protocol.fields import (
     NumChoices,
     Penalty,
     Priority,
+    PromptLogprobs,
     RepetitionPenalty,
     Seed,
     ShortStr,
@@ -114,6 +115,8 @@ class SamplingFields(WireModel):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=1 << 18)] | None = None
     bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=1024)]],
                          Field(max_length=1024)] | None = None
+    # vLLM's: the prompt's logprobs, k alternatives a position (-1: the vocabulary); not with stream, as vLLM
+    prompt_logprobs: PromptLogprobs | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False

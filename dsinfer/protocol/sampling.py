@@ -70,6 +70,16 @@ def check_logprobs_limit(value: int | None, max_logprobs: int, param: str) -> No
                             param=param)
 
 
+def check_prompt_logprobs(value: int | None, stream: bool, max_logprobs: int, vocab_size: int) -> None:
+    """400s for vLLM's ``prompt_logprobs``: refused with ``stream`` (when it asks for any), and, -1 read as the
+    vocabulary, over the server's ``--max-logprobs``."""
+    if value is None:
+        return
+    if stream and value != 0:
+        raise ProtocolError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+    check_logprobs_limit(vocab_size if value == -1 else value, max_logprobs, "prompt_logprobs")
+
+
 def build_sampling_params(fields: dict[str, Any], vocab_size: int, stream: bool,
                           defaults: dict[str, Any] | None = None) -> SamplingParams:
     """``fields`` uses SamplingParams names; None values (and fields the endpoint has not) take ``defaults`` (the

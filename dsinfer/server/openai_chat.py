@@ -15,9 +15,14 @@ from dsinfer.protocol.chat_output import ChatOutputParser, OutputDelta, parse_ou
 from dsinfer.protocol.conversation import openai_chat_messages, openai_chat_tools
 from dsinfer.protocol.errors import ProtocolError
 from dsinfer.protocol.fields import stop_list
-from dsinfer.protocol.logprobs import chat_logprobs
+from dsinfer.protocol.logprobs import chat_logprobs, prompt_logprobs_entries
 from dsinfer.protocol.openai_schemas import ChatCompletionRequest, NamedToolChoice, SamplingFields
-from dsinfer.protocol.sampling import build_sampling_params, check_logprobs_limit, logit_bias_ids
+from dsinfer.protocol.sampling import (
+    build_sampling_params,
+    check_logprobs_limit,
+    check_prompt_logprobs,
+    logit_bias_ids,
+)
 from dsinfer.protocol.structured_request import structured_outputs_of, validate_structured_outputs
 from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint, with_tool_constraint
 from dsinfer.server.context import ServingContext, new_id, parse_body
@@ -80,12 +85,14 @@ def _params(
     if req.top_logprobs is not None and not req.logprobs:
         raise ProtocolError("top_logprobs requires logprobs to be true", param="top_logprobs")
     check_logprobs_limit(req.top_logprobs, ctx.max_logprobs, "top_logprobs")
+    check_prompt_logprobs(req.prompt_logprobs, req.stream, ctx.max_logprobs, ctx.vocab_size)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     fields = sampling_fields(req)
     fields.update(
         max_tokens=ctx.max_tokens(requested, prompt_len, param),
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        prompt_logprobs=req.prompt_logprobs,
         structured_outputs=structured,
     )
     if use_tools and ctx.tool_markers_special:
@@ -219,7 +226,7 @@ def _response(
                 "stop_reason": c.stop_reason,  # vLLM's: the stop string or token id that ended it
             }
         )
-    return {
+    body = {
         "id": gen.request_id,
         "object": "chat.completion",
         "created": int(time.time()),
@@ -228,6 +235,9 @@ def _response(
         "usage": gen.usage(),
         "system_fingerprint": None,
     }
+    if req.prompt_logprobs is not None:  # vLLM's: the prompt's logprobs, beside the choices
+        body["prompt_logprobs"] = prompt_logprobs_entries(ctx.tokenizer, out.prompt_logprobs)
+    return body
 
 
 async def _stream(

@@ -13,9 +13,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.sampling_params import SamplingParams
 from dsinfer.protocol.errors import ProtocolError
-from dsinfer.protocol.logprobs import completion_logprobs, prompt_completion_logprobs
+from dsinfer.protocol.logprobs import completion_logprobs, prompt_completion_logprobs, prompt_logprobs_entries
 from dsinfer.protocol.openai_schemas import CompletionRequest
-from dsinfer.protocol.sampling import build_sampling_params, check_logprobs_limit, check_prompt_ids
+from dsinfer.protocol.sampling import (
+    build_sampling_params,
+    check_logprobs_limit,
+    check_prompt_ids,
+    check_prompt_logprobs,
+)
 from dsinfer.protocol.structured_request import structured_outputs_of, validate_structured_outputs
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.generation import Batch, Generation
@@ -40,6 +45,7 @@ def _prepared(ctx: ServingContext, req: CompletionRequest,
     a batch's errors say which prompt."""
     prompts = _prompts(req)
     check_logprobs_limit(req.logprobs, ctx.max_logprobs, "logprobs")
+    check_prompt_logprobs(req.prompt_logprobs, req.stream, ctx.max_logprobs, ctx.vocab_size)
     fields = sampling_fields(req)
     fields["logprobs"] = req.logprobs
     fields["structured_outputs"] = structured
@@ -60,8 +66,11 @@ def _prepared(ctx: ServingContext, req: CompletionRequest,
             if len(prompts) > 1 and exc.param in ("prompt", "max_tokens"):
                 exc.message = f"prompt {k} of the batch: {exc.message}"
             raise
-        # echo with logprobs scores the prompt too (its first token has none: a one-token prompt needs no scores)
-        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None and len(ids) > 1 else None
+        # vLLM's prompt_logprobs when asked; else echo with logprobs scores the prompt too (its first token has
+        # none: a one-token prompt needs no scores)
+        prompt_logprobs = req.prompt_logprobs
+        if prompt_logprobs is None and req.echo and req.logprobs is not None and len(ids) > 1:
+            prompt_logprobs = req.logprobs
         key = (max_tokens, prompt_logprobs)
         if key not in params:
             params[key] = build_sampling_params({**fields, "max_tokens": max_tokens,
@@ -124,6 +133,8 @@ def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, batc
     for k, (out, echo) in enumerate(zip(outs, echoes)):
         for c in sorted(out.outputs, key=lambda c: c.index):
             choice = _choice(ctx, req, c, echo, len(echo), out)[0]
+            if req.prompt_logprobs is not None:  # vLLM's: on each choice, its prompt's (never streamed)
+                choice["prompt_logprobs"] = prompt_logprobs_entries(ctx.tokenizer, out.prompt_logprobs)
             choices.append({**choice, "index": k * req.n + c.index})  # prompt k's choices follow prompt k-1's
     return {
         "id": request_id,
