@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -353,11 +354,24 @@ def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def check_address_free(host: str, port: int) -> None:
+    """ValueError when ``host:port`` cannot be listened on (taken by another server, or not this machine's
+    address): said before the model loads, as vLLM binds its socket first, not after minutes of loading."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"--port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def run_serve(
     args: argparse.Namespace, engine_factory: Callable[[argparse.Namespace], Any] | None = None
 ) -> None:
     """Build the engine, then serve until SIGTERM/SIGINT (drained gracefully)."""
     check_serve_args(args)  # before the model loads: a refused flag costs nothing
+    check_address_free(args.host, args.port)  # and a taken port
     import uvicorn
 
     from dsinfer.entrypoints.async_engine import AsyncEngine

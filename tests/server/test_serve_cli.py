@@ -51,3 +51,23 @@ def test_exclude_tools_when_tool_choice_none_reaches_the_settings():
     assert not settings_from_args(_parse(), engine).exclude_tools_when_tool_choice_none  # vLLM's default: kept
     settings = settings_from_args(_parse("--exclude-tools-when-tool-choice-none"), engine)
     assert settings.exclude_tools_when_tool_choice_none
+
+
+def test_a_taken_port_is_refused_before_the_model_loads():
+    import socket
+
+    from dsinfer.server.cli import check_address_free, run_serve
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"--port {port}: cannot listen on 127.0.0.1:{port}"):
+            check_address_free("127.0.0.1", port)
+
+        def no_engine(args):
+            raise AssertionError("the engine was built although the port is taken")
+
+        with pytest.raises(ValueError, match=f"--port {port}"):
+            run_serve(_parse("--port", str(port)), engine_factory=no_engine)
+    check_address_free("127.0.0.1", port)  # free again: no error
