@@ -32,7 +32,7 @@ class ServingContext:
     def __init__(self, engine: AsyncEngine, settings: ServerSettings):
         self.engine = engine
         self.settings = settings
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(self.model_name)
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.model_config.max_model_len
         self.vocab_size: int = min(self.tokenizer.vocab_size, engine.model_config.vocab_size or 1 << 31)

@@ -86,8 +86,9 @@ class Generation:
                     finished = True
                     self._finish(out)
                 yield out
-        if not finished:
+        if not finished:  # the client left: aborted
             self.ctx.metrics.e2e.observe(time.monotonic() - self.start)
+            self.ctx.metrics.request_success.labels("abort").inc(self.params.n)
 
     def _finish(self, out: RequestOutput) -> None:
         if self.params.output_kind != 1:  # not DELTA: the final output holds every token
@@ -98,7 +99,7 @@ class Generation:
         now = time.monotonic()
         ttft = None if self.first_token is None else self.first_token - self.start
         self.ctx.metrics.record_request(len(self.prompt_ids), self.num_generated, max(self.choice_tokens, default=0),
-                                        ttft, now - self.start)
+                                        ttft, now - self.start, tuple(c.finish_reason for c in out.outputs))
 
     async def final(self, request: Request) -> RequestOutput:
         """The finished output (FINAL_ONLY params), aborting the request if the client leaves."""

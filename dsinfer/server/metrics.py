@@ -1,13 +1,39 @@
-"""Prometheus metrics of one server (its own CollectorRegistry), and the ASGI hook counting responses."""
+"""Prometheus metrics of one server (its own CollectorRegistry), and the ASGI hook counting responses.
+
+Every metric is exposed twice: under dsinfer's names (``dsinfer_*``) and under vLLM's (``vllm:*``, with the
+``model_name`` label), so dashboards, alerts and autoscalers written for vLLM read a dsinfer server unchanged.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# tokens a request: 1-2-5 steps up to a million (vLLM's buckets follow the same series up to max_model_len)
+_COUNT_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1_000_000)
+# dsinfer's metric -> vLLM's name for the same figure
+VLLM_NAMES = {
+    "dsinfer_num_requests_running": "vllm:num_requests_running",
+    "dsinfer_num_requests_waiting": "vllm:num_requests_waiting",
+    "dsinfer_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",  # vLLM's too is a fraction (1 = full)
+    "dsinfer_prompt_tokens": "vllm:prompt_tokens",
+    "dsinfer_generation_tokens": "vllm:generation_tokens",
+    "dsinfer_request_success": "vllm:request_success",
+    "dsinfer_request_prompt_tokens": "vllm:request_prompt_tokens",
+    "dsinfer_request_generation_tokens": "vllm:request_generation_tokens",
+    "dsinfer_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    # a request's mean time per output token: vLLM's request_time_per_output_token_seconds
+    "dsinfer_time_per_output_token_seconds": "vllm:request_time_per_output_token_seconds",
+    "dsinfer_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "dsinfer_num_preemptions": "vllm:num_preemptions",
+    "dsinfer_prefix_cache_queries": "vllm:prefix_cache_queries",
+    "dsinfer_prefix_cache_hits": "vllm:prefix_cache_hits",
+}
 KNOWN_PATHS = frozenset(
     {
         "/v1/chat/completions",
@@ -26,8 +52,10 @@ KNOWN_PATHS = frozenset(
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "default") -> None:
         self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self._stats: dict[str, Any] = {}  # the engine's, as of the last render
         r = self.registry
         self.requests = Counter(
             "dsinfer_requests", "HTTP requests by path and status", ["path", "status"], registry=r
@@ -36,6 +64,17 @@ class ServerMetrics:
             "dsinfer_prompt_tokens", "Prompt tokens of finished requests", registry=r
         )
         self.generation_tokens = Counter("dsinfer_generation_tokens", "Generated tokens", registry=r)
+        self.request_success = Counter(
+            "dsinfer_request_success", "Finished choices by finish reason", ["finished_reason"], registry=r
+        )
+        self.request_prompt_tokens = Histogram(
+            "dsinfer_request_prompt_tokens", "Prompt tokens of a finished request", registry=r,
+            buckets=_COUNT_BUCKETS,
+        )
+        self.request_generation_tokens = Histogram(
+            "dsinfer_request_generation_tokens", "Generated tokens of a finished request (all its choices)",
+            registry=r, buckets=_COUNT_BUCKETS,
+        )
         self.ttft = Histogram(
             "dsinfer_time_to_first_token_seconds", "Time to first token", registry=r, buckets=_LATENCY_BUCKETS
         )
@@ -59,13 +98,19 @@ class ServerMetrics:
         self.prefix_hit_rate = Gauge(
             "dsinfer_prefix_cache_hit_rate", "Prefix cache hits / queries (tokens)", registry=r
         )
+        r.register(_EngineCounters(self))
+        r.register(_VllmNames(self))
 
     def record_request(self, num_prompt: int, num_generated: int, num_steps: int, ttft: float | None,
-                       e2e: float) -> None:
+                       e2e: float, finish_reasons: tuple[str | None, ...] = ()) -> None:
         """``num_generated``: every choice's tokens; ``num_steps``: the longest choice's (the decode steps), over
-        which the time per output token is taken."""
+        which the time per output token is taken; ``finish_reasons``: each choice's."""
         self.prompt_tokens.inc(num_prompt)
         self.generation_tokens.inc(num_generated)
+        self.request_prompt_tokens.observe(num_prompt)
+        self.request_generation_tokens.observe(num_generated)
+        for reason in finish_reasons:
+            self.request_success.labels(reason or "abort").inc()
         self.e2e.observe(e2e)
         if ttft is not None:
             self.ttft.observe(ttft)
@@ -73,12 +118,52 @@ class ServerMetrics:
                 self.tpot.observe((e2e - ttft) / (num_steps - 1))
 
     def render(self, stats: dict[str, Any]) -> bytes:
+        self._stats = stats
         self.running.set(stats.get("num_running", 0))
         self.waiting.set(stats.get("num_waiting", 0))
         self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
         queries = stats.get("prefix_cache_queries", 0)
         self.prefix_hit_rate.set(stats.get("prefix_cache_hits", 0) / queries if queries else 0.0)
         return generate_latest(self.registry)
+
+
+class _EngineCounters:
+    """The engine's own running totals (preemptions, prefix-cache token queries and hits) as counters."""
+
+    _FIELDS = (
+        ("dsinfer_num_preemptions", "num_preemptions", "Requests preempted (KV blocks freed for recompute)"),
+        ("dsinfer_prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+        ("dsinfer_prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+    )
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        for name, key, doc in self._FIELDS:
+            yield CounterMetricFamily(name, doc, value=self.metrics._stats.get(key, 0))
+
+
+class _VllmNames:
+    """Every dsinfer metric again under vLLM's name, with vLLM's ``model_name`` label."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self.sources = [m for m in vars(metrics).values() if isinstance(m, (Counter, Gauge, Histogram))]
+        self.sources.append(_EngineCounters(metrics))
+
+    def collect(self) -> Iterator[Metric]:
+        label = {"model_name": self.metrics.model_name}
+        for source in self.sources:
+            for family in source.collect():
+                name = VLLM_NAMES.get(family.name)
+                if name is None:
+                    continue
+                renamed = Metric(name, family.documentation, family.type)
+                for sample in family.samples:
+                    renamed.add_sample(name + sample.name[len(family.name):], {**sample.labels, **label},
+                                       sample.value, sample.timestamp, sample.exemplar)
+                yield renamed
 
 
 class StatusCounter:
