@@ -5,16 +5,20 @@
 For each Llama-3.1-8B projection (qkv, o_proj, gate/up, down, lm_head) this times torch's matmul and every algorithm
 cublasLtMatmulAlgoGetHeuristic returns (up to 64), through ctypes, each CUDA-graph timed while rotating over enough
 weight copies (>= 400 MB) that the weights come from HBM and not L2, as in a decode step. The last line sums a
-B=256 step's GEMMs (32 layers + lm_head) both ways. Session 25 (docs/benchmarks.md): a tie (6.024 / 6.001 ms,
-6.116 / 6.143 ms).
+B=256 step's GEMMs (32 layers + lm_head) both ways. Session 25 (docs/benchmarks.md): a tie (torch / best:
+6.024 / 6.001, 6.116 / 6.143 and 6.056 / 6.096 ms).
 """
 import ctypes
 import glob
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.roofline import capture_one_call  # noqa: E402
 
 
 def load_lt():
@@ -93,14 +97,8 @@ def lt_mm(desc, a, b, d, algo, x, w, y):
 
 
 def graph_time(fn, reps=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    """Best of five means of ``reps`` back-to-back replays of a graph of one fn() call, in ms."""
+    g = capture_one_call(fn)
     g.replay()
     torch.cuda.synchronize()
     best = 1e9
