@@ -54,8 +54,7 @@ KNOWN_PATHS = frozenset(
 class ServerMetrics:
     def __init__(self, model_name: str = "default") -> None:
         self.registry = CollectorRegistry()
-        self.model_name = model_name
-        self._stats: dict[str, Any] = {}  # the engine's, as of the last render
+        self.engine_stats: dict[str, Any] = {}  # as of the last render
         r = self.registry
         self.requests = Counter(
             "dsinfer_requests", "HTTP requests by path and status", ["path", "status"], registry=r
@@ -99,7 +98,8 @@ class ServerMetrics:
             "dsinfer_prefix_cache_hit_rate", "Prefix cache hits / queries (tokens)", registry=r
         )
         r.register(_EngineCounters(self))
-        r.register(_VllmNames(self))
+        self.vllm_registry = CollectorRegistry()  # the same figures under vLLM's names, read from the one above
+        self.vllm_registry.register(_VllmNames(self.registry, model_name))
 
     def record_request(self, num_prompt: int, num_generated: int, num_steps: int, ttft: float | None,
                        e2e: float, finish_reasons: tuple[str | None, ...] = ()) -> None:
@@ -118,13 +118,13 @@ class ServerMetrics:
                 self.tpot.observe((e2e - ttft) / (num_steps - 1))
 
     def render(self, stats: dict[str, Any]) -> bytes:
-        self._stats = stats
+        self.engine_stats = stats
         self.running.set(stats.get("num_running", 0))
         self.waiting.set(stats.get("num_waiting", 0))
         self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
         queries = stats.get("prefix_cache_queries", 0)
         self.prefix_hit_rate.set(stats.get("prefix_cache_hits", 0) / queries if queries else 0.0)
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(self.vllm_registry)
 
 
 class _EngineCounters:
@@ -141,29 +141,26 @@ class _EngineCounters:
 
     def collect(self) -> Iterator[Metric]:
         for name, key, doc in self._FIELDS:
-            yield CounterMetricFamily(name, doc, value=self.metrics._stats.get(key, 0))
+            yield CounterMetricFamily(name, doc, value=self.metrics.engine_stats.get(key, 0))
 
 
 class _VllmNames:
-    """Every dsinfer metric again under vLLM's name, with vLLM's ``model_name`` label."""
+    """The metrics of ``source`` that vLLM has too, under vLLM's names and with its ``model_name`` label."""
 
-    def __init__(self, metrics: ServerMetrics):
-        self.metrics = metrics
-        self.sources = [m for m in vars(metrics).values() if isinstance(m, (Counter, Gauge, Histogram))]
-        self.sources.append(_EngineCounters(metrics))
+    def __init__(self, source: CollectorRegistry, model_name: str):
+        self.source = source
+        self.label = {"model_name": model_name}
 
     def collect(self) -> Iterator[Metric]:
-        label = {"model_name": self.metrics.model_name}
-        for source in self.sources:
-            for family in source.collect():
-                name = VLLM_NAMES.get(family.name)
-                if name is None:
-                    continue
-                renamed = Metric(name, family.documentation, family.type)
-                for sample in family.samples:
-                    renamed.add_sample(name + sample.name[len(family.name):], {**sample.labels, **label},
-                                       sample.value, sample.timestamp, sample.exemplar)
-                yield renamed
+        for family in self.source.collect():
+            name = VLLM_NAMES.get(family.name)
+            if name is None:
+                continue
+            renamed = Metric(name, family.documentation, family.type)
+            for sample in family.samples:
+                renamed.add_sample(name + sample.name[len(family.name):], {**sample.labels, **self.label},
+                                   sample.value, sample.timestamp, sample.exemplar)
+            yield renamed
 
 
 class StatusCounter:
