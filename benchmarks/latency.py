@@ -231,7 +231,7 @@ class Sequences:
 
     def __init__(self, llm, lengths: list[int], name: str):
         from dsinfer import SamplingParams
-        from dsinfer.engine.request import Request
+        from dsinfer.core.request import Request
 
         self.kv = llm.engine.kv_manager
         gen = torch.Generator().manual_seed(len(lengths))

@@ -23,7 +23,7 @@ from dsinfer.config import EngineArgs, EngineConfig
 from dsinfer.engine.detokenizer import IncrementalDetokenizer
 from dsinfer.engine.output_processor import ChildState, LogprobDecoder, ParentRequest
 from dsinfer.engine.outputs import RequestOutput
-from dsinfer.engine.request import Request, RequestStatus
+from dsinfer.core.request import Request, RequestStatus
 from dsinfer.engine.sampling_params import SamplingParams, token_id_list, truncate_prompt
 from dsinfer.kvcache.manager import KVCacheManager
 from dsinfer.runner.model_runner import ModelRunner, RunnerOutput, StepHandle
@@ -116,7 +116,8 @@ class LLMEngine:
         for index in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             request = Request(child_id, token_ids, params, _wrap_int64(base_seed + index), max_tokens,
-                              self.eos_token_ids, text, parent.arrival_time, request_id, index, priority)
+                              self.eos_token_ids, text, parent.arrival_time, request_id, index, priority,
+                              needs_prompt_logprobs=params.prompt_logprobs is not None)
             if params.prompt_logprobs is not None:
                 request.prompt_logprobs = [None]
             if grammar is not None:

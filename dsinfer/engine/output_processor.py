@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from dsinfer.engine.detokenizer import IncrementalDetokenizer
 from dsinfer.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
-from dsinfer.engine.request import Request
+from dsinfer.core.request import Request
 from dsinfer.engine.sampling_params import RequestOutputKind, SamplingParams
 from dsinfer.runner.model_runner import TokenLogprobs
 from dsinfer.tokenizer import Tokenizer

@@ -8,7 +8,7 @@ blocks are evicted first.
 
 from __future__ import annotations
 
-from dsinfer.engine.request import Request
+from dsinfer.core.request import Request
 from dsinfer.kvcache.block_pool import NONE_HASH, BlockPool, KVCacheBlock, hash_block
 
 

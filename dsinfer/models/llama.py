@@ -18,7 +18,7 @@ from dsinfer.layers.linear import Linear
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, rope_parameters_of
 from dsinfer.models.weights import load_named_weights
-from dsinfer.runner.forward_batch import ForwardBatch
+from dsinfer.core.forward_batch import ForwardBatch
 
 # FP8 KV-cache scales as quantizers write them: self_attn.{k,v,kv}_scale (compressed-tensors, AutoFP8),
 # self_attn.{k,v}_proj.{k,v}_scale (ModelOpt), self_attn.{k,v}_proj.output_scale (older compressed-tensors)

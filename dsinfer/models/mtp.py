@@ -26,7 +26,7 @@ from dsinfer.layers.linear import Linear
 from dsinfer.layers.mla import MLAAttention
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.models.deepseek.blocks import DeepseekDecoderLayer
-from dsinfer.runner.forward_batch import ForwardBatch
+from dsinfer.core.forward_batch import ForwardBatch
 
 
 class SharedHead(nn.Module):

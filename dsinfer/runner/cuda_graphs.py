@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dsinfer.runner.forward_batch import ForwardBatch
+from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.runner.input_batch import HostInputs, to_device_packed
 from dsinfer.runner.side_stream import graph_warmup
 

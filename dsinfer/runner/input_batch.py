@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dsinfer.runner.forward_batch import ForwardBatch
+from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.sampling.sampler import Penalties, SamplingBatch
 from dsinfer.scheduler.scheduler import ScheduledRequest
 

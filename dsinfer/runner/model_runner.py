@@ -20,7 +20,7 @@ import torch
 from dsinfer import envs
 from dsinfer.batch_invariant import batch_invariant
 from dsinfer.config import EngineConfig
-from dsinfer.kvcache.spec import KVCacheSpec
+from dsinfer.core.kv_cache_spec import KVCacheSpec
 from dsinfer.models.loader.model_loader import _default_dtype_and_device, load_model
 from dsinfer.models.registry import model_class
 from dsinfer.runner.cuda_graphs import DecodeGraphs

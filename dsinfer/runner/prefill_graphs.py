@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dsinfer.runner.forward_batch import ForwardBatch
+from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.runner.side_stream import graph_warmup
 from dsinfer.runner.warmup import SEQUENCE_TOKENS, dummy_prefill_batch
 

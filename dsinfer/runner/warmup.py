@@ -20,7 +20,7 @@ import time
 import torch
 from torch import nn
 
-from dsinfer.runner.forward_batch import ForwardBatch
+from dsinfer.core.forward_batch import ForwardBatch
 
 logger = logging.getLogger("dsinfer")
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsinfer.config import SchedulerConfig
-from dsinfer.engine.request import Request, RequestStatus
+from dsinfer.core.request import Request, RequestStatus
 from dsinfer.kvcache.manager import KVCacheManager
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsinfer.engine.request import Request
+from dsinfer.core.request import Request
 from dsinfer.engine.sampling_params import SamplingParams
 from dsinfer.kvcache.manager import KVCacheManager
 

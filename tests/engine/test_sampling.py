@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsinfer import LLM, SamplingParams
-from dsinfer.engine.request import Request
+from dsinfer.core.request import Request
 from dsinfer.runner.input_batch import build_sampling_batch
 from dsinfer.sampling.noise import uniform_noise
 from dsinfer.sampling.sampler import Penalties, Sampler, SamplingBatch, apply_penalties

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dsinfer.config import SchedulerConfig
-from dsinfer.engine.request import Request, RequestStatus
+from dsinfer.core.request import Request, RequestStatus
 from dsinfer.engine.sampling_params import SamplingParams
 from dsinfer.kvcache.manager import KVCacheManager
 from dsinfer.scheduler.scheduler import Scheduler, SchedulerOutput

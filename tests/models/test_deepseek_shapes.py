@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dsinfer import LLM, SamplingParams
-from dsinfer.kvcache.spec import MLASpec
+from dsinfer.core.kv_cache_spec import MLASpec
 from dsinfer.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 
 CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"  # copies of ../shared/model-configs

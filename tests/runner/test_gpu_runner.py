@@ -48,7 +48,7 @@ def test_cuda_greedy_matches_cpu(tiny_llama_dir, cpu_tokens, mode):
 
 
 def test_decode_graph_replay_matches_eager_logits(tiny_llama_dir):
-    from dsinfer.engine.request import Request
+    from dsinfer.core.request import Request
     from dsinfer.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
     llm = LLM(str(tiny_llama_dir), device="cuda", dtype="float32", enable_prefix_caching=False)

@@ -78,7 +78,7 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
 
 def _mixed_step_logits(llm: LLM) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Logits of one step with decode rows and prompts (graphs, then eager), and the step's token count."""
-    from dsinfer.engine.request import Request
+    from dsinfer.core.request import Request
     from dsinfer.runner.input_batch import build_step_inputs
     from dsinfer.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 

@@ -15,7 +15,7 @@ from dsinfer.layers.mla import MLAAttention
 from dsinfer.layers.moe import FusedExperts, Router, RouterConfig
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.ops.moe import Routing
-from dsinfer.runner.forward_batch import ForwardBatch
+from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.runner.side_stream import in_graphs, run_beside
 
 REQUIRED = (

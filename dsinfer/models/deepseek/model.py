@@ -22,7 +22,7 @@ from dsinfer.layers.moe import SHARED, FusedExperts
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.models.deepseek.blocks import DeepseekDecoderLayer, check_config, fused_shared_experts
 from dsinfer.ops.fp8 import FP8_DTYPE
-from dsinfer.runner.forward_batch import ForwardBatch
+from dsinfer.core.forward_batch import ForwardBatch
 
 logger = logging.getLogger("dsinfer")
 

@@ -1,4 +1,14 @@
-"""Request: one sequence's state as the scheduler and engine see it (tokens, progress, KV blocks, status)."""
+"""Request: one sequence's scheduling state as the engine, the scheduler and the KV cache manager share it.
+
+It lives on the engine's side only: the worker never sees a ``Request``, it gets the plain-data step plan
+(``core.plan``) and keeps its own table of what it needs. Who writes what:
+- the engine creates it and appends sampled tokens (``append_token``), sets ``status`` on stops and aborts;
+- the scheduler moves ``num_computed_tokens`` and ``status`` (waiting / running / preempted), and
+  ``num_tokens_sent`` (how many of ``all_token_ids`` the worker has been sent);
+- the KV cache manager owns ``blocks`` and ``block_hashes``.
+Invariants: ``all_token_ids == prompt_token_ids + output_token_ids``;
+``num_computed_tokens <= num_tokens + num_pending + len(draft_token_ids)``; ``num_tokens_sent <= num_tokens``.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +17,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsinfer.engine.outputs import PositionLogprobs
-from dsinfer.engine.sampling_params import SamplingParams
-from dsinfer.kvcache.block_pool import BlockHash, KVCacheBlock
 
 
 class RequestStatus(enum.Enum):
@@ -29,12 +36,13 @@ class RequestStatus(enum.Enum):
 class Request:
     """``num_computed_tokens`` chases ``num_tokens`` (prompt + outputs); the scheduler closes the gap each step.
 
-    A request samples a token in a step whose scheduled chunk reaches ``num_tokens``.
+    A request samples in a step whose scheduled chunk reaches ``num_tokens`` (plus its pending tokens): one token,
+    or 1 + k when the step also verifies its k ``draft_token_ids``.
     """
 
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: Any  # the user's engine.SamplingParams: stops, detokenizing, output kind (the engine reads it)
     seed: int  # effective sampling seed (the user's, or one drawn at arrival): noise is keyed by (seed, position)
     max_tokens: int  # effective limit on output tokens
     eos_token_ids: frozenset[int] = frozenset()
@@ -43,24 +51,28 @@ class Request:
     parent_id: str | None = None  # n > 1: the user's request id, this is sample ``index``
     index: int = 0
     priority: int = 0  # the "priority" scheduling policy's key: lower is admitted first, preempted last
+    needs_prompt_logprobs: bool = False  # prompt_logprobs asked for: no prefix-cache hit (every prompt row scored)
+    # what the worker samples with (a core.plan.RequestSampling), sent once in the plan that first schedules it
+    sampling: Any = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_pending: int = 0  # tokens sampled by steps still in flight (async scheduling), not yet in all_token_ids
+    num_tokens_sent: int = 0  # all_token_ids[:num_tokens_sent] are in the worker's table (0: it has no entry)
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling (-1: not yet scheduled)
     num_preemptions: int = 0
-    blocks: list[KVCacheBlock] = field(default_factory=list)
-    block_hashes: list[BlockHash] = field(default_factory=list)
+    # draft tokens to verify in the next step (a drafter's proposal); the step that schedules them clears this
+    draft_token_ids: list[int] = field(default_factory=list)
+    blocks: list[Any] = field(default_factory=list)  # kvcache.KVCacheBlock, in token order (the manager's)
+    block_hashes: list[bytes] = field(default_factory=list)  # hash chain of the full blocks of all_token_ids
     stop_reason: int | str | None = None
-    logprobs: list[PositionLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)  # engine.outputs.PositionLogprobs, one per output token
+    prompt_logprobs: list[Any] = field(default_factory=list)  # the same per prompt token (first: None)
     cumulative_logprob: float = 0.0
-    first_scheduled_time: float | None = None
+    first_scheduled_time: float | None = None  # time.monotonic(), as every request time
     first_token_time: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
     grammar: Any = None  # structured outputs: a dsinfer.structured.matcher.RequestGrammar (None: unconstrained)
-    bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (bad_word_token_ids)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -82,8 +94,9 @@ class Request:
         return self.status.finished
 
     @property
-    def needs_prompt_logprobs(self) -> bool:
-        return self.params.prompt_logprobs is not None
+    def waits_for_grammar(self) -> bool:
+        """Its grammar is still compiling (or failed to and is about to be aborted): not admitted yet."""
+        return self.grammar is not None and (not self.grammar.ready or self.grammar.error is not None)
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
