@@ -102,7 +102,7 @@ def summary_rows(rows: list[tuple[str, int, float, float]]) -> list[str]:
 
 def main(argv=None) -> None:
     from dsinfer.runner.cuda_graphs import DecodeGraphs
-    from dsinfer.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+    from dsinfer.scheduler.scheduler import ScheduledRequest, standalone_output
 
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -117,7 +117,9 @@ def main(argv=None) -> None:
     for batch in args.batch_sizes:
         seqs = Sequences(llm, [args.context] * batch, f"b{batch}-")
         seqs.randomize_kv(runner)
-        steps[batch] = SchedulerOutput([ScheduledRequest(r, 1, args.context - 1) for r in seqs.requests])
+        items = [ScheduledRequest(r, 1, args.context - 1) for r in seqs.requests]
+        runner.execute(standalone_output(items).plan)
+        steps[batch] = standalone_output(items, resend=False).plan
     first = runner.graphs
     reference: dict[int, torch.Tensor] = {}
     rows: list[tuple[str, int, float, float]] = []

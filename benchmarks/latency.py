@@ -277,14 +277,16 @@ def count_touched_experts(runner, sched) -> list[int]:
 
 
 def time_decode(llm, batch: int, context: int, steps: int, bandwidth: float, shape: WeightShape) -> dict:
-    from dsinfer.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+    from dsinfer.scheduler.scheduler import ScheduledRequest, standalone_output
 
     runner = llm.engine.runner
     device = runner.device
     seqs = Sequences(llm, [context] * batch, f"d{batch}-")
     seqs.randomize_kv(runner)
-    sched = SchedulerOutput([ScheduledRequest(r, 1, context - 1) for r in seqs.requests])
-    for _ in range(3):
+    items = [ScheduledRequest(r, 1, context - 1) for r in seqs.requests]
+    runner.execute(standalone_output(items).plan)  # the runner's table gets the requests
+    sched = standalone_output(items, resend=False).plan  # then each step sends what the engine's decode steps do
+    for _ in range(2):
         runner.execute(sched)
     graph_ms = []
     size = runner.graphs.padded_size(batch) if runner.graphs is not None else None
@@ -329,12 +331,12 @@ def parse_prefill(spec: str) -> tuple[int, int]:
 
 
 def time_prefill(llm, spec: str, shape: WeightShape, matmul_rate: float, fp8_rate: float | None) -> dict:
-    from dsinfer.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+    from dsinfer.scheduler.scheduler import ScheduledRequest, standalone_output
 
     num, length = parse_prefill(spec)
     runner = llm.engine.runner
     seqs = Sequences(llm, [length] * num, f"p{spec}-")
-    sched = SchedulerOutput([ScheduledRequest(r, length, 0) for r in seqs.requests])
+    sched = standalone_output([ScheduledRequest(r, length, 0) for r in seqs.requests]).plan
     times = [timed_ms(lambda: runner.execute(sched), runner.device) for _ in range(4)][1:]  # first: warm-up
     seqs.free()
     floor, flops = prefill_floor_ms(shape, runner.model.cfg, num, length, matmul_rate, fp8_rate)

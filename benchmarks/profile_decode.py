@@ -107,12 +107,14 @@ def profile_replay(llm, args, sync):
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.latency import Sequences
-    from dsinfer.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+    from dsinfer.scheduler.scheduler import ScheduledRequest, standalone_output
 
     runner = llm.engine.runner
     seqs = Sequences(llm, [args.context] * args.batch, "r")
     seqs.randomize_kv(runner)
-    sched = SchedulerOutput([ScheduledRequest(r, 1, args.context - 1) for r in seqs.requests])
+    items = [ScheduledRequest(r, 1, args.context - 1) for r in seqs.requests]
+    runner.execute(standalone_output(items).plan)
+    sched = standalone_output(items, resend=False).plan
     size = runner.graphs.padded_size(args.batch) if runner.graphs is not None else None
     step = (lambda: runner.graphs.replay(size)) if size is not None else (lambda: runner.execute(sched))
     for _ in range(3):

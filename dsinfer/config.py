@@ -22,6 +22,8 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# vLLM's distributed_executor_backend: "uni" runs the model in the engine's process, "mp" in a worker process
+EXECUTOR_BACKENDS = ("uni", "mp")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's parallel sizes: dsinfer runs one GPU per engine, so 1 is the only value (``check_parallel_size``)
 PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
@@ -106,12 +108,25 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    distributed_executor_backend: str = "uni"  # uni (in process) | mp (a worker process): dsinfer/executor/
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    # draft tokens a step may verify per request (0: one-token steps); sizes the multi-token decode CUDA graphs
+    num_speculative_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     load: LoadConfig
     device: DeviceConfig
+    parallel: ParallelConfig = ParallelConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 @dataclass
@@ -150,6 +165,8 @@ class EngineArgs:
     override_generation_config: dict[str, Any] | None = None
     # the most logprobs / prompt_logprobs a request may ask for (vLLM's --max-logprobs); -1: up to the vocab size
     max_logprobs: int = 20
+    # vLLM's distributed_executor_backend: "uni" (in process, the default) or "mp" (the model in a worker process)
+    distributed_executor_backend: str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -204,6 +221,7 @@ class EngineArgs:
             # the invariant kernels give a row the same result whatever the (padded) batch around it
             device=DeviceConfig(device, bool(deterministic), bool(async_sched), self.enforce_eager,
                                 self.max_prefill_graph_tokens),
+            parallel=ParallelConfig(self.distributed_executor_backend or "uni"),
         )
 
     def _sampling_defaults(self, model_generation_config: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
@@ -252,6 +270,9 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got "
+                             f"{self.distributed_executor_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

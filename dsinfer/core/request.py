@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsinfer.core.plan import RequestSampling
 
 
 class RequestStatus(enum.Enum):
@@ -51,9 +52,8 @@ class Request:
     parent_id: str | None = None  # n > 1: the user's request id, this is sample ``index``
     index: int = 0
     priority: int = 0  # the "priority" scheduling policy's key: lower is admitted first, preempted last
-    needs_prompt_logprobs: bool = False  # prompt_logprobs asked for: no prefix-cache hit (every prompt row scored)
-    # what the worker samples with (a core.plan.RequestSampling), sent once in the plan that first schedules it
-    sampling: Any = None
+    # what the worker samples with, sent once in the plan that first schedules it (None: made from ``params``)
+    sampling: RequestSampling | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -76,6 +76,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        if self.sampling is None:
+            self.sampling = RequestSampling.of(self.params, self.seed, self.eos_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -92,6 +94,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """prompt_logprobs asked for: no prefix-cache hit (every prompt position is scored)."""
+        return self.sampling.prompt_logprobs is not None
 
     @property
     def waits_for_grammar(self) -> bool:

@@ -1,10 +1,16 @@
 """LLMEngine: requests in, RequestOutputs out; one ``step()`` schedules, runs the model once and applies results.
 
+Input processing (validation, tokenizing, one request per sample) is ``InputProcessor``'s; the engine runs the
+step loop: the scheduler writes a plain-data plan, the executor runs it (``distributed_executor_backend``: in
+this process or in a worker process), and the engine applies the sampled tokens: 1 + (accepted drafts) per
+request, checked for stops one by one (the first stop truncates the rest), rejected drafts rolled back.
+
 With async scheduling (``DeviceConfig.async_scheduling``, on by default on CUDA) a step schedules and launches
 step N+1 before it waits for step N's tokens, so the CPU prepares N+1 while the GPU runs N; N+1 reads N's tokens
 on the device (placeholders). Stops, aborts and preemptions are then applied one step late: a request that
 stopped at step N drops the token N+1 sampled for it. Requests whose sampling needs every earlier token on the
-host (penalties, structured outputs) make the engine drain the pipeline and step synchronously while they run.
+host (penalties, structured outputs), and steps that verify drafts, make the engine drain the pipeline and step
+synchronously while they run.
 
 Bad input raises ``ValueError`` from ``add_request`` before anything reaches the scheduler, so one bad request
 never disturbs the others.
@@ -14,70 +20,67 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
+
+import numpy as np
 
 from dsinfer.config import EngineArgs, EngineConfig
-from dsinfer.engine.detokenizer import IncrementalDetokenizer
+from dsinfer.core.outputs import RunnerOutput
+from dsinfer.core.request import Request, RequestStatus
+from dsinfer.engine.input_processor import InputProcessor
 from dsinfer.engine.output_processor import ChildState, LogprobDecoder, ParentRequest
 from dsinfer.engine.outputs import RequestOutput
-from dsinfer.core.request import Request, RequestStatus
-from dsinfer.engine.sampling_params import SamplingParams, token_id_list, truncate_prompt
+from dsinfer.engine.sampling_params import SamplingParams
+from dsinfer.executor.base import Executor, StepResult
 from dsinfer.kvcache.manager import KVCacheManager
-from dsinfer.runner.model_runner import ModelRunner, RunnerOutput, StepHandle
-from dsinfer.scheduler.scheduler import Scheduler, SchedulerOutput
+from dsinfer.scheduler.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from dsinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger("dsinfer")
 
-_INT64_MASK = (1 << 64) - 1
+
+class Drafter(Protocol):
+    """Proposes draft tokens for a running request, verified by its next step (speculative decoding)."""
+
+    def propose(self, request: Request, num_tokens: int) -> list[int]:
+        """Up to ``num_tokens`` tokens likely to follow ``request.all_token_ids``."""
 
 
-def _wrap_int64(value: int) -> int:
-    value &= _INT64_MASK
-    return value - (1 << 64) if value >= 1 << 63 else value
+def make_executor(config: EngineConfig) -> Executor:
+    if config.parallel.distributed_executor_backend == "mp":
+        from dsinfer.executor.mp import MultiprocExecutor
 
+        return MultiprocExecutor(config)
+    from dsinfer.executor.uni import UniExecutor
 
-def _split_eos_ids(listed: list[int], tokenizer: Tokenizer | None) -> tuple[frozenset[int], frozenset[int]]:
-    """(every id that ends a request as EOS does, the ones among them that vLLM treats as stop tokens).
-
-    vLLM's split (``SamplingParams.update_from_generation_config``): the tokenizer's eos_token is the EOS; the other
-    ids the model's eos_token_id lists (Llama 3 instruct's 128001 and 128008 beside <|eot_id|>) become stop tokens,
-    so an output they end has stop_reason = that id, and ignore_eos stops on none of them. While min_tokens holds,
-    both kinds are banned, with ignore_eos too (vLLM's ``all_stop_token_ids``; ``runner.input_batch``).
-    Without a tokenizer eos_token vLLM has no EOS at all; dsinfer then keeps every listed id a plain EOS rather than
-    report an id for a model's only end token.
-    """
-    listed = list(listed) or (tokenizer.eos_token_ids if tokenizer is not None else [])
-    primary = tokenizer.token_to_id(tokenizer.eos_token) if tokenizer is not None and tokenizer.eos_token else None
-    if primary is None:
-        return frozenset(listed), frozenset()
-    return frozenset(listed) | {primary}, frozenset(listed) - {primary}
+    return UniExecutor(config)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None):
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None, drafter: Drafter | None = None):
         self.config = config
         self.model_config = config.model
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(config)
-        self.kv_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                         config.cache.enable_prefix_caching)
+        self.executor = make_executor(config)
+        num_blocks = self.executor.num_kv_blocks
+        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.model.max_model_len)
+        self.inputs = InputProcessor(config, tokenizer, num_blocks)
+        self.eos_token_ids, self.extra_eos_token_ids = self.inputs.eos_token_ids, self.inputs.extra_eos_token_ids
+        # proposes drafts for each running request (config.speculative.num_speculative_tokens at most a step)
+        self.drafter = drafter
         self._parents: dict[str, ParentRequest] = {}
         self._children: dict[str, tuple[ParentRequest, ChildState]] = {}
         self._pending_outputs: list[RequestOutput] = []
-        self._seed_rng = random.Random(config.load.seed)
         self._logprob_decoder = LogprobDecoder(tokenizer)
-        self.eos_token_ids, self.extra_eos_token_ids = _split_eos_ids(config.model.eos_token_ids, tokenizer)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.async_scheduling = config.device.async_scheduling
-        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None  # launched, result not yet applied
+        # launched, result not yet applied: the step, its requests that sample, the executor's handle
+        self._in_flight: tuple[SchedulerOutput, list[ScheduledRequest], StepResult] | None = None
         self._needs_host_tokens: set[str] = set()  # unfinished child ids whose sampling reads earlier tokens
-        self._structured: Any = None  # StructuredOutputManager, made (importing xgrammar) on first use
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, usage: str = "offline") -> LLMEngine:
@@ -90,10 +93,28 @@ class LLMEngine:
             logger.warning("no tokenizer in %s: only token-id prompts are accepted", tok_dir)
         return cls(config, tokenizer)
 
+    @property
+    def runner(self) -> Any:
+        """The ModelRunner, when it runs in this process (``distributed_executor_backend="uni"``)."""
+        runner = getattr(self.executor, "runner", None)
+        if runner is None:
+            raise AttributeError("the model runs in worker processes (distributed_executor_backend="
+                                 f"{self.config.parallel.distributed_executor_backend!r}): no runner here")
+        return runner
+
+    @property
+    def _structured(self) -> Any:
+        return self.inputs.structured
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (idempotent)."""
+        self.executor.shutdown()
+
     # ----------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0) -> None:
-        """``priority``: under the "priority" scheduling policy, lower runs first (vLLM's); must be 0 otherwise."""
+        """``priority``: under the "priority" scheduling policy, lower runs first (vLLM's); must be 0 otherwise.
+        ``arrival_time``: ``time.monotonic()`` (every request time is on that clock); None: now."""
         self.check_priority(priority)
         if request_id in self._parents or request_id in self._children:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -102,83 +123,18 @@ class LLMEngine:
             if clash is not None:
                 raise ValueError(f"request id {request_id!r} is already in use: its sample {clash!r} is a running "
                                  "request's id")
-        params = params.with_vocab_logprobs(self.model_config.vocab_size)
-        params.check_logprobs_limit(self.model_config.logprobs_limit)
-        text, token_ids = self._prompt_ids(prompt)
-        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.model_config.max_model_len)
-        max_tokens = self._check_lengths(token_ids, params)
-        params.validate_for_vocab(self.model_config.vocab_size)
-        grammar = self._prepare_grammar(params)
-        bad_word_ids = self._bad_word_ids(params)
-        self._check_something_samplable(params, bad_word_ids)
-        parent = ParentRequest(request_id, text, token_ids, params, arrival_time or time.monotonic())
-        base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        for index in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            request = Request(child_id, token_ids, params, _wrap_int64(base_seed + index), max_tokens,
-                              self.eos_token_ids, text, parent.arrival_time, request_id, index, priority,
-                              needs_prompt_logprobs=params.prompt_logprobs is not None)
-            if params.prompt_logprobs is not None:
-                request.prompt_logprobs = [None]
-            if grammar is not None:
-                request.grammar = self._structured.request_grammar(request, *grammar)
-            request.bad_word_ids = bad_word_ids
-            detok = None
-            if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
-                                               params.include_stop_str_in_output)
-            child = ChildState(request, detok)
-            # sampling that reads the last outputs (penalties, grammars, a bad word's first tokens) waits for them
-            if params.uses_penalties or params.structured_outputs is not None or any(
-                    len(ids) > 1 for ids in bad_word_ids):
-                self._needs_host_tokens.add(child_id)
-            parent.children.append(child)
-            self._children[child_id] = (parent, child)
-            self.scheduler.add_request(request)
+        parent = self.inputs.process(request_id, prompt, params, arrival_time, priority)
+        for child in parent.children:
+            rid = child.request.request_id
+            if child.needs_host_tokens:
+                self._needs_host_tokens.add(rid)
+            self._children[rid] = (parent, child)
+            self.scheduler.add_request(child.request)
         self._parents[request_id] = parent
 
     def check_priority(self, priority: Any) -> None:
         """A ValueError unless ``priority`` is one ``add_request`` takes under this engine's policy."""
-        if isinstance(priority, bool) or not isinstance(priority, int) or not -(1 << 31) <= priority < 1 << 31:
-            raise ValueError(f"priority must be an integer in [-2**31, 2**31), got {priority!r}")
-        if priority and self.config.scheduler.policy != "priority":
-            raise ValueError(f"priority={priority}, but priority scheduling is not enabled: start the engine with "
-                             "scheduling_policy='priority' (--scheduling-policy priority)")
-
-    def _bad_word_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
-        if not params.bad_words:
-            return ()
-        if self.tokenizer is None:
-            raise ValueError("bad_words need the model's tokenizer, and this model has none")
-        return bad_word_token_ids(self.tokenizer, params.bad_words)
-
-    def _check_something_samplable(self, params: SamplingParams, bad_word_ids) -> None:
-        """An allowed set that the bans empty would sample from nothing: a ValueError instead."""
-        if not params.allowed_token_ids:
-            return
-        left = set(params.allowed_token_ids) - {ids[0] for ids in bad_word_ids if len(ids) == 1}
-        if not left:
-            raise ValueError("allowed_token_ids holds only tokens that bad_words ban: nothing could be sampled")
-        stops = set(params.stop_token_ids) | set(self.eos_token_ids)  # what min_tokens bans, ignore_eos or not
-        if params.min_tokens and left <= stops:
-            raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens bans until "
-                             f"{params.min_tokens} tokens are out: nothing could be sampled")
-
-    def _prepare_grammar(self, params: SamplingParams) -> tuple[Any, Any] | None:
-        """Validate a structured-output constraint and start compiling it; ValueError when invalid."""
-        if params.structured_outputs is None:
-            return None
-        if self._structured is None:
-            if self.tokenizer is None:
-                raise ValueError("structured outputs need the model's tokenizer, and this model has none")
-            try:
-                from dsinfer.structured.manager import StructuredOutputManager
-            except ImportError as exc:
-                raise ValueError("structured outputs need xgrammar (pip install 'dsinfer[structured]'): "
-                                 f"{exc}") from None
-            self._structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
-                                                       self.eos_token_ids)
-        return self._structured.prepare(params.structured_outputs)
+        self.inputs.check_priority(priority)
 
     def _fail_uncompilable(self) -> None:
         """Requests whose grammar failed to compile (after passing validation) finish as aborted."""
@@ -189,46 +145,6 @@ class LLMEngine:
             parent, _ = self._children[request.request_id]
             if parent.finished:
                 self._finish_parent(parent)
-
-    def _prompt_ids(self, prompt: str | dict[str, Any]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = token_id_list(prompt["prompt_token_ids"])
-            vocab = self.model_config.vocab_size
-            if ids is None:
-                raise ValueError("prompt_token_ids must be a list of integers")
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt_token_ids contains {bad[0]}, outside the vocabulary [0, {vocab})")
-            return prompt.get("prompt"), ids
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
-            return self._prompt_ids(prompt["prompt"])
-        raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [...]}, got "
-                         f"{type(prompt).__name__}")
-
-    def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
-        limit = self.model_config.max_model_len
-        if not token_ids:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        if len(token_ids) >= limit:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is {limit}, which must leave "
-                             "room for at least one output token")
-        # as vLLM offline: output past the context is cut there (finish reason "length"); the server answers an
-        # explicit max_tokens over the context with a 400 before it gets here
-        room = limit - len(token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        # a request that could never fit in the whole KV cache would wait forever
-        block_size, usable = self.config.cache.block_size, self.runner.num_blocks - 1
-        needed = -(-(len(token_ids) + max_tokens - 1) // block_size)
-        if needed > usable:
-            asked = str(max_tokens) if params.max_tokens == max_tokens else f"{max_tokens}: the context's room"
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({asked}) needs {needed} "
-                             f"KV blocks of {block_size} tokens; the KV cache has {usable} (raise "
-                             "num_kv_blocks or kv_cache_memory_gb, or lower max_tokens)")
-        return max_tokens
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
@@ -247,7 +163,7 @@ class LLMEngine:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:  # let the device finish the step before its KV blocks are reused
             with contextlib.suppress(Exception):
-                in_flight[1].result()
+                in_flight[2].result()
         self.abort_request(list(self._parents))
         self._pending_outputs = []
         # the failed step's blocks joined the prefix cache when it was scheduled, but their KV may never have been
@@ -260,36 +176,63 @@ class LLMEngine:
     # ----------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
-        if self.async_scheduling and not self._needs_host_tokens:
+        if self.async_scheduling and not self._needs_host_tokens and self.drafter is None:
             return outputs + self._step_overlapped()
         outputs += self._finish_step(self._in_flight)  # drain the pipeline before a synchronous step
         self._in_flight = None
         self._fail_uncompilable()
-        sched = self.scheduler.schedule()
+        self._propose_drafts()
+        sched = self._schedule()
         if sched.is_empty:
             return outputs
-        if self._structured is not None:
-            sched.grammar_bitmask = self._structured.bitmask(sched.scheduled)
-        return outputs + self._process(sched, self.runner.execute(sched))
+        return outputs + self._process(sched, self.executor.execute(sched.plan))
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """Launch step N+1, then wait for step N (the one host sync) and apply its tokens."""
-        sched = self.scheduler.schedule()
+        sched = self._schedule()
         launched = None
         if not sched.is_empty:
-            handle = self.runner.launch(sched)
-            for item in handle.sample_items:
+            handle = self.executor.launch(sched.plan)
+            sampling = [item for item in sched.scheduled if item.samples]
+            for item in sampling:
                 item.request.num_pending += 1  # the scheduler counts it; the next step reads it on the device
-            launched = (sched, handle)
+            launched = (sched, sampling, handle)
         previous, self._in_flight = self._in_flight, launched
         return self._finish_step(previous)
 
-    def _finish_step(self, step: tuple[SchedulerOutput, StepHandle] | None) -> list[RequestOutput]:
+    def _schedule(self) -> SchedulerOutput:
+        sched = self.scheduler.schedule()
+        if self._structured is not None and not sched.is_empty:
+            sched.plan.grammar_bitmask = self._grammar_bitmask(sched.scheduled)
+        return sched
+
+    def _grammar_bitmask(self, scheduled: list[ScheduledRequest]) -> np.ndarray | None:
+        """One row per sampled position: the grammar manager's row per sampling request, repeated for a
+        request's draft positions (grammar requests get no drafts, so those rows allow everything)."""
+        mask = self._structured.bitmask(scheduled)
+        if mask is None:
+            return None
+        rows = mask.numpy()
+        repeats = [1 + len(item.draft_token_ids) for item in scheduled if item.samples]
+        return rows if all(r == 1 for r in repeats) else np.repeat(rows, repeats, axis=0)
+
+    def _propose_drafts(self) -> None:
+        """Ask the drafter for each running request's drafts (none for grammar requests: a grammar's state would
+        have to roll back with rejected drafts)."""
+        k = self.config.speculative.num_speculative_tokens
+        if self.drafter is None or k <= 0:
+            return
+        for request in self.scheduler.running:
+            if request.grammar is None and request.num_computed_tokens + 1 == request.num_tokens:
+                request.draft_token_ids = list(self.drafter.propose(request, k))[:k]
+
+    def _finish_step(self, step: tuple[SchedulerOutput, list[ScheduledRequest], StepResult] | None
+                     ) -> list[RequestOutput]:
         if step is None:
             return []
-        sched, handle = step
+        sched, sampling, handle = step
         result = handle.result()
-        for item in handle.sample_items:
+        for item in sampling:
             item.request.num_pending -= 1
         return self._process(sched, result)
 
@@ -300,7 +243,7 @@ class LLMEngine:
             if item.request.is_finished:  # stopped or aborted while this step ran: its token is dropped
                 continue
             parent, child = self._children[item.request.request_id]
-            self._apply(child, result)
+            self._apply(item, child, result)
             touched[parent.request_id] = parent
         for parent in touched.values():
             output = parent.make_output()
@@ -310,31 +253,40 @@ class LLMEngine:
                 outputs.append(output)
         return outputs
 
-    def _apply(self, child: ChildState, result: RunnerOutput) -> None:
+    def _apply(self, item: ScheduledRequest, child: ChildState, result: RunnerOutput) -> None:
         request = child.request
         rid = request.request_id
         if rid in result.prompt_logprobs:
             request.prompt_logprobs.extend(self._logprob_decoder.position(p) for p in result.prompt_logprobs[rid])
-        token = result.sampled.get(rid)
-        if token is None:
+        tokens = result.sampled_token_ids.get(rid)
+        if not tokens:
             return
+        self.scheduler.rollback(request, len(item.draft_token_ids) + 1 - len(tokens))
+        logprobs = result.logprobs.get(rid)
+        for i, token in enumerate(tokens):
+            status = self._append(child, token, logprobs[i] if logprobs else None)
+            if status is not None:  # the first stop ends the run: later tokens are dropped
+                self.scheduler.finish(request, status)
+                return
+
+    def _append(self, child: ChildState, token: int, logprobs: Any) -> RequestStatus | None:
+        """Append one sampled token; -> the status it finishes the request with (None: it goes on)."""
+        request = child.request
         request.append_token(token)
         self.num_generation_tokens += 1
         if request.num_output_tokens == 1:
             request.first_token_time = time.monotonic()
             self.num_prompt_tokens += request.num_prompt_tokens
-        if rid in result.logprobs:
-            data = result.logprobs[rid]
-            request.logprobs.append(self._logprob_decoder.position(data))
-            request.cumulative_logprob += data.logprobs[0]
+        if logprobs is not None:
+            request.logprobs.append(self._logprob_decoder.position(logprobs))
+            request.cumulative_logprob += logprobs.logprobs[0]
         # A grammar ends on the EOS it lets through once complete (vLLM's way): that EOS stops the request as any
         # EOS does, even before min_tokens or with ignore_eos (the grammar's end wins; see SamplingParams)
         grammar_state = self._structured.advance(request) if request.grammar is not None else "continue"
         status = self._stop_status(child, token, grammar_end=grammar_state == "complete")
         if status is None and grammar_state == "rejected":
             status = RequestStatus.FINISHED_ABORTED
-        if status is not None:
-            self.scheduler.finish(request, status)
+        return status
 
     def _stop_status(self, child: ChildState, token: int, grammar_end: bool = False) -> RequestStatus | None:
         request, params = child.request, child.request.params
@@ -386,18 +338,3 @@ class LLMEngine:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
         }
-
-
-def bad_word_token_ids(tokenizer: Any, words: list[str]) -> tuple[tuple[int, ...], ...]:
-    """Each bad word as token sequences, as vLLM bans them: the word alone, and with a leading space when that
-    is a different first token of the same length (the word inside a sentence). A sequence's last token is
-    banned when the output so far ends with the rest of it."""
-    seqs: list[tuple[int, ...]] = []
-    for word in words:
-        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
-        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-        for ids in (bare, spaced) if spaced[:1] != bare[:1] and len(spaced) == len(bare) else (bare,):
-            if ids and ids not in seqs:
-                seqs.append(ids)
-    return tuple(seqs)
-

@@ -11,11 +11,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from dsinfer.core.outputs import TokenLogprobs
+from dsinfer.core.request import Request
 from dsinfer.engine.detokenizer import IncrementalDetokenizer
 from dsinfer.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
-from dsinfer.core.request import Request
 from dsinfer.engine.sampling_params import RequestOutputKind, SamplingParams
-from dsinfer.runner.model_runner import TokenLogprobs
 from dsinfer.tokenizer import Tokenizer
 
 
@@ -50,6 +50,9 @@ class ChildState:
     text_sent_tokens: int = 0  # token ids already returned as deltas
     logprobs_sent: int = 0
     finish_sent: bool = False  # DELTA: its finish was reported (it is left out of later outputs)
+    # its sampling reads its latest outputs on the host (penalties, grammars, long bad words): the engine steps
+    # synchronously while it runs
+    needs_host_tokens: bool = False
 
 
 @dataclass

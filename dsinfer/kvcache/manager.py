@@ -2,8 +2,9 @@
 
 ``get_computed_blocks`` finds the longest cached prefix (whole blocks, always leaving at least one token to compute);
 ``allocate_slots`` takes those blocks and enough new ones for ``num_computed + num_new`` tokens, then registers the
-blocks that the step will fill completely; ``free`` returns a request's blocks, tail first, so the least useful
-blocks are evicted first.
+blocks that the step will fill completely with known tokens (never a draft's); ``trim`` gives back the blocks
+past a length (rejected drafts); ``free`` returns a request's blocks, tail first, so the least useful blocks are
+evicted first.
 """
 
 from __future__ import annotations
@@ -70,6 +71,15 @@ class KVCacheManager:
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         for block, block_hash in zip(request.blocks[:num_full], request.block_hashes[:num_full]):
             self.pool.cache_block(block, block_hash)
+
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Keep only the blocks the first ``num_tokens`` tokens need (rejected drafts' blocks go back, tail
+        first); -> the blocks kept. A block past ``num_tokens`` holds no hashed token, so nothing cached goes."""
+        keep = -(-num_tokens // self.block_size)
+        if keep < len(request.blocks):
+            self.pool.release(list(reversed(request.blocks[keep:])))
+            del request.blocks[keep:]
+        return len(request.blocks)
 
     def free(self, request: Request) -> None:
         self.pool.release(list(reversed(request.blocks)))

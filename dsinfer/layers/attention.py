@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from dsinfer import ops
+from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
 from dsinfer.layers.rotary import RotaryEmbedding
-from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.runner.prefill_graphs import attention_piece
 
 

@@ -24,12 +24,12 @@ import torch
 from torch import nn
 
 from dsinfer import batch_invariant, envs
+from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.core.kv_cache_spec import MLASpec
 from dsinfer.layers.fp8_linear import Fp8BlockLinear, Fp8Config, make_linear
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, rope_parameters_of
 from dsinfer.ops.mla import absorb_query, mla_decode_uv, mla_prefill, rope_norm_store_mla
-from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.runner.prefill_graphs import attention_piece
 from dsinfer.runner.side_stream import in_graphs, run_beside
 

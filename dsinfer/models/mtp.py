@@ -20,13 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.fp8_linear import Fp8Config
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.mla import MLAAttention
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.models.deepseek.blocks import DeepseekDecoderLayer
-from dsinfer.core.forward_batch import ForwardBatch
 
 
 class SharedHead(nn.Module):

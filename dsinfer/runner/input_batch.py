@@ -1,5 +1,5 @@
-"""Turn a SchedulerOutput into a ForwardBatch and a SamplingBatch (vectorized with numpy, one packed copy to the
-device each)."""
+"""Turn a step plan and the worker's request table into a ForwardBatch and a SamplingBatch (vectorized with numpy,
+one packed copy to the device each)."""
 
 from __future__ import annotations
 
@@ -9,19 +9,45 @@ import numpy as np
 import torch
 
 from dsinfer.core.forward_batch import ForwardBatch
+from dsinfer.core.plan import StepPlan
+from dsinfer.runner.request_table import RequestState
 from dsinfer.sampling.sampler import Penalties, SamplingBatch
-from dsinfer.scheduler.scheduler import ScheduledRequest
 
 
 @dataclass
 class PromptLogprobRows:
     """Rows of this step's logits that score prompt tokens for one request."""
 
-    item: ScheduledRequest
+    request_id: str
     first_row: int  # row in the logits tensor
     target_ids: list[int]  # the prompt tokens these rows predict, in order
+    num_logprobs: int  # top logprobs per position
 
 
+@dataclass
+class SampleRow:
+    """One position that samples: a request's last token of the step, or one of its drafts' positions before it.
+
+    The tokens before the sampled one are the request's tokens up to ``position - len(drafts)``, then ``drafts``
+    (the drafts this row follows); ``position`` is the sampled token's index (the noise key).
+    """
+
+    state: RequestState
+    position: int
+    drafts: list[int]
+    draft: int | None  # the draft token this row verifies (None: the last row of its request)
+
+    @property
+    def num_outputs(self) -> int:
+        """Output tokens before the sampled one (what min_tokens counts)."""
+        return self.position - self.state.num_prompt_tokens
+
+    def output_ids(self) -> list[int]:
+        """The output tokens before the sampled one; only for requests stepped synchronously (penalties, bad
+        words), whose every token is on the host."""
+        known = self.state.token_ids[self.state.num_prompt_tokens:self.position - len(self.drafts)]
+        assert len(known) + len(self.drafts) == self.num_outputs, "a sampled row's output tokens are not all known"
+        return known + self.drafts
 @dataclass
 class HostInputs:
     """The step's batch as host arrays (what ``ForwardBatch`` holds on the device), for the CUDA-graph path."""
@@ -37,8 +63,8 @@ class HostInputs:
 @dataclass
 class StepInputs:
     batch: ForwardBatch
-    sample_items: list[ScheduledRequest]  # requests that sample, in sampling-row order
-    sample_rows: torch.Tensor  # [S]: rows of the logits tensor to sample from
+    sample_rows: list[SampleRow]  # positions that sample, in batch order (a request's rows are adjacent)
+    sample_logits_rows: torch.Tensor  # [S]: rows of the logits tensor to sample from
     prompt_rows: list[PromptLogprobRows]
     host: HostInputs | None = None
     # Async scheduling: token rows whose id was sampled by the step in flight (not yet on the host), and the
@@ -71,45 +97,63 @@ def to_device_packed(arrays: list[np.ndarray], device: torch.device) -> list[tor
             for a, off in zip(arrays, offsets)]
 
 
-def _token_ids(items: list[ScheduledRequest], num_tokens: int) -> tuple[np.ndarray, list[int], list[str]]:
-    """Input ids of every scheduled chunk; a chunk reaching past the known tokens ends in a placeholder (0)."""
+def _step_tokens(states: list[RequestState], plan: StepPlan, num_tokens: int
+                 ) -> tuple[np.ndarray, list[int], list[str], list[list[SampleRow]]]:
+    """Input ids of every scheduled chunk: its known tokens, placeholders (0) for the tokens a step in flight
+    sampled, then its drafts; the placeholder rows and their requests; each request's sample rows (none for a
+    prompt chunk that does not reach the end of the known tokens)."""
     ids = np.zeros(num_tokens, dtype=np.int64)
     rows: list[int] = []
     owners: list[str] = []
+    samples: list[list[SampleRow]] = []
     row = 0
-    for s in items:
-        known = s.request.all_token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]
+    for state in states:
+        n = plan.num_scheduled_tokens[state.request_id]
+        drafts = plan.draft_token_ids.get(state.request_id, [])
+        start, end = state.num_computed_tokens, state.num_computed_tokens + n - len(drafts)
+        known = state.token_ids[start:end]
         ids[row:row + len(known)] = known
-        for missing in range(len(known), s.num_new_tokens):
+        ids[row + n - len(drafts):row + n] = drafts
+        for missing in range(len(known), end - start):
             rows.append(row + missing)
-            owners.append(s.request.request_id)
-        row += s.num_new_tokens
-    return ids, rows, owners
+            owners.append(state.request_id)
+        if end >= len(state.token_ids):  # reaches the last token (known or in flight): samples
+            samples.append([SampleRow(state, end + j, drafts[:j], drafts[j] if j < len(drafts) else None)
+                            for j in range(len(drafts) + 1)])
+        else:
+            samples.append([])
+        row += n
+    return ids, rows, owners, samples
 
 
-def build_step_inputs(items: list[ScheduledRequest], block_size: int, device: torch.device) -> StepInputs:
-    """Flat batch of every scheduled chunk; logits rows: prompt-logprob rows first, then one row per sampler."""
-    q_lens = np.fromiter((s.num_new_tokens for s in items), dtype=np.int64, count=len(items))
-    starts = np.fromiter((s.num_computed_tokens for s in items), dtype=np.int64, count=len(items))
-    cu = np.zeros(len(items) + 1, dtype=np.int64)
+def build_step_inputs(states: list[RequestState], plan: StepPlan, block_size: int, device: torch.device
+                      ) -> StepInputs:
+    """Flat batch of every scheduled chunk; logits rows: prompt-logprob rows first, then one row per sampled
+    position."""
+    q_lens = np.fromiter((plan.num_scheduled_tokens[s.request_id] for s in states), dtype=np.int64,
+                         count=len(states))
+    starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
+    cu = np.zeros(len(states) + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu[1:])
     num_tokens = int(cu[-1])
-    input_ids, placeholder_rows, placeholder_requests = _token_ids(items, num_tokens)
-    row = np.repeat(np.arange(len(items)), q_lens)
+    input_ids, placeholder_rows, placeholder_requests, samples = _step_tokens(states, plan, num_tokens)
+    row = np.repeat(np.arange(len(states)), q_lens)
     positions = np.arange(num_tokens) - cu[:-1][row] + starts[row]
-    tables = np.zeros((len(items), max(len(s.request.blocks) for s in items)), dtype=np.int32)
-    for i, s in enumerate(items):
-        blocks = s.request.blocks
-        tables[i, :len(blocks)] = np.fromiter((b.block_id for b in blocks), dtype=np.int32, count=len(blocks))
+    tables = np.zeros((len(states), max(len(s.block_ids[0]) for s in states)), dtype=np.int32)
+    for i, s in enumerate(states):
+        blocks = s.block_ids[0]
+        tables[i, :len(blocks)] = blocks
     slots = tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
-    prompt_rows, logits_rows = _prompt_logprob_rows(items, cu)
-    sample_idx = [i for i, s in enumerate(items) if s.samples]
-    logits_rows.extend(int(cu[i + 1]) - 1 for i in sample_idx)
+    prompt_rows, logits_rows = _prompt_logprob_rows(states, cu)
+    sample_rows: list[SampleRow] = []
+    for i, rows in enumerate(samples):
+        logits_rows.extend(range(int(cu[i + 1]) - len(rows), int(cu[i + 1])))
+        sample_rows.extend(rows)
     seq_lens = (starts + q_lens).astype(np.int32)
     host = HostInputs(input_ids, positions, slots, tables, cu.astype(np.int32), seq_lens)
 
-    num_prompt_rows = len(logits_rows) - len(sample_idx)
+    num_prompt_rows = len(logits_rows) - len(sample_rows)
     ids_d, pos_d, slots_d, tables_d, qsl_d, lens_d, logits_d, sample_d = to_device_packed(
         [input_ids, positions, slots, tables, host.query_start_loc, seq_lens, np.asarray(logits_rows, np.int64),
          np.arange(num_prompt_rows, len(logits_rows), dtype=np.int64)], device)
@@ -117,30 +161,31 @@ def build_step_inputs(items: list[ScheduledRequest], block_size: int, device: to
         input_ids=ids_d, positions=pos_d, slot_mapping=slots_d, block_tables=tables_d, query_start_loc=qsl_d,
         seq_lens=lens_d, logits_indices=logits_d, max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()),
     )
-    return StepInputs(batch, [items[i] for i in sample_idx], sample_d, prompt_rows, host, placeholder_rows,
-                      placeholder_requests)
+    return StepInputs(batch, sample_rows, sample_d, prompt_rows, host, placeholder_rows, placeholder_requests)
 
 
-def _prompt_logprob_rows(items: list[ScheduledRequest], cu: np.ndarray) -> tuple[list[PromptLogprobRows], list[int]]:
+def _prompt_logprob_rows(states: list[RequestState], cu: np.ndarray) -> tuple[list[PromptLogprobRows], list[int]]:
     prompt_rows: list[PromptLogprobRows] = []
     logits_rows: list[int] = []
-    for i, s in enumerate(items):
-        req = s.request
-        if not req.needs_prompt_logprobs:
+    for i, state in enumerate(states):
+        if not state.needs_prompt_logprobs:
             continue
         # logits at position p score prompt token p + 1; positions already scored (a resumed request) are skipped
-        first = max(s.num_computed_tokens, len(req.prompt_logprobs) - 1)
-        last = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
+        computed, n = state.num_computed_tokens, int(cu[i + 1] - cu[i])
+        first = max(computed, state.num_prompt_logprobs_done)
+        last = min(computed + n, state.num_prompt_tokens - 1)
         if first < last:
-            prompt_rows.append(PromptLogprobRows(s, len(logits_rows), req.prompt_token_ids[first + 1:last + 1]))
-            base = int(cu[i]) - s.num_computed_tokens
+            prompt_rows.append(PromptLogprobRows(state.request_id, len(logits_rows),
+                                                 state.token_ids[first + 1:last + 1], state.sampling.prompt_logprobs))
+            base = int(cu[i]) - computed
             logits_rows.extend(range(base + first, base + last))
+            state.num_prompt_logprobs_done = last
     return prompt_rows, logits_rows
 
 
-def build_sampling_batch(items: list[ScheduledRequest], vocab_size: int, device: torch.device,
-                         token_bitmask: torch.Tensor | None = None) -> SamplingBatch:
-    params = [s.request.params for s in items]
+def build_sampling_batch(rows: list[SampleRow], vocab_size: int, device: torch.device,
+                         token_bitmask: np.ndarray | None = None) -> SamplingBatch:
+    params = [r.state.sampling for r in rows]
     temperature = [0.0 if p.greedy else p.temperature for p in params]
     top_k = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
     top_p = [p.top_p for p in params]
@@ -150,11 +195,11 @@ def build_sampling_batch(items: list[ScheduledRequest], vocab_size: int, device:
     f32, i64 = np.float32, np.int64
     greedy_all = all(t == 0 for t in temperature)
     arrays = [np.asarray(temperature, f32), np.asarray(top_k, i64), np.asarray(top_p, f32), np.asarray(min_p, f32),
-              np.fromiter((s.request.seed for s in items), i64, len(items)),
+              np.fromiter((p.seed for p in params), i64, len(rows)),
               # the sampled token's position: after the known tokens and any still in flight (async scheduling)
-              np.fromiter((s.request.num_tokens + s.request.num_pending for s in items), i64, len(items))]
+              np.fromiter((r.position for r in rows), i64, len(rows))]
     if token_bitmask is not None:
-        arrays.append(token_bitmask.numpy())
+        arrays.append(token_bitmask)
     temperature_d, top_k_d, top_p_d, min_p_d, seeds_d, positions_d, *bitmask_d = to_device_packed(arrays, device)
     return SamplingBatch(
         temperature=temperature_d, top_k=top_k_d, top_p=top_p_d, min_p=min_p_d, seeds=seeds_d, positions=positions_d,
@@ -163,23 +208,24 @@ def build_sampling_batch(items: list[ScheduledRequest], vocab_size: int, device:
         max_top_k=max(top_k),
         use_top_p=not greedy_all and any(p < 1.0 for p in top_p),
         use_min_p=not greedy_all and any(p > 0.0 for p in min_p),
-        penalties=_penalties(items, vocab_size, device) if any(p.uses_penalties for p in params) else None,
-        logit_bias=_logit_bias(items, vocab_size, device) if any(p.logit_bias for p in params) else None,
-        banned=_banned(items, vocab_size, device),
+        penalties=_penalties(rows, vocab_size, device) if any(p.uses_penalties for p in params) else None,
+        logit_bias=_logit_bias(rows, vocab_size, device) if any(p.logit_bias for p in params) else None,
+        banned=_banned(rows, vocab_size, device),
         num_logprobs=max(logprobs) if logprobs else None,
         token_bitmask=bitmask_d[0] if bitmask_d else None,
     )
 
 
-def _penalties(items: list[ScheduledRequest], vocab_size: int, device: torch.device) -> Penalties:
-    counts = torch.zeros(len(items), vocab_size, dtype=torch.float32)
-    prompt_mask = torch.zeros(len(items), vocab_size, dtype=torch.bool)
-    for i, s in enumerate(items):
-        out = s.request.output_token_ids
-        if out:
-            counts[i].index_add_(0, torch.tensor(out), torch.ones(len(out)))
-        prompt_mask[i, torch.tensor(s.request.prompt_token_ids)] = True
-    params = [s.request.params for s in items]
+def _penalties(rows: list[SampleRow], vocab_size: int, device: torch.device) -> Penalties:
+    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32)
+    prompt_mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        if r.state.sampling.uses_penalties:
+            out = r.output_ids()
+            if out:
+                counts[i].index_add_(0, torch.tensor(out), torch.ones(len(out)))
+        prompt_mask[i, torch.tensor(r.state.prompt_token_ids)] = True
+    params = [r.state.sampling for r in rows]
     return Penalties(
         repetition=torch.tensor([p.repetition_penalty for p in params], device=device),
         presence=torch.tensor([p.presence_penalty for p in params], device=device),
@@ -188,42 +234,40 @@ def _penalties(items: list[ScheduledRequest], vocab_size: int, device: torch.dev
     )
 
 
-def _logit_bias(items: list[ScheduledRequest], vocab_size: int, device: torch.device) -> torch.Tensor:
-    bias = torch.zeros(len(items), vocab_size, dtype=torch.float32)
-    for i, s in enumerate(items):
-        for tid, value in (s.request.params.logit_bias or {}).items():
+def _logit_bias(rows: list[SampleRow], vocab_size: int, device: torch.device) -> torch.Tensor:
+    bias = torch.zeros(len(rows), vocab_size, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        for tid, value in r.state.sampling.logit_bias:
             bias[i, int(tid)] = float(value)
     return bias.to(device)
 
 
-def _banned(items: list[ScheduledRequest], vocab_size: int, device: torch.device) -> torch.Tensor | None:
-    """Tokens a request must not sample now: its stop tokens while it has fewer than min_tokens outputs, every
+def _banned(rows: list[SampleRow], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """Tokens a row must not sample: its request's stop tokens while it has fewer than min_tokens outputs, every
     token outside ``allowed_token_ids``, and its bad words' last tokens where the output ends with the rest."""
-    rows = {i: tokens for i, s in enumerate(items) if (tokens := _banned_tokens(s.request))}
-    allowed = {i: s.request.params.allowed_token_ids for i, s in enumerate(items) if s.request.params.allowed_token_ids}
-    if not rows and not allowed:
+    banned_ids = {i: tokens for i, r in enumerate(rows) if (tokens := _banned_tokens(r))}
+    allowed = {i: r.state.sampling.allowed_token_ids for i, r in enumerate(rows) if r.state.sampling.allowed_token_ids}
+    if not banned_ids and not allowed:
         return None
-    banned = torch.zeros(len(items), vocab_size, dtype=torch.bool)
+    banned = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
     for i, ids in allowed.items():
         banned[i] = True
         banned[i, torch.tensor(ids)] = False
-    for i, tokens in rows.items():
+    for i, tokens in banned_ids.items():
         banned[i, torch.tensor(sorted(tokens))] = True
     return banned.to(device)
 
 
-def _banned_tokens(req) -> set[int]:
-    params, banned = req.params, set()
-    if req.num_output_tokens + req.num_pending < params.min_tokens:
-        # every stop id, the EOS ids with ignore_eos too (vLLM's all_stop_token_ids)
-        banned |= set(params.stop_token_ids) | req.eos_token_ids
-    for ids in req.bad_word_ids:
+def _banned_tokens(row: SampleRow) -> set[int]:
+    sampling, banned = row.state.sampling, set()
+    if row.num_outputs < sampling.min_tokens:
+        banned |= set(sampling.min_tokens_banned)
+    for ids in sampling.bad_word_ids:
         if len(ids) == 1:
             banned.add(ids[0])
             continue
         # the engine steps such a request synchronously (its outputs are all on the host)
-        assert not req.num_pending, "bad words longer than a token need the request's outputs on the host"
         prefix = list(ids[:-1])
-        if req.output_token_ids[-len(prefix):] == prefix:
+        if row.output_ids()[-len(prefix):] == prefix:
             banned.add(ids[-1])
     return banned

@@ -1,9 +1,14 @@
-"""ModelRunner: SchedulerOutput -> ForwardBatch -> logits -> sampled tokens (+ logprobs).
+"""ModelRunner: StepPlan -> ForwardBatch -> logits -> sampled tokens (+ logprobs), the worker's side of a step.
 
-It owns the model, the KV cache tensors (sized from the memory budget after the model loads) and, on CUDA, the
-CUDA graphs: whole-step graphs for decode (``cuda_graphs``), piecewise ones for steps with prompt tokens
+It owns the model, the KV cache tensors (sized from the memory budget after the model loads), the table of
+per-request state it keeps from the plans (``request_table``) and, on CUDA, the CUDA graphs: whole-step graphs
+for decode (``cuda_graphs``, per batch size and tokens per request), piecewise ones for steps with prompt tokens
 (``prefill_graphs``). ``launch`` queues a step and returns a ``StepHandle`` without waiting for the GPU;
 ``execute`` is ``launch(...).result()``.
+
+Draft tokens are verified exactly: every position of a request samples as if it were the request's only one
+(noise keyed by its own position), and a draft is kept while it equals the token sampled before it, so the
+tokens a request gets are the ones one-token steps would have given it.
 """
 
 from __future__ import annotations
@@ -12,7 +17,6 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,46 +25,32 @@ from dsinfer import envs
 from dsinfer.batch_invariant import batch_invariant
 from dsinfer.config import EngineConfig
 from dsinfer.core.kv_cache_spec import KVCacheSpec
+from dsinfer.core.outputs import RunnerOutput, TokenLogprobs
+from dsinfer.core.plan import StepPlan
 from dsinfer.models.loader.model_loader import _default_dtype_and_device, load_model
 from dsinfer.models.registry import model_class
 from dsinfer.runner.cuda_graphs import DecodeGraphs
-from dsinfer.runner.input_batch import StepInputs, build_sampling_batch, build_step_inputs, to_device_packed
+from dsinfer.runner.input_batch import SampleRow, StepInputs, build_sampling_batch, build_step_inputs, to_device_packed
 from dsinfer.runner.prefill_graphs import PrefillGraphs
+from dsinfer.runner.request_table import RequestTable
 from dsinfer.runner.warmup import warm_up_prefill
 from dsinfer.sampling.sampler import Sampler
-from dsinfer.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger("dsinfer")
 
 GiB = 1 << 30
 
 
-@dataclass
-class TokenLogprobs:
-    """Logprob data of one position: candidate ids (scored token first), their logprobs, the scored token's rank."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    rank: int
-
-
-@dataclass
-class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-
-
 class StepHandle:
     """A launched step: its GPU work is queued and its sampled tokens are on their way to pinned host memory.
 
-    ``result()`` waits for that copy (the step's one host sync) and returns the RunnerOutput. With async
-    scheduling the engine launches the next step before calling it, so the CPU work overlaps the GPU's.
+    ``result()`` waits for that copy (the step's one host sync), verifies drafts and returns the RunnerOutput.
+    With async scheduling the engine launches the next step before calling it, so the CPU work overlaps the GPU's.
     """
 
-    def __init__(self, sample_items: list[ScheduledRequest], copies: dict[str, torch.Tensor],
+    def __init__(self, rows: list[SampleRow], copies: dict[str, torch.Tensor],
                  prompt_logprobs: dict[str, list[TokenLogprobs]], done: torch.cuda.Event | None):
-        self.sample_items = sample_items
+        self.rows = rows
         self._copies = copies
         self._prompt_logprobs = prompt_logprobs
         self._done = done
@@ -69,19 +59,30 @@ class StepHandle:
         if self._done is not None:
             self._done.synchronize()
         out = RunnerOutput(prompt_logprobs=self._prompt_logprobs)
-        if not self.sample_items:
+        if not self.rows:
             return out
         tokens = self._copies["tokens"].tolist()
-        for item, token in zip(self.sample_items, tokens):
-            out.sampled[item.request.request_id] = token
+        logprobs = self._logprobs()
+        rejected: str | None = None  # a request whose draft was rejected: its later rows are not its tokens
+        for i, (row, token) in enumerate(zip(self.rows, tokens)):
+            rid = row.state.request_id
+            if rid == rejected:
+                continue
+            out.sampled_token_ids.setdefault(rid, []).append(token)
+            if logprobs is not None and row.state.sampling.logprobs is not None:
+                out.logprobs.setdefault(rid, []).append(logprobs[i])
+            rejected = rid if row.draft is not None and token != row.draft else None
+        return out
+
+    def _logprobs(self) -> list[TokenLogprobs] | None:
         if "logprobs" not in self._copies:
-            return out
+            return None
         ids, lps = self._copies["logprob_ids"].tolist(), self._copies["logprobs"].tolist()
         ranks = self._copies["ranks"].tolist()
-        for row, item in enumerate(self.sample_items):
-            k = item.request.params.logprobs
-            if k is not None:
-                out.logprobs[item.request.request_id] = TokenLogprobs(ids[row][:k + 1], lps[row][:k + 1], ranks[row])
+        out = []
+        for row, (i, lp, rank) in enumerate(zip(ids, lps, ranks)):
+            k = self.rows[row].state.sampling.logprobs
+            out.append(TokenLogprobs(i[:k + 1], lp[:k + 1], rank) if k is not None else None)
         return out
 
 
@@ -103,6 +104,7 @@ class ModelRunner:
         for layer, spec in zip(layers, self.kv_specs):
             layer.kv_cache = spec.allocate(self.num_blocks, self.device)
         self.sampler = Sampler()
+        self.requests = RequestTable()
         # the last launched step's sampled tokens (device) and each request's row in them: async scheduling
         # fills the next step's placeholder input ids from here, on the device
         self._last_sampled: torch.Tensor | None = None
@@ -112,8 +114,9 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         if self.device.type == "cuda" and not config.device.enforce_eager:
             max_len = config.model.max_model_len
+            k = config.speculative.num_speculative_tokens
             self.graphs = DecodeGraphs(self.model, config.scheduler.max_num_seqs, -(-max_len // self.block_size),
-                                       max_len, self.device)
+                                       max_len, self.device, tokens_per_seq=(1, 1 + k) if k else (1,))
             # one graph runs at a time, so all share one memory pool, captured on one stream (the allocator reuses
             # a pool's free memory on the stream that freed it)
             pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
@@ -178,50 +181,60 @@ class ModelRunner:
         finally:
             self.graphs, self.prefill_graphs = graphs, prefill_graphs
 
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def execute(self, plan: StepPlan) -> RunnerOutput:
         """Run one step and wait for its result (the synchronous path)."""
-        return self.launch(sched).result()
+        return self.launch(plan).result()
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput) -> StepHandle:
+    def launch(self, plan: StepPlan) -> StepHandle:
         """Queue one step's GPU work (inputs, forward, sampling, copy of the tokens to the host); no host sync,
         except for prompt logprobs, which are scored at once."""
         cuda = self.device.type == "cuda"
-        inputs = build_step_inputs(sched.scheduled, self.block_size, self.device)
+        inputs = self.prepare(plan)
+        if inputs is None:
+            return StepHandle([], {}, {}, None)
         start = torch.cuda.Event(enable_timing=True) if cuda and self.step_events is not None else None
         if start is not None:  # after the host built the inputs: a GPU waiting on the host shows as idle
             start.record()
         with batch_invariant(self.config.device.deterministic):
             logits = self._forward(inputs)
         copies: dict[str, torch.Tensor] = {}
-        if inputs.sample_items:
+        if inputs.sample_rows:
             # without prompt-logprob rows the logits rows are exactly the sampling rows
-            rows = logits if not inputs.prompt_rows else logits[inputs.sample_rows]
-            sampled = self._sample(rows, inputs.sample_items, copies, sched.grammar_bitmask)
+            rows = logits if not inputs.prompt_rows else logits[inputs.sample_logits_rows]
+            sampled = self._sample(rows, inputs.sample_rows, copies, plan.grammar_bitmask)
             self._last_sampled = sampled
-            self._last_rows = {item.request.request_id: row for row, item in enumerate(inputs.sample_items)}
+            # a request's last row holds its newest token (the only one a later step's placeholder stands for)
+            self._last_rows = {row.state.request_id: i for i, row in enumerate(inputs.sample_rows)}
         prompt_logprobs = {}
         for rows in inputs.prompt_rows:
             n = len(rows.target_ids)
             chunk = logits[rows.first_row:rows.first_row + n]
-            k = rows.item.request.params.prompt_logprobs
             targets = torch.tensor(rows.target_ids, device=chunk.device)
-            prompt_logprobs[rows.item.request.request_id] = _score_tokens(chunk, targets, k)
+            prompt_logprobs[rows.request_id] = _score_tokens(chunk, targets, rows.num_logprobs)
         done = None
         if cuda:
             done = torch.cuda.Event(enable_timing=start is not None)
             done.record()
             if start is not None:
                 self.step_events.append((start, done, inputs.batch.num_seqs if inputs.batch.is_decode_only else -1))
-        return StepHandle(inputs.sample_items, copies, prompt_logprobs, done)
+        return StepHandle(inputs.sample_rows, copies, prompt_logprobs, done)
+
+    def prepare(self, plan: StepPlan) -> StepInputs | None:
+        """Apply the plan to the request table and build the step's inputs (None: nothing is scheduled)."""
+        states = self.requests.apply(plan)
+        for rid in plan.finished_req_ids + plan.preempted_req_ids:
+            self._last_rows.pop(rid, None)
+        return build_step_inputs(states, plan, self.block_size, self.device) if states else None
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits of the step's logits rows: a decode graph's replay when one fits, else the prefill graphs of the
         step's token count when they fit, else the eager model."""
         batch = inputs.batch
-        size = None
-        if self.graphs is not None and batch.is_decode_only and not inputs.prompt_rows:
-            size = self.graphs.padded_size(batch.num_seqs)
+        size, q = None, batch.max_query_len
+        # a decode step: every sequence has q tokens (1, or its last token and its drafts)
+        if self.graphs is not None and not inputs.prompt_rows and batch.num_tokens == batch.num_seqs * q:
+            size = self.graphs.padded_size(batch.num_seqs, q)
         if size is None:
             self._fill_placeholders(batch.input_ids, inputs)
             graphs = self.prefill_graphs
@@ -231,11 +244,11 @@ class ModelRunner:
             else:
                 hidden = self.model(batch.input_ids, batch.positions, batch)
             return self.model.compute_logits(hidden[batch.logits_indices])
-        self.graphs.load_inputs(inputs.host, size)
+        self.graphs.load_inputs(inputs.host, size, q)
         self._fill_placeholders(self.graphs.input_ids, inputs)
-        logits = self.graphs.replay(size)
-        if len(inputs.sample_items) == batch.num_seqs:  # every row samples: logits rows are rows 0..n-1
-            return logits[:batch.num_seqs]
+        logits = self.graphs.replay(size, q)
+        if len(inputs.sample_rows) == batch.num_tokens:  # every token samples: logits rows are rows 0..T-1
+            return logits[:batch.num_tokens]
         return logits[batch.logits_indices]
 
     def _fill_placeholders(self, input_ids: torch.Tensor, inputs: StepInputs) -> None:
@@ -247,9 +260,9 @@ class ModelRunner:
                                      self.device)
         input_ids.index_copy_(0, rows, self._last_sampled[src])
 
-    def _sample(self, logits: torch.Tensor, items, copies: dict[str, torch.Tensor],
-                token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
-        sbatch = build_sampling_batch(items, self.vocab_size, self.device, token_bitmask)
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRow], copies: dict[str, torch.Tensor],
+                token_bitmask: np.ndarray | None = None) -> torch.Tensor:
+        sbatch = build_sampling_batch(rows, self.vocab_size, self.device, token_bitmask)
         result = self.sampler(logits, sbatch)
         copies["tokens"] = _to_host(result.token_ids)
         if result.logprobs is not None:

@@ -13,6 +13,13 @@ its tokens are taken back. A preempted request goes back to the waiting queue at
 Overlap (async scheduling): a token sampled by a step still in flight is a placeholder the scheduler already
 counts (``request.num_pending``), so the next step decodes it before its value reaches the host; the runner
 fills it in on the device. A request whose pending tokens already reach ``max_tokens`` is not scheduled again.
+
+Multi-token steps: a running request's ``draft_token_ids`` (at most ``max_tokens`` - outputs - 1 of them, and
+only when every one fits the budget) are scheduled after its last token, so the step verifies them; the engine
+calls ``rollback`` with the number the worker rejected, which frees the KV blocks only they needed.
+
+Each step's decisions are also written as a plain-data ``StepPlan`` (``core.plan``) for the worker: a request's
+tokens and sampling once, then only what changed.
 """
 
 from __future__ import annotations
@@ -22,9 +29,9 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from dsinfer.config import SchedulerConfig
+from dsinfer.core.plan import CachedRequestData, NewRequestData, StepPlan
 from dsinfer.core.request import Request, RequestStatus
 from dsinfer.kvcache.manager import KVCacheManager
 
@@ -32,25 +39,28 @@ from dsinfer.kvcache.manager import KVCacheManager
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # drafts included
     num_computed_tokens: int  # before this step
+    draft_token_ids: list[int] = field(default_factory=list)  # verified this step: the last of the new tokens
 
     @property
     def samples(self) -> bool:
-        """True when this step computes the request's last token (known or pending), so it samples the next one.
+        """True when this step computes the request's last token (known or pending), so it samples the next one
+        (and one more per draft).
 
         Read when the step's inputs are built, before the engine counts this step's own sample as pending.
         """
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens + self.request.num_pending
+        end = self.request.num_tokens + self.request.num_pending + len(self.draft_token_ids)
+        return self.num_computed_tokens + self.num_new_tokens == end
 
 
 @dataclass
 class SchedulerOutput:
+    """The engine's view of a step (live requests) beside the worker's (``plan``, plain data)."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    # Structured outputs (set by the engine, not the scheduler): packed int32 token bitmask, one row per
-    # scheduled item that samples, in scheduled order; None when no sampling row is constrained.
-    grammar_bitmask: Any = None
+    plan: StepPlan = field(default_factory=StepPlan)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -72,6 +82,7 @@ class Scheduler:
         self.by_priority = config.policy == "priority"
         self._arrivals = itertools.count()  # the tie-break among equal priorities: the order requests came in
         self._arrival: dict[int, int] = {}  # id(request) -> its arrival number (priority policy)
+        self._plans = PlanWriter()
 
     @property
     def num_unfinished(self) -> int:
@@ -99,6 +110,8 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         for item in out.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
+            item.request.draft_token_ids = []
+        out.plan = self._plans.write(out.scheduled, out.preempted)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -109,6 +122,8 @@ class Scheduler:
             if num_new <= 0 or request.num_output_tokens + request.num_pending >= request.max_tokens:
                 i += 1
                 continue
+            drafts = self._drafts(request, budget - num_new)
+            num_new += len(drafts)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self._pick_victim()
                 index = self.running.index(victim)
@@ -123,10 +138,28 @@ class Scheduler:
                 out.preempted.append(victim)
                 if victim is request:
                     return budget
-            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens, drafts))
             budget -= num_new
             i += 1
         return budget
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """The drafts this step verifies: all of them when the budget holds them, none otherwise; never more than
+        the outputs it may still give (a step gives at most one more than its drafts) or the context holds."""
+        drafts = request.draft_token_ids
+        if not drafts or request.num_pending or request.num_computed_tokens + 1 != request.num_tokens:
+            return []
+        room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+        drafts = drafts[:max(room, 0)]
+        return list(drafts) if len(drafts) <= budget else []
+
+    def rollback(self, request: Request, num_rejected: int) -> None:
+        """A step's last ``num_rejected`` drafts were not kept: their KV is not the request's, and the blocks only
+        they needed go back to the pool."""
+        if num_rejected <= 0:
+            return
+        request.num_computed_tokens -= num_rejected
+        self._plans.trimmed(request, self.kv.trim(request, request.num_computed_tokens))
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         # structured-output grammar not compiled yet: they wait, others proceed; one that failed to compile also
@@ -134,7 +167,7 @@ class Scheduler:
         compiling: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if request.grammar is not None and (not request.grammar.ready or request.grammar.error is not None):
+            if request.waits_for_grammar:
                 compiling.append(self.waiting.popleft())
                 continue
             if request.num_pending:  # preempted with a token in flight: wait until it lands
@@ -165,6 +198,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        self._plans.dropped(request, preempted=True)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -182,4 +216,66 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
+        self._plans.dropped(request, preempted=False)
         self._arrival.pop(id(request), None)
+
+
+class PlanWriter:
+    """Writes each step's ``StepPlan``: remembers what the worker was sent of every request (its tokens in
+    ``request.num_tokens_sent``, its blocks here) so a plan carries a request's data once, then only the change."""
+
+    def __init__(self) -> None:
+        self._blocks_sent: dict[str, int] = {}  # request id -> blocks the worker holds for it
+        self._finished: list[str] = []  # worker entries to drop with the next plan
+        self._preempted: list[str] = []
+
+    def write(self, scheduled: list[ScheduledRequest], preempted: list[Request]) -> StepPlan:
+        plan = StepPlan(finished_req_ids=self._finished, preempted_req_ids=self._preempted)
+        self._finished, self._preempted = [], []
+        for item in scheduled:
+            request = item.request
+            block_ids = [block.block_id for block in request.blocks]
+            if request.num_tokens_sent == 0:
+                plan.new_requests.append(NewRequestData(
+                    request.request_id, list(request.all_token_ids), request.num_prompt_tokens, request.sampling,
+                    [block_ids], item.num_computed_tokens, max(len(request.prompt_logprobs) - 1, 0)))
+            else:
+                kept = min(self._blocks_sent[request.request_id], len(block_ids))
+                plan.cached_requests.append(CachedRequestData(
+                    request.request_id, request.all_token_ids[request.num_tokens_sent:], [block_ids[kept:]], [kept],
+                    item.num_computed_tokens))
+            request.num_tokens_sent = request.num_tokens
+            self._blocks_sent[request.request_id] = len(block_ids)
+            plan.num_scheduled_tokens[request.request_id] = item.num_new_tokens
+            if item.draft_token_ids:
+                plan.draft_token_ids[request.request_id] = list(item.draft_token_ids)
+        return plan
+
+    def trimmed(self, request: Request, num_blocks: int) -> None:
+        """The request keeps only its first ``num_blocks`` blocks (the worker is told with its next plan)."""
+        if request.request_id in self._blocks_sent:
+            self._blocks_sent[request.request_id] = min(self._blocks_sent[request.request_id], num_blocks)
+
+    def dropped(self, request: Request, preempted: bool) -> None:
+        """The request's worker entry goes (preempted: it is sent whole again when it resumes)."""
+        if self._blocks_sent.pop(request.request_id, None) is None:
+            return
+        request.num_tokens_sent = 0
+        (self._preempted if preempted else self._finished).append(request.request_id)
+
+
+def standalone_output(items: list[ScheduledRequest], resend: bool = True) -> SchedulerOutput:
+    """A step of requests scheduled by hand (tests and benchmarks that allocate KV blocks outside a Scheduler),
+    which can be run any number of times: each request is sent to the worker whole, or (``resend=False``, for a
+    worker that ran such a step of them already) as an unchanged entry, as the engine's decode steps send them."""
+    if resend:
+        for item in items:
+            item.request.num_tokens_sent = 0
+        return SchedulerOutput(items, [], PlanWriter().write(items, []))
+    plan = StepPlan()
+    for item in items:
+        request = item.request
+        plan.cached_requests.append(CachedRequestData(request.request_id, [], [[]], [len(request.blocks)],
+                                                      item.num_computed_tokens))
+        plan.num_scheduled_tokens[request.request_id] = item.num_new_tokens
+    return SchedulerOutput(items, [], plan)

@@ -49,7 +49,7 @@ def _contains(seq: list[int], sub: tuple[int, ...]) -> bool:
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_bad_words_never_appear(smollm2_llm, async_scheduling):
-    from dsinfer.engine.llm_engine import bad_word_token_ids
+    from dsinfer.engine.input_processor import bad_word_token_ids
 
     llm = smollm2_llm if not async_scheduling else LLM(dtype="float32", async_scheduling=True)
     tok = llm.engine.tokenizer  # bad_word_token_ids takes dsinfer's own Tokenizer
@@ -81,7 +81,7 @@ def test_bad_words_never_appear(smollm2_llm, async_scheduling):
 
 
 def test_allowed_tokens_all_banned_by_bad_words_is_a_value_error(smollm2_llm):
-    from dsinfer.engine.llm_engine import bad_word_token_ids
+    from dsinfer.engine.input_processor import bad_word_token_ids
 
     ids = [seq[0] for seq in bad_word_token_ids(smollm2_llm.engine.tokenizer, ["Paris"])]
     with pytest.raises(ValueError, match="only tokens that bad_words ban"):

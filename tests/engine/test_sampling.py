@@ -10,10 +10,11 @@ import torch
 
 from dsinfer import LLM, SamplingParams
 from dsinfer.core.request import Request
-from dsinfer.runner.input_batch import build_sampling_batch
+from dsinfer.runner.input_batch import SampleRow, build_sampling_batch
+from dsinfer.runner.request_table import RequestTable
 from dsinfer.sampling.noise import uniform_noise
 from dsinfer.sampling.sampler import Penalties, Sampler, SamplingBatch, apply_penalties
-from dsinfer.scheduler.scheduler import ScheduledRequest
+from dsinfer.scheduler.scheduler import ScheduledRequest, standalone_output
 
 V = 64
 
@@ -207,8 +208,9 @@ def test_runner_builds_penalties_from_prompt_and_output_tokens():
                                                         presence_penalty=-0.5, logit_bias={7: 2.0}), 0, 8)
     for token in (3, 5, 5):
         request.append_token(token)
-    item = ScheduledRequest(request, 1, request.num_tokens - 1)
-    batch = build_sampling_batch([item], V, torch.device("cpu"))
+    plan = standalone_output([ScheduledRequest(request, 1, request.num_tokens - 1)]).plan
+    (state,) = RequestTable().apply(plan)  # the worker's copy of the request, made from the plan alone
+    batch = build_sampling_batch([SampleRow(state, request.num_tokens, [], None)], V, torch.device("cpu"))
     pen = batch.penalties
     assert pen.prompt_mask[0].nonzero().flatten().tolist() == [1, 2, 3]
     assert pen.output_counts[0, [3, 5]].tolist() == [1.0, 2.0] and pen.output_counts.sum() == 3

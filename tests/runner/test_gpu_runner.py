@@ -49,7 +49,7 @@ def test_cuda_greedy_matches_cpu(tiny_llama_dir, cpu_tokens, mode):
 
 def test_decode_graph_replay_matches_eager_logits(tiny_llama_dir):
     from dsinfer.core.request import Request
-    from dsinfer.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+    from dsinfer.scheduler.scheduler import ScheduledRequest, standalone_output
 
     llm = LLM(str(tiny_llama_dir), device="cuda", dtype="float32", enable_prefix_caching=False)
     runner, kv = llm.engine.runner, llm.engine.kv_manager
@@ -58,15 +58,12 @@ def test_decode_graph_replay_matches_eager_logits(tiny_llama_dir):
         req = Request(f"g{i}", p["prompt_token_ids"], GREEDY, seed=0, max_tokens=4)
         assert kv.allocate_slots(req, req.num_tokens)
         reqs.append(req)
-    prefill = SchedulerOutput([ScheduledRequest(r, r.num_tokens, 0) for r in reqs])
-    runner.execute(prefill)
-    decode = SchedulerOutput([ScheduledRequest(r, 1, r.num_tokens - 1) for r in reqs])
-    from dsinfer.runner.input_batch import build_step_inputs
-
-    inputs = build_step_inputs(decode.scheduled, runner.block_size, runner.device)
-    graph_logits = runner._forward(inputs).clone()
+    prefill = standalone_output([ScheduledRequest(r, r.num_tokens, 0) for r in reqs])
+    runner.execute(prefill.plan)
+    decode = standalone_output([ScheduledRequest(r, 1, r.num_tokens - 1) for r in reqs])
+    graph_logits = runner._forward(runner.prepare(decode.plan)).clone()
     with runner.eager():
-        eager_logits = runner._forward(build_step_inputs(decode.scheduled, runner.block_size, runner.device))
+        eager_logits = runner._forward(runner.prepare(decode.plan))
     assert runner.graphs.padded_size(5) == 8
     torch.testing.assert_close(graph_logits, eager_logits, rtol=1e-4, atol=1e-4)
 

@@ -79,8 +79,7 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
 def _mixed_step_logits(llm: LLM) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Logits of one step with decode rows and prompts (graphs, then eager), and the step's token count."""
     from dsinfer.core.request import Request
-    from dsinfer.runner.input_batch import build_step_inputs
-    from dsinfer.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+    from dsinfer.scheduler.scheduler import ScheduledRequest, standalone_output
 
     runner, kv = llm.engine.runner, llm.engine.kv_manager
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -88,11 +87,12 @@ def _mixed_step_logits(llm: LLM) -> tuple[torch.Tensor, torch.Tensor, int]:
     new = [Request(f"new{i}", p, params, seed=0, max_tokens=4) for i, p in enumerate(_prompts(2, 2))]
     for req in old + new:
         assert kv.allocate_slots(req, req.num_tokens)
-    runner.execute(SchedulerOutput([ScheduledRequest(r, r.num_tokens - 1, 0) for r in old]))
+    runner.execute(standalone_output([ScheduledRequest(r, r.num_tokens - 1, 0) for r in old]).plan)
     step = [ScheduledRequest(r, 1, r.num_tokens - 1) for r in old] + [ScheduledRequest(r, r.num_tokens, 0) for r in new]
-    graphs = runner._forward(build_step_inputs(step, runner.block_size, runner.device)).clone()
+    plan = standalone_output(step).plan
+    graphs = runner._forward(runner.prepare(plan)).clone()
     with runner.eager():
-        eager = runner._forward(build_step_inputs(step, runner.block_size, runner.device))
+        eager = runner._forward(runner.prepare(plan))
     return graphs, eager, sum(item.num_new_tokens for item in step)
 
 

@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from dsinfer import batch_invariant, envs
+from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.layers.fp8_linear import Fp8Config, make_linear
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.mla import MLAAttention
 from dsinfer.layers.moe import FusedExperts, Router, RouterConfig
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.ops.moe import Routing
-from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.runner.side_stream import in_graphs, run_beside
 
 REQUIRED = (

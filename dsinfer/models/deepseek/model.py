@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.fp8_linear import Fp8Config
 from dsinfer.layers.mla import MLAAttention, fuses_q_kv_a
@@ -22,7 +23,6 @@ from dsinfer.layers.moe import SHARED, FusedExperts
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.models.deepseek.blocks import DeepseekDecoderLayer, check_config, fused_shared_experts
 from dsinfer.ops.fp8 import FP8_DTYPE
-from dsinfer.core.forward_batch import ForwardBatch
 
 logger = logging.getLogger("dsinfer")
 

@@ -1,0 +1,27 @@
+"""What a worker returns for one step, as plain data (``RunnerOutput``).
+
+Invariants: ``sampled_token_ids[r]`` holds 1 + (accepted drafts) tokens for a request that sampled this step,
+in order (the last one is the model's own token after the accepted drafts); a request that did not reach its last
+known token this step (a prompt chunk) is absent. ``logprobs[r]``, when asked for, has one entry per sampled token.
+``prompt_logprobs[r]`` has one entry per prompt position scored this step, in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob data of one position: candidate ids (scored token first), their logprobs, the scored token's rank."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+@dataclass
+class RunnerOutput:
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)

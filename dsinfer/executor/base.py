@@ -1,0 +1,39 @@
+"""The executor interface: what the engine asks of the workers that hold the model.
+
+``launch(plan)`` queues a step and returns a handle whose ``result()`` gives its ``RunnerOutput``; handles are
+resolved in launch order (a step launched before the previous one's result is read overlaps that wait, as async
+scheduling wants). ``num_kv_blocks`` is known once the workers have sized their caches. A worker that dies or
+stops answering makes ``result()`` raise ``WorkerDiedError`` within a bounded time, never hang.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Protocol
+
+from dsinfer.core.outputs import RunnerOutput
+from dsinfer.core.plan import StepPlan
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process died or stopped answering: the engine cannot go on (every request fails)."""
+
+
+class StepResult(Protocol):
+    def result(self) -> RunnerOutput: ...
+
+
+class Executor(abc.ABC):
+    num_kv_blocks: int
+    kv_bytes_per_token: int
+
+    @abc.abstractmethod
+    def launch(self, plan: StepPlan) -> StepResult:
+        """Queue the step; no wait for the device."""
+
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        return self.launch(plan).result()
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent)."""
