@@ -8,8 +8,8 @@ import pytest
 
 from dsinfer import LLM, SamplingParams
 from dsinfer.config import EngineArgs, SchedulerConfig
-from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.core.request import RequestStatus
+from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.kvcache.manager import KVCacheManager
 from dsinfer.scheduler.scheduler import Scheduler
 

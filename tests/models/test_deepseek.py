@@ -22,10 +22,10 @@ from safetensors.torch import load_file, save_file
 
 from dsinfer import LLM, SamplingParams
 from dsinfer.config import KV_CACHE_DTYPES
+from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.models.deepseek import DeepseekV3ForCausalLM
 from dsinfer.models.weights import iterate_safetensors
 from dsinfer.ops.fp8 import FP8_DTYPE, block_dequantize, block_quantize
-from dsinfer.core.forward_batch import ForwardBatch
 
 transformers = pytest.importorskip("transformers")
 
