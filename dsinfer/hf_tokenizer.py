@@ -19,7 +19,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as BackendTokenizer
 
-from dsinfer.tokenizer import Tokenizer, _token_content, render_template
+from dsinfer.chat_template import render_template
+from dsinfer.tokenizer import Tokenizer, _token_content
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES, in its order (all_special_tokens lists them in this order)
 SPECIAL_TOKEN_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

@@ -1,18 +1,19 @@
 """The tokenizer of a model directory: ``tokenizer.json`` (HF `tokenizers`) + ``tokenizer_config.json``.
 
 dsinfer does not depend on transformers at run time; this wrapper gives the few things the engine needs: encode,
-decode, special tokens, eos ids and the model's chat template (rendered in a sandboxed jinja2 environment).
+decode, special tokens, eos ids and the model's chat template (rendered by ``dsinfer.chat_template``).
 """
 
 from __future__ import annotations
 
 import json
-from datetime import datetime
-from functools import cached_property, lru_cache
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
+
+from dsinfer.chat_template import render_template
 
 
 def _token_content(value: Any) -> str | None:
@@ -116,38 +117,3 @@ class Tokenizer:
             template, messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs,
         )
-
-
-def _raise_exception(message: str) -> None:
-    raise ValueError(f"chat template error: {message}")
-
-
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
-
-
-@lru_cache(maxsize=1)
-def _jinja_env():
-    """One sandboxed environment, configured like HF transformers renders chat templates."""
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
-
-
-@lru_cache(maxsize=32)
-def _compile(template: str):
-    return _jinja_env().from_string(template)
-
-
-def render_template(template: str, **context: Any) -> str:
-    from jinja2 import TemplateError
-
-    try:
-        return _compile(template).render(**context)
-    except TemplateError as exc:
-        raise ValueError(f"chat template error: {exc}") from None

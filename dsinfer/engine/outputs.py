@@ -32,6 +32,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
+    """A request's times, all ``time.monotonic()`` seconds (differences are durations; not wall-clock dates)."""
+
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

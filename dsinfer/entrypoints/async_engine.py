@@ -44,7 +44,7 @@ class _Submission:
     request_id: str
     prompt: str | dict[str, Any]
     params: SamplingParams
-    arrival_time: float
+    arrival_time: float  # time.monotonic(), the clock of every request metric
     priority: int = 0
 
 
@@ -158,7 +158,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
-            self._submissions.append(_Submission(request_id, prompt, params, time.time(), priority))
+            self._submissions.append(_Submission(request_id, prompt, params, time.monotonic(), priority))
         self._wake.set()
         finished = False
         try:

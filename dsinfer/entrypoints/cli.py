@@ -34,7 +34,7 @@ def _make_llm(args):
 
 
 def _sampling(args):
-    from dsinfer import SamplingParams
+    from dsinfer.engine.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k)

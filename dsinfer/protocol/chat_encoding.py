@@ -18,10 +18,10 @@ import json
 import re
 import secrets
 from dataclasses import dataclass, field
-from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
+from dsinfer.chat_template import sandboxed_environment, tojson
 from dsinfer.protocol.chat_formats import tools_system_prompt
 from dsinfer.protocol.errors import ProtocolError
 
@@ -65,46 +65,17 @@ def _tojson(
     value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
-    """transformers' ``tojson`` filter (same keywords and order)."""
-    text = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-    return _RAW_MARKER.sub(r"@@J\1x", text)  # restored JSON-escaped
+    """transformers' ``tojson`` filter, with untrusted markers restored JSON-escaped."""
+    return _RAW_MARKER.sub(r"@@J\1x", tojson(value, ensure_ascii, indent, separators, sort_keys))
 
 
 def _raise(message: str) -> None:
     raise ProtocolError(f"chat template rejected the conversation: {message}")
 
 
-def _generation_tag():
-    """``{% generation %}...{% endgeneration %}`` as transformers' template environment has it: the tag marks the
-    assistant's tokens (for training masks) and renders its body unchanged, which is all inference needs."""
-    from jinja2 import nodes
-    from jinja2.ext import Extension
-
-    class GenerationTag(Extension):
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller):
-            return caller()
-
-    return GenerationTag
-
-
 @lru_cache(maxsize=1)
 def _env():
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols, _generation_tag()])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
+    return sandboxed_environment(tojson=_tojson, raise_exception=_raise)
 
 
 @lru_cache(maxsize=16)

@@ -33,8 +33,7 @@ class SamplingBatch:
     use_min_p: bool
     penalties: Penalties | None = None
     logit_bias: torch.Tensor | None = None  # [S, V] float32 additive
-    banned: torch.Tensor | None = None  # [S, V] bool: tokens that must not be sampled (min_tokens stops)
-    allowed: torch.Tensor | None = None  # [S, V] bool: structured-output mask (None: all allowed)
+    banned: torch.Tensor | None = None  # [S, V] bool: must not be sampled (min_tokens, allowed_token_ids, bad words)
     token_bitmask: torch.Tensor | None = None  # [S, ceil(V/32)] int32 packed grammar mask (ops.apply_token_bitmask)
     num_logprobs: int | None = None  # top-k logprobs to return (None: none)
 
@@ -101,7 +100,7 @@ def _logprobs(raw_logits: torch.Tensor, sampled: torch.Tensor, k: int):
 def _plain_greedy(batch: SamplingBatch) -> bool:
     """Argmax of the logits as they are: nothing added, masked or scored."""
     return (batch.all_greedy and batch.logit_bias is None and batch.penalties is None and batch.banned is None
-            and batch.allowed is None and batch.token_bitmask is None and batch.num_logprobs is None)
+            and batch.token_bitmask is None and batch.num_logprobs is None)
 
 
 def _ban(logits: torch.Tensor, banned: torch.Tensor, grammar: bool) -> torch.Tensor:
@@ -127,8 +126,6 @@ class Sampler:
             logits = logits + batch.logit_bias
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
-        if batch.allowed is not None:
-            logits = logits.masked_fill(~batch.allowed, float("-inf"))
         if batch.token_bitmask is not None:
             logits = ops.apply_token_bitmask(logits, batch.token_bitmask)
         if batch.banned is not None:

@@ -164,13 +164,13 @@ def test_sampled_frequencies_follow_the_softmax():
     assert torch.allclose(counts[:4], probs[:4], atol=0.015)
 
 
-def test_banned_and_allowed_masks_are_respected():
+def test_banned_mask_is_respected():
+    """Everything outside 10..19 banned (as allowed_token_ids bans), and every row's argmax too."""
     logits = random_logits(200, seed=6)
-    banned = torch.zeros(200, V, dtype=torch.bool)
+    banned = torch.ones(200, V, dtype=torch.bool)
+    banned[:, 10:20] = False
     banned[:, logits.argmax(-1)] = True
-    allowed = torch.zeros(200, V, dtype=torch.bool)
-    allowed[:, 10:20] = True
-    out = Sampler()(logits, make_batch(200, temperature=2.0, banned=banned, allowed=allowed)).token_ids
+    out = Sampler()(logits, make_batch(200, temperature=2.0, banned=banned)).token_ids
     assert ((out >= 10) & (out < 20)).all() and not banned.gather(1, out.unsqueeze(1)).any()
 
 

@@ -159,3 +159,25 @@ def test_cut_off_fails_in_flight_requests_and_aborts_them_in_the_engine():
     fake, results = asyncio.run(main())
     assert all(isinstance(r, EngineDrainingError) for r in results)
     assert sorted(fake.aborted) == ["a", "b"] and not fake.requests
+
+
+def test_request_metrics_through_the_async_engine_are_on_the_monotonic_clock(tiny_llama_dir):
+    """arrival <= first scheduled <= first token <= finished, all inside the monotonic interval of the call (a
+    wall-clock arrival, as time.time() gave, would lie far outside it)."""
+    from dsinfer import LLM
+
+    async def main():
+        engine = AsyncEngine(LLM(str(tiny_llama_dir)).engine)
+        engine.start()
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        try:
+            before = time.monotonic()
+            outputs = [o async for o in engine.generate({"prompt_token_ids": [1, 2, 3]}, params, "m")]
+            return before, time.monotonic(), outputs[-1]
+        finally:
+            engine.shutdown()
+
+    before, after, out = asyncio.run(main())
+    m = out.metrics
+    assert out.finished
+    assert before <= m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time <= after
