@@ -23,7 +23,6 @@ from torch import nn
 
 from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.runner.input_batch import HostInputs, to_device_packed
-from dsinfer.runner.side_stream import graph_warmup
 
 logger = logging.getLogger("dsinfer")
 
@@ -61,6 +60,7 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
             logits_indices=self.positions[:0], max_query_len=1, max_seq_len=self.max_seq_len,
+            graphed=True,  # captured, or the warm-up before a capture: the graphs' paths (layers.streams)
         )
 
     def _forward(self, size: int) -> torch.Tensor:
@@ -79,8 +79,7 @@ class DecodeGraphs:
         self.seq_lens.zero_()
         try:
             for size in reversed(self.sizes):
-                with graph_warmup():  # compiles kernels and sets up cuBLAS outside the capture
-                    self._forward(size)
+                self._forward(size)  # warm-up: compiles kernels and sets up cuBLAS outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self.logits[size] = self._forward(size)
