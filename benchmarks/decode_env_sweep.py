@@ -1,8 +1,10 @@
 """Decode step time at small batches with one ``DSINFER_*`` variable swept, in one process (CUDA only).
 
-The model loads once; for each value the decode CUDA graphs of the batch sizes asked for are captured again (the
-variables these sweeps are for are read while a graph is captured), then timed as ``latency.py`` times them: the
-graph replay (median of 40) and the pipelined step (best of three 30-step runs), beside the floor. The logits of
+The model loads once; for each value the decode CUDA graphs of the batch sizes asked for are captured again, then
+timed as ``latency.py`` times them: the graph replay (median of 40) and the pipelined step (best of three 30-step
+runs), beside the floor. The engine reads the variables once, at start-up, into its ``KernelConfig``; so for each
+value the sweep applies it as start-up would: the process-wide kernel options through ``ops.options.configure``,
+the ones the model hands its layers when it is built (``LAYER_OPTIONS``) on the built layers. The logits of
 one fixed token per row are compared with the first value's: 0 when the variable changes no value, a few units
 in the last place of bf16 when it changes a summation order. Values repeat to show the noise (``0 1 0 1``).
 ``--var module.path:NAME`` sets a module constant instead (values read as Python literals), for switches that
@@ -10,6 +12,7 @@ have no variable, e.g. ``--var dsinfer.layers.mla:FUSED_ABSORB_MAX_HEAD_ROWS --v
 
     python3 benchmarks/decode_env_sweep.py --var DSINFER_ROUTER_GEMV --values 0 1 0 1 \\
         --model benchmarks/configs/deepseek-v2-lite --batch-sizes 1 16 64
+    python3 benchmarks/decode_env_sweep.py --var DSINFER_FUSED_SILU_MUL --values 0 1 0 1  # the gated GEMV tile
 """
 
 from __future__ import annotations
@@ -39,6 +42,40 @@ from benchmarks.latency import (  # noqa: E402
 )
 from benchmarks.roofline import measure_bandwidth  # noqa: E402
 from dsinfer import envs  # noqa: E402
+from dsinfer.config import KernelConfig  # noqa: E402
+from dsinfer.ops import options  # noqa: E402
+
+
+def _set_on(model, attr: str, value) -> None:
+    for module in model.modules():
+        if hasattr(module, attr) and module is not model:
+            setattr(module, attr, value)
+
+
+def _side_stream(model, on: bool) -> None:
+    from dsinfer.layers.streams import SideStream
+
+    _set_on(model, "side_stream", SideStream() if on else None)
+
+
+def _router_gemv(model, on: bool) -> None:
+    from dataclasses import replace
+
+    from dsinfer.layers.moe import Router
+
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.cfg = replace(module.cfg, gemv=on)
+
+
+# variables the model hands its layers when it is built (KernelConfig fields), and how to set them on built layers
+LAYER_OPTIONS = {
+    "DSINFER_FUSED_SILU_MUL": lambda model, on: _set_on(model, "fused_silu_mul", on),
+    "DSINFER_ROUTER_GEMV": _router_gemv,
+    "DSINFER_SIDE_STREAM": _side_stream,
+}
+# read at start-up like the others, but they change how the weights are laid out: one run per value
+NEEDS_A_NEW_MODEL = ("DSINFER_FUSE_SHARED_EXPERTS",)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,19 +101,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     declared = {var.name: var for var in envs.all_vars()}
     if args.var not in declared:
         p.error(f"--var {args.var!r} is not a declared DSINFER_* variable")
+    if args.var in NEEDS_A_NEW_MODEL:
+        p.error(f"--var {args.var}: it changes the weights' layout when the model is built; time each value in "
+                "a run of its own (latency.py)")
     for value in args.values:  # each value must parse before the model loads
         os.environ[args.var] = value
         declared[args.var].get()
     return args
 
 
-def set_value(var: str, value) -> None:
-    """A DSINFER_* variable, or a module constant (``module.path:NAME``)."""
+def set_value(var: str, value, model=None) -> None:
+    """A DSINFER_* variable, or a module constant (``module.path:NAME``). A variable is applied as the engine's
+    start-up applies it: the process-wide kernel options again from the environment, and, given the built
+    ``model``, the layer options on its layers."""
     if ":" in var:
         module, name = var.split(":")
         setattr(importlib.import_module(module), name, value)
-    else:
-        os.environ[var] = value
+        return
+    os.environ[var] = value
+    options.configure(KernelConfig.from_envs())
+    if model is not None and var in LAYER_OPTIONS:
+        declared = {v.name: v for v in envs.all_vars()}
+        LAYER_OPTIONS[var](model, declared[var].get())
 
 
 def summary_rows(rows: list[tuple[str, int, float, float]]) -> list[str]:
@@ -126,7 +172,7 @@ def main(argv=None) -> None:
     print("| value | batch | graph ms | step ms | floor ms | graph / floor | max logit diff vs the first value |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for value in args.values:
-        set_value(args.var, value)
+        set_value(args.var, value, runner.model)
         graphs = DecodeGraphs(runner.model, max(args.batch_sizes), first.block_tables.shape[1], first.max_seq_len,
                               runner.device, sizes=tuple(sorted(args.batch_sizes)))
         graphs.capture(torch.cuda.graph_pool_handle(), torch.cuda.Stream(runner.device))

@@ -50,13 +50,14 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512])
     p.add_argument("--modes", default=",".join(MODES))
     args = p.parse_args()
+    from dsinfer.layers.streams import SideStream
     from dsinfer.models.deepseek import blocks
-    from dsinfer.runner.side_stream import graph_warmup
 
     cfg = json.loads((Path(args.model) / "config.json").read_text())
     torch.set_default_dtype(torch.bfloat16)
     layers = build_layers(cfg, args.layers)
     hidden = cfg["hidden_size"]
+    side = SideStream()
     print(f"\n{cfg['architectures'][0]}: {args.layers} MoE layers; us per layer, CUDA-graph replay of the chain")
     modes = args.modes.split(",")
     print("| tokens | " + " | ".join(modes) + " | one layer's max diff to 'after' (relative) |")
@@ -67,14 +68,14 @@ def main() -> None:
         for mode in modes:
             blocks.FUSED_SHARED_MAX_TOKENS = blocks.FUSED_SHARED_MAX_TOKENS_BESIDE = MODES[mode][0]
             for layer in layers:
-                layer.overlap_shared = MODES[mode][1]
-            with graph_warmup():  # the path a CUDA graph takes
-                outs[mode] = layers[0](x0).float()  # one layer: a chain's routing amplifies rounding differences
+                layer.side_stream = side if MODES[mode][1] else None
+            # graphed=True: the path a CUDA graph takes (here eagerly, then captured)
+            outs[mode] = layers[0](x0, graphed=True).float()  # one layer: a chain's routing amplifies rounding
 
             def chain(x0=x0):
                 x = x0
                 for layer in layers:  # the residual keeps the scale (and so the routing) from collapsing
-                    x = x + layer(x)
+                    x = x + layer(x, graphed=True)
                 return x
 
             graph = capture_one_call(chain)

@@ -116,6 +116,31 @@ class ParallelConfig:
 class SpeculativeConfig:
     # draft tokens a step may verify per request (0: one-token steps); sizes the multi-token decode CUDA graphs
     num_speculative_tokens: int = 0
+class KernelConfig:
+    """Which kernels and overlaps a forward takes. Read once from the ``DSINFER_*`` variables at start-up
+    (``from_envs``, in ``create_engine_config``), never during a forward. The model gets it at construction and
+    hands each layer its fields; the first four pick a kernel inside every op call, so the loader sets them once
+    for the process (``ops.options.configure``)."""
+
+    use_triton: str = "auto"  # Triton kernels: auto (on CUDA), always (CPU: the interpreter) or never
+    triton_gemv: bool = True  # linear layers of <= 64 rows take the tuned Triton tile where one beat cuBLAS
+    pdl: bool = True  # Triton kernels launch with programmatic dependent launch on sm_90+ (ops/triton/pdl.py)
+    pdl_early_trigger: str = "mla,split"  # with pdl, the kernel roles that signal their successor before waiting
+    fused_silu_mul: bool = True  # an MLP's gate/up projection and SiLU-mul as one kernel where the tuner found one
+    router_gemv: bool = True  # DeepSeek MoE on CUDA: small batches' gate logits from the split-K Triton GEMV
+    side_stream: bool = True  # in CUDA graphs, overlap independent work on a second stream (``layers.streams``)
+    fuse_shared_experts: bool = True  # DeepSeek MoE: shared experts as extra experts of the routed grouped GEMM
+
+    @classmethod
+    def from_envs(cls) -> KernelConfig:
+        """The values of ``DSINFER_USE_TRITON``, ``_TRITON_GEMV``, ``_PDL``, ``_PDL_EARLY_TRIGGER``,
+        ``_FUSED_SILU_MUL``, ``_ROUTER_GEMV``, ``_SIDE_STREAM`` and ``_FUSE_SHARED_EXPERTS``."""
+        return cls(
+            use_triton=envs.USE_TRITON.get(), triton_gemv=envs.TRITON_GEMV.get(), pdl=envs.PDL.get(),
+            pdl_early_trigger=envs.PDL_EARLY_TRIGGER.get(), fused_silu_mul=envs.FUSED_SILU_MUL.get(),
+            router_gemv=envs.ROUTER_GEMV.get(), side_stream=envs.SIDE_STREAM.get(),
+            fuse_shared_experts=envs.FUSE_SHARED_EXPERTS.get(),
+        )
 
 
 @dataclass(frozen=True)
@@ -127,6 +152,7 @@ class EngineConfig:
     device: DeviceConfig
     parallel: ParallelConfig = ParallelConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    kernel: KernelConfig = field(default_factory=KernelConfig)  # the forward's kernel choices (``from_envs``)
 
 
 @dataclass
@@ -222,6 +248,7 @@ class EngineArgs:
             device=DeviceConfig(device, bool(deterministic), bool(async_sched), self.enforce_eager,
                                 self.max_prefill_graph_tokens),
             parallel=ParallelConfig(self.distributed_executor_backend or "uni"),
+            kernel=KernelConfig.from_envs(),
         )
 
     def _sampling_defaults(self, model_generation_config: dict[str, Any]) -> tuple[dict[str, Any], int | None]:

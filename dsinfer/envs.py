@@ -152,6 +152,13 @@ SIDE_STREAM = _declare(
     "stream, in sequence).",
     _parse_bool,
 )
+FUSED_SILU_MUL = _declare(
+    "DSINFER_FUSED_SILU_MUL", "bool", True,
+    "An MLP's merged gate/up projection and its SiLU-mul run as one Triton kernel where benchmarks/tune_gemv.py "
+    "stored one beating the projection followed by the SiLU-mul kernel (configs/moe.json, dense_silu_mul,N,K,"
+    "<dtype>); off: always the two.",
+    _parse_bool,
+)
 ROUTER_GEMV = _declare(
     "DSINFER_ROUTER_GEMV", "bool", True,
     "DeepSeek MoE on CUDA: batches of up to 64 tokens get their gate logits from a split-K Triton GEMV whose "

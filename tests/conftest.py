@@ -53,6 +53,26 @@ def _row_independent_interpreter_dot() -> None:
 
 _row_independent_interpreter_dot()
 
+@pytest.fixture(autouse=True)
+def _kernel_options_restored():
+    """The process-wide kernel options (``ops.options``) as they were before each test: a test that sets them, or
+    builds an engine (whose loader sets them from its config), leaves them to no other test."""
+    from dsinfer.ops import options
+
+    before = options.current()
+    yield
+    options.configure(before)
+
+
+@pytest.fixture
+def kernel_options():
+    """``set(**changes)``: change the process-wide kernel options for this test (``use_triton="always"``, ``pdl``,
+    ``pdl_early_trigger``, ``triton_gemv``), as an engine's start-up would from its ``KernelConfig``."""
+    from dsinfer.ops import options
+
+    return lambda **changes: options.configure(options.configured(**changes))
+
+
 TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from dsinfer.batch_invariant.matmul import bmm_invariant
-from dsinfer.ops.kv_cache import read_scales
+from dsinfer.ops._common import read_scales
 
 CHUNK = 64
 MAX_QUERY_ROWS = 256

@@ -26,7 +26,7 @@ import torch
 from dsinfer.batch_invariant.attention import host_layout, padded_slots
 from dsinfer.batch_invariant.matmul import bmm_invariant
 from dsinfer.ops import dispatch
-from dsinfer.ops.mla import cache_rows
+from dsinfer.ops._common import cache_rows
 
 CHUNK = 64
 MAX_SCORE_ROWS = 4096  # query rows x heads per CPU group (bounds memory only: rows never interact)

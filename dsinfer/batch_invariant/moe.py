@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from dsinfer.batch_invariant.matmul import mm_invariant
-from dsinfer.ops.moe import expert_outputs_by_expert
+from dsinfer.ops._common import block_dequantize, expert_outputs_by_expert
 
 
 def gemm_config(is_cuda: bool) -> dict:
@@ -73,8 +73,6 @@ def fused_moe_invariant(
         pairs = _pairs_triton(hidden, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size)
     else:
         if w13.dtype == torch.float8_e4m3fn:
-            from dsinfer.ops.fp8 import block_dequantize
-
             w13 = block_dequantize(w13, w13_scale_inv, block_size, hidden.dtype)
             w2 = block_dequantize(w2, w2_scale_inv, block_size, hidden.dtype)
         pairs = _pairs_torch(hidden, w13, w2, topk_weights, topk_ids)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -26,8 +29,20 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [S] int64: token rows whose logits are computed
     max_query_len: int  # host-side, known when the batch is built
     max_seq_len: int
-    # values the layers derive from the batch once per step and share (e.g. ``MLAMetadata``), by name
-    derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # this forward is captured into a CUDA graph or warms such a capture up: layers take the paths the capture
+    # will (the side stream, ``layers.streams``); set by whoever captures
+    graphed: bool = False
+    # while a piecewise prefill graph is captured: what cuts it at each attention layer (``layers.graph_pieces``)
+    pieces: Any = field(default=None, repr=False, compare=False)
+    # values the layers derive from the batch once per step and share (e.g. ``MLAMetadata``), by key (``derive``)
+    derived: dict[Hashable, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def derive(self, key: Hashable, build: Callable[[], T]) -> T:
+        """``build()``, made once per step and key: the first layer that asks builds it, later ones share it."""
+        value = self.derived.get(key)
+        if value is None:
+            value = self.derived[key] = build()
+        return value
 
     @property
     def num_tokens(self) -> int:

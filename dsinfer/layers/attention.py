@@ -15,8 +15,11 @@ from torch import nn
 from dsinfer import ops
 from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
+from dsinfer.layers.graph_pieces import attention_piece
 from dsinfer.layers.rotary import RotaryEmbedding
-from dsinfer.runner.prefill_graphs import attention_piece
+from dsinfer.ops.attention import AttentionPlan
+from dsinfer.ops.kv_cache import StoredRows
+from dsinfer.ops.rotary import RotaryAngles
 
 
 class Attention(nn.Module):
@@ -67,13 +70,20 @@ class Attention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         scales = (self.k_scale, self.v_scale)
+        # what the torch path derives from the batch, shared by the layers of the step (built on first use only)
+        stored = batch.derive("stored_rows", lambda: StoredRows(batch.slot_mapping))
         if rotary is not None:
+            angles = batch.derive(("rotary_angles", id(rotary.cos_sin_cache)),
+                                  lambda: RotaryAngles(positions, rotary.cos_sin_cache))
             q = ops.rotary_store_kv(positions, q, k, v, rotary.cos_sin_cache, rotary.is_neox, self.kv_cache,
-                                    batch.slot_mapping, scales)
+                                    batch.slot_mapping, scales, angles, stored)
         else:
-            ops.store_kv(k, v, self.kv_cache, batch.slot_mapping, scales)
+            ops.store_kv(k, v, self.kv_cache, batch.slot_mapping, scales, stored)
+        block_size = self.kv_cache.shape[2]
+        plan = batch.derive(("attention_plan", self.sliding_window, block_size), lambda: AttentionPlan(
+            batch.block_tables, batch.query_start_loc, batch.seq_lens, self.sliding_window, block_size))
         # the batch's host-side bounds spare the kernels a host sync (and make decode capturable in a graph)
         out = ops.paged_attention(q, self.kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
                                   self.scale, self.sliding_window, max_query_len=batch.max_query_len,
-                                  max_seq_len=batch.max_seq_len, kv_scales=scales)
+                                  max_seq_len=batch.max_seq_len, kv_scales=scales, plan=plan)
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -169,6 +169,7 @@ class Fp8BlockLinear(nn.Module):
             return F.linear(x, self.dense, self.bias)
         return fp8_block_linear(x, self.weight, self.weight_scale_inv, self.shards.block_size, self.bias)
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """SiLU(gate) * up of a merged [gate, up] projection, as ``Linear.silu_mul`` (here always two ops)."""
+    def silu_mul(self, x: torch.Tensor, fused: bool = True) -> torch.Tensor:
+        """SiLU(gate) * up of a merged [gate, up] projection, as ``Linear.silu_mul`` (here always two ops, whatever
+        ``fused``)."""
         return silu_and_mul(self(x))

@@ -40,7 +40,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, x: torch.Tensor, fused: bool = True) -> torch.Tensor:
         """SiLU(gate) * up of a merged [gate, up] projection: one kernel where the GEMV tuner measured it beating
-        the projection and the SiLU-mul kernel (``ops.linear.linear_silu_mul``)."""
-        return linear_silu_mul(x, self.weight, self.bias)
+        the projection and the SiLU-mul kernel and ``fused`` (``ops.linear.linear_silu_mul``)."""
+        return linear_silu_mul(x, self.weight, self.bias, fused)

@@ -23,15 +23,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsinfer import batch_invariant, envs
+from dsinfer import batch_invariant
 from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.core.kv_cache_spec import MLASpec
 from dsinfer.layers.fp8_linear import Fp8BlockLinear, Fp8Config, make_linear
+from dsinfer.layers.graph_pieces import attention_piece
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, rope_parameters_of
+from dsinfer.layers.streams import SideStream, in_graphs
+from dsinfer.ops._common import PackedContexts
 from dsinfer.ops.mla import absorb_query, mla_decode_uv, mla_prefill, rope_norm_store_mla
-from dsinfer.runner.prefill_graphs import attention_piece
-from dsinfer.runner.side_stream import in_graphs, run_beside
+from dsinfer.ops.rotary import RotaryAngles
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
 # decode steps of up to this many tokens x heads absorb W_UK in the rope / norm / store launch
@@ -50,6 +52,7 @@ class MLARows:
     block_tables: torch.Tensor
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
+    contexts: PackedContexts | None = None  # prefill rows: their contexts packed for ``mla_prefill`` (lazily)
 
 
 @dataclass
@@ -62,15 +65,13 @@ class MLAMetadata:
     invariant: MLARows | None = None  # deterministic mode: every row, one recipe (decode / prefill are None)
 
     @classmethod
-    def of(cls, batch: ForwardBatch) -> MLAMetadata:
-        """The batch's metadata: built by the first MLA layer of a step, shared by the others."""
-        meta = batch.derived.get("mla")
-        if meta is None:
-            meta = batch.derived["mla"] = cls.build(batch)
-        return meta
+    def of(cls, batch: ForwardBatch, block_size: int) -> MLAMetadata:
+        """The batch's metadata: built by the first MLA layer of a step, shared by the others (every MLA layer
+        of a model has cache blocks of ``block_size`` tokens)."""
+        return batch.derive(("mla", block_size), lambda: cls.build(batch, block_size))
 
     @classmethod
-    def build(cls, batch: ForwardBatch) -> MLAMetadata:
+    def build(cls, batch: ForwardBatch, block_size: int) -> MLAMetadata:
         everything = MLARows(None, batch.block_tables, batch.query_start_loc, batch.seq_lens)
         if batch_invariant.is_enabled():
             return cls(None, None, batch.max_seq_len, invariant=everything)
@@ -79,10 +80,12 @@ class MLAMetadata:
         q_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
         is_decode = q_lens == 1
         if not bool(is_decode.any()):
-            return cls(None, everything, batch.max_seq_len)
-        return cls(
-            cls._subset(batch, is_decode, q_lens), cls._subset(batch, ~is_decode, q_lens), batch.max_seq_len
-        )
+            prefill = MLARows(None, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                              PackedContexts(batch.block_tables, batch.seq_lens, block_size))
+            return cls(None, prefill, batch.max_seq_len)
+        prefill = cls._subset(batch, ~is_decode, q_lens)
+        prefill.contexts = PackedContexts(prefill.block_tables, prefill.seq_lens, block_size)
+        return cls(cls._subset(batch, is_decode, q_lens), prefill, batch.max_seq_len)
 
     @staticmethod
     def _subset(batch: ForwardBatch, keep: torch.Tensor, q_lens: torch.Tensor) -> MLARows:
@@ -113,7 +116,10 @@ def fuses_q_kv_a(cfg: dict[str, Any]) -> bool:
 class MLAAttention(nn.Module):
     """One MLA layer: projections, rope, the latent cache (``kv_cache``, bound by the runner), attention."""
 
-    def __init__(self, cfg: dict[str, Any], quant: Fp8Config | None, rope_is_neox: bool):
+    def __init__(self, cfg: dict[str, Any], quant: Fp8Config | None, rope_is_neox: bool,
+                 side_stream: SideStream | None = None):
+        """``side_stream``: the model's, to overlap rope and the cache store with the query absorption in CUDA
+        graphs (None: one stream, ``KernelConfig.side_stream`` off)."""
         super().__init__()
         hidden, self.num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
         self.q_lora_rank, self.kv_lora_rank = cfg.get("q_lora_rank"), cfg["kv_lora_rank"]
@@ -146,7 +152,7 @@ class MLAAttention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
         self._kv_b_dense: torch.Tensor | None = None  # an FP8 kv_b_proj dequantized once (see below)
         self._kv_b_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see _split_kv_b
-        self.overlap_store = envs.SIDE_STREAM.get()  # rope + cache store beside the query absorption, in graphs
+        self.side_stream = side_stream  # rope + cache store beside the query absorption, in graphs
 
     def process_weights_after_loading(self) -> None:
         """Attention multiplies by kv_b_proj's weight directly (absorbed into the query, expanding the latent),
@@ -197,21 +203,26 @@ class MLAAttention(nn.Module):
         kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         norm, rotary = self.kv_a_layernorm, self.rotary
 
+        # the rope's cos/sin at this step's positions, for the torch path (gathered on first use, once per step)
+        angles = batch.derive(("rotary_angles", id(rotary.cos_sin_cache)),
+                              lambda: RotaryAngles(positions, rotary.cos_sin_cache))
+
         def rope_and_store(q_pe: torch.Tensor, absorb=None):
             return rope_norm_store_mla(positions, q_pe, k_pe, kv_c, norm.weight, norm.eps, rotary.cos_sin_cache,
-                                       rotary.is_neox, self.kv_cache, batch.slot_mapping, absorb=absorb)
+                                       rotary.is_neox, self.kv_cache, batch.slot_mapping, absorb=absorb,
+                                       angles=angles)
 
-        meta = MLAMetadata.of(batch)
+        meta = MLAMetadata.of(batch, self.kv_cache.shape[1])
         if meta.decode is not None and meta.decode.rows is None:  # a decode step (one token per sequence)
             out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
             if q.shape[0] * self.num_heads <= FUSED_ABSORB_MAX_HEAD_ROWS:
                 # rope, the latent norm, the cache store and the W_UK absorption in one launch
                 q_absorbed, q_pe = rope_and_store(q_pe, absorb=(q_nope, self._kv_b()[1]))
                 return self._decode(q_absorbed, q_pe, meta.decode, meta.max_seq_len, out).flatten(1)
-            if self.overlap_store and q.is_cuda and in_graphs():
+            if self.side_stream is not None and q.is_cuda and in_graphs(batch):
                 # in a CUDA graph: rope, the latent norm and the cache store on the side stream while this one
                 # absorbs W_UK into the query (a batched GEMM); the decode kernel waits for both
-                join = run_beside(rope_and_store, q_pe)
+                join = self.side_stream.run_beside(rope_and_store, q_pe)
                 q_absorbed = self._absorb(q_nope)
                 return self._decode(q_absorbed, join(), meta.decode, meta.max_seq_len, out).flatten(1)
         return self.attend(q_nope, rope_and_store(q_pe), meta).flatten(1)
@@ -247,9 +258,8 @@ class MLAAttention(nn.Module):
         if meta.prefill is not None:
             p = meta.prefill
             qn, qp = (q_nope, q_pe) if p.rows is None else (q_nope[p.rows], q_pe[p.rows])
-            o = mla_prefill(
-                qn, qp, self.kv_cache, p.block_tables, p.query_start_loc, p.seq_lens, w_kv_b, self.scale
-            )
+            o = mla_prefill(qn, qp, self.kv_cache, p.block_tables, p.query_start_loc, p.seq_lens, w_kv_b, self.scale,
+                            p.contexts)
             if p.rows is None:
                 return o
             out[p.rows] = o

@@ -40,6 +40,7 @@ class RouterConfig:
     top_k: int  # routed experts per token
     routing: Routing = Routing()
     num_shared: int = 0  # shared experts stacked after the routed ones, given to every token with weight 1.0
+    gemv: bool = True  # small batches' logits from the split-K Triton GEMV on CUDA (``KernelConfig.router_gemv``)
 
     def __post_init__(self):
         n_group, topk_group = self.routing.n_group, self.routing.topk_group
@@ -108,7 +109,7 @@ class Router(nn.Module):
         if (self.weight_16bit is not None and hidden.dtype == self.dtype and hidden.dim() == 2
                 and not batch_invariant.is_enabled()):  # that mode's invariant matmuls take float32 here
             return route_hidden(hidden, self.weight_16bit, self.cfg.top_k, self.cfg.routing,
-                                self.e_score_correction_bias, shared)
+                                self.e_score_correction_bias, shared, gemv=self.cfg.gemv)
         logits = torch.nn.functional.linear(hidden.float(), self.weight)
         return select_experts(logits, self.cfg.top_k, self.cfg.routing, self.e_score_correction_bias, shared)
 

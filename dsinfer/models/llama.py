@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dsinfer.config import KernelConfig
 from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.layers.attention import Attention
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
@@ -61,23 +62,25 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, fused_silu_mul: bool = True):
         super().__init__()
+        self.fused_silu_mul = fused_silu_mul  # KernelConfig.fused_silu_mul
         if hidden <= 0 or intermediate <= 0:
             raise ValueError(f"hidden_size and intermediate_size must be > 0, got {hidden}, {intermediate}")
         self.gate_up_proj = Linear(hidden, [intermediate, intermediate], bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.silu_mul(x))
+        return self.down_proj(self.gate_up_proj.silu_mul(x, self.fused_silu_mul))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layer_idx: int, variant: dict[str, Any]):
+    def __init__(self, cfg: dict[str, Any], layer_idx: int, variant: dict[str, Any], kernel: KernelConfig):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, variant["qkv_bias"], variant["qk_norm"],
                                         variant["sliding_window"](cfg, layer_idx))
-        self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"], bool(cfg.get("mlp_bias")))
+        self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"], bool(cfg.get("mlp_bias")),
+                            kernel.fused_silu_mul)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
@@ -120,8 +123,10 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: dict[str, Any]):
+    def __init__(self, cfg: dict[str, Any], kernel: KernelConfig | None = None):
+        """``kernel``: the engine's kernel choices (None: ``KernelConfig()``'s defaults)."""
         super().__init__()
+        kernel = kernel or KernelConfig()
         _require(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
         if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
             raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; supported: 'silu'")
@@ -134,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"])
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, self.variant) for i in range(cfg["num_hidden_layers"]))
+            LlamaDecoderLayer(cfg, i, self.variant, kernel) for i in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         tied = cfg.get("tie_word_embeddings", False)
         self.lm_head = LMHead(cfg["vocab_size"], cfg["hidden_size"], self.embed_tokens if tied else None)

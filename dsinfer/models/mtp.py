@@ -20,12 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from dsinfer.config import KernelConfig
 from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.fp8_linear import Fp8Config
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.mla import MLAAttention
 from dsinfer.layers.norm import RMSNorm
+from dsinfer.layers.streams import SideStream
 from dsinfer.models.deepseek.blocks import DeepseekDecoderLayer
 
 
@@ -40,14 +42,15 @@ class SharedHead(nn.Module):
 
 
 class DeepseekMTPLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layer_idx: int, quant: Fp8Config | None, variant: dict[str, Any]):
+    def __init__(self, cfg: dict[str, Any], layer_idx: int, quant: Fp8Config | None, variant: dict[str, Any],
+                 kernel: KernelConfig | None = None, side_stream: SideStream | None = None):
         super().__init__()
         hidden = cfg["hidden_size"]
         self.embed_tokens = VocabEmbedding(cfg["vocab_size"], hidden)
         self.enorm = RMSNorm(hidden, cfg["rms_norm_eps"])
         self.hnorm = RMSNorm(hidden, cfg["rms_norm_eps"])
         self.eh_proj = Linear(2 * hidden, hidden)  # kept unquantized in FP8 checkpoints
-        self.block = DeepseekDecoderLayer(cfg, layer_idx, quant, variant)
+        self.block = DeepseekDecoderLayer(cfg, layer_idx, quant, variant, kernel, side_stream)
         self.shared_head = SharedHead(cfg)
 
     def forward(
@@ -65,11 +68,14 @@ class DeepseekMTPLayer(nn.Module):
 class DeepseekMTP(nn.Module):
     """The model's MTP layers (usually one); ``forward`` runs one of them."""
 
-    def __init__(self, cfg: dict[str, Any], quant: Fp8Config | None, variant: dict[str, Any]):
+    def __init__(self, cfg: dict[str, Any], quant: Fp8Config | None, variant: dict[str, Any],
+                 kernel: KernelConfig | None = None, side_stream: SideStream | None = None):
+        """``kernel`` / ``side_stream``: the main model's (None: the defaults / one stream)."""
         super().__init__()
         first = cfg["num_hidden_layers"]
         self.layers = nn.ModuleList(
-            DeepseekMTPLayer(cfg, first + k, quant, variant) for k in range(cfg["num_nextn_predict_layers"])
+            DeepseekMTPLayer(cfg, first + k, quant, variant, kernel, side_stream)
+            for k in range(cfg["num_nextn_predict_layers"])
         )
 
     def attention_layers(self) -> list[MLAAttention]:

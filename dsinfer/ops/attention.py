@@ -10,28 +10,26 @@ ignored). ``kv_scales`` are an FP8 cache's (key, value) scales (``ops.kv_cache``
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from dsinfer import batch_invariant
+from dsinfer.ops._common import dequantize
 from dsinfer.ops.dispatch import use_triton
-from dsinfer.ops.kv_cache import dequantize
 
 
 @dataclass
 class _Plan:
-    """Gather indices and masks of one batch layout; every layer of a step shares it (see ``_plan``)."""
+    """Gather indices and masks of one batch layout (``AttentionPlan.layout``)."""
 
     decode_rows: torch.Tensor | None  # [Bd] query rows of one-token sequences
     decode_slots: torch.Tensor | None  # [Bd, L] cache slots of their contexts (padded)
     decode_mask: torch.Tensor | None  # [Bd, 1, L]; None when every key is visible to every row
     all_decode: bool  # every query row is a one-token sequence, in order: no row gather or scatter needed
     prefills: list[tuple[slice, torch.Tensor, torch.Tensor | None]]  # (rows, slots [1, L], mask [1, Q, L] / causal)
-
-
-_last_plan: tuple[tuple, _Plan] | None = None
 
 
 def _slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -72,16 +70,20 @@ def _build_plan(block_tables, query_start_loc, seq_lens, sliding_window, block_s
     return plan
 
 
-def _plan(block_tables, query_start_loc, seq_lens, sliding_window, block_size) -> _Plan:
-    """The plan for this batch, built once per step: the layers of a forward pass share the batch tensors, so the
-    last plan is reused while they are the very same objects (the memo keeps them alive, so ids cannot recur)."""
-    global _last_plan
-    key = (block_tables, query_start_loc, seq_lens, sliding_window, block_size)
-    if _last_plan is not None and all(a is b for a, b in zip(_last_plan[0], key)):
-        return _last_plan[1]
-    plan = _build_plan(*key)
-    _last_plan = (key, plan)
-    return plan
+class AttentionPlan:
+    """The torch path's gather plan of a batch layout (``layout``), built on first use (host syncs: this path runs
+    eagerly) and shared: a layer makes one per step from the batch (``batch.derive``) and passes it to every
+    attention call of the step. The Triton and deterministic paths never build it."""
+
+    def __init__(self, block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                 sliding_window: int | None, block_size: int):
+        self.block_tables, self.query_start_loc, self.seq_lens = block_tables, query_start_loc, seq_lens
+        self.sliding_window, self.block_size = sliding_window, block_size
+
+    @functools.cached_property
+    def layout(self) -> _Plan:
+        return _build_plan(self.block_tables, self.query_start_loc, self.seq_lens, self.sliding_window,
+                           self.block_size)
 
 
 def _attend(q, k, v, mask, scale, causal: bool = False):
@@ -123,13 +125,20 @@ def paged_attention_ref(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]. Decode rows (one query) run as one padded batch; longer ones one by one.
 
     ``max_query_len`` / ``max_seq_len`` are hints for the Triton path (see ``paged_attention``); ignored here.
+    ``plan``: the step's ``AttentionPlan`` of these batch tensors, window and block size (None: made here).
     """
     out = torch.empty_like(q)
-    plan = _plan(block_tables, query_start_loc, seq_lens, sliding_window, kv_cache.shape[2])
+    if plan is None:
+        plan = AttentionPlan(block_tables, query_start_loc, seq_lens, sliding_window, kv_cache.shape[2])
+    elif (plan.sliding_window, plan.block_size) != (sliding_window, kv_cache.shape[2]):
+        raise ValueError(f"the attention plan was made for window {plan.sliding_window} and blocks of "
+                         f"{plan.block_size}, the call has {sliding_window} and {kv_cache.shape[2]}")
+    plan = plan.layout
     flat = kv_cache.flatten(1, 2)  # [2, num_blocks * block_size, Hkv, D]
     if plan.decode_rows is not None:
         kv = flat[:, plan.decode_slots]  # [2, Bd, L, Hkv, D]: keys and values in one gather
@@ -156,8 +165,10 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
-    """``max_query_len``: the longest query row, if the caller knows it (1 = decode-only batch: the split-KV
+    """``plan``: the step's ``AttentionPlan``, read by the torch path only (see ``paged_attention_ref``).
+    ``max_query_len``: the longest query row, if the caller knows it (1 = decode-only batch: the split-KV
     decode kernel, no host sync, so the call can be captured in a CUDA graph); None: read query_start_loc.
     ``max_seq_len``: a fixed bound on seq_lens that sets the decode split count (None: block_tables' width).
     """
@@ -171,7 +182,7 @@ def paged_attention(
 
         return paged_attention_triton(
             q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
-            max_query_len=max_query_len, max_seq_len=max_seq_len, kv_scales=kv_scales,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, kv_scales=kv_scales, plan=plan,
         )
     return paged_attention_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
-                               kv_scales=kv_scales)
+                               kv_scales=kv_scales, plan=plan)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from dsinfer import batch_invariant
+from dsinfer.ops._common import block_dequantize
 from dsinfer.ops.dispatch import use_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -24,19 +25,6 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 def scale_grid(rows: int, cols: int, block_size: tuple[int, int]) -> tuple[int, int]:
     """Shape of the block-scale tensor of a [rows, cols] weight."""
     return -(-rows // block_size[0]), -(-cols // block_size[1])
-
-
-def block_dequantize(
-    weight: torch.Tensor,
-    scale_inv: torch.Tensor,
-    block_size: tuple[int, int],
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """weight [..., N, K] fp8, scale_inv [..., ceil(N/bn), ceil(K/bk)] -> [..., N, K] in ``dtype``."""
-    bn, bk = block_size
-    n, k = weight.shape[-2:]
-    scale = scale_inv.float().repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
-    return (weight.float() * scale).to(dtype)
 
 
 def block_quantize(weight: torch.Tensor, block_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

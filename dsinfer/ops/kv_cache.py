@@ -11,64 +11,39 @@ multiply the scales back (``dequantize``). As in vLLM, the scales apply to FP8 c
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from dsinfer.ops._common import FP8_DTYPES, copy_rows, dequantize, fp8_max, quantize, read_scales
 from dsinfer.ops.dispatch import use_triton
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-_last: tuple[torch.Tensor, torch.Tensor | None] | None = None
-
-
-def fp8_max(dtype: torch.dtype) -> float:
-    """The saturation bound of an FP8 cache dtype, 0.0 for any other dtype (no clamp)."""
-    return float(torch.finfo(dtype).max) if dtype in FP8_DTYPES else 0.0
+__all__ = ["FP8_DTYPES", "StoredRows", "copy_rows", "dequantize", "fp8_max", "quantize", "read_scales", "store_kv",
+           "store_kv_ref"]
 
 
-def read_scales(cache_dtype: torch.dtype, kv_scales: tuple[float, float]) -> tuple[float, float]:
-    """The (key, value) scales a reader of a cache of ``cache_dtype`` applies: 1.0 unless it is FP8."""
-    return (float(kv_scales[0]), float(kv_scales[1])) if cache_dtype in FP8_DTYPES else (1.0, 1.0)
+class StoredRows:
+    """Which rows of a step have a real slot (``keep``: a bool mask, or None when all have one), for the torch
+    path's store. Computed on first use (one host sync) and shared by the layers of a step: a layer makes one per
+    step from the batch (``batch.derive``) and passes it to every store."""
 
+    def __init__(self, slot_mapping: torch.Tensor):
+        self.slot_mapping = slot_mapping
 
-def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """x in the cache dtype; FP8: x / scale, saturated (a plain cast of an out-of-range value gives NaN on CUDA)."""
-    if dtype not in FP8_DTYPES:
-        return x.to(dtype)
-    limit = fp8_max(dtype)
-    return (x.float() / scale).clamp_(-limit, limit).to(dtype)
-
-
-def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """Cache values back in ``dtype`` (FP8: times their scale)."""
-    if x.dtype not in FP8_DTYPES or scale == 1.0:
-        return x.to(dtype)
-    return x.to(dtype) * scale
-
-
-def copy_rows(dst: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
-    """``dst.index_copy_(0, index, rows)`` for any cache dtype (index_copy_ has no FP8 kernel on CPU: an FP8
-    cache's rows are copied as bytes)."""
-    if dst.element_size() == 1:
-        dst, rows = dst.view(torch.uint8), rows.view(torch.uint8)
-    dst.index_copy_(0, index, rows)
-
-
-def _stored_rows(slot_mapping: torch.Tensor) -> torch.Tensor | None:
-    """Rows with a real slot, or None when all have one; every layer of a step passes the same slot_mapping."""
-    global _last
-    if _last is None or _last[0] is not slot_mapping:
-        keep = slot_mapping >= 0
-        _last = (slot_mapping, None if bool(keep.all()) else keep)
-    return _last[1]
+    @functools.cached_property
+    def keep(self) -> torch.Tensor | None:
+        keep = self.slot_mapping >= 0
+        return None if bool(keep.all()) else keep
 
 
 def store_kv_ref(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    kv_scales: tuple[float, float] = (1.0, 1.0),
+    kv_scales: tuple[float, float] = (1.0, 1.0), stored: StoredRows | None = None,
 ) -> None:
+    """``stored``: the step's ``StoredRows`` of ``slot_mapping`` (None: worked out here)."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
-    keep = _stored_rows(slot_mapping)
+    keep = (stored or StoredRows(slot_mapping)).keep
     if keep is not None:
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     copy_rows(flat[0], slot_mapping, quantize(k, kv_scales[0], kv_cache.dtype))
@@ -77,11 +52,12 @@ def store_kv_ref(
 
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    kv_scales: tuple[float, float] = (1.0, 1.0),
+    kv_scales: tuple[float, float] = (1.0, 1.0), stored: StoredRows | None = None,
 ) -> None:
+    """``stored``: the step's ``StoredRows`` (read by the torch path only; the kernel skips negative slots)."""
     if use_triton(kv_cache):
         from dsinfer.ops.triton.kv_cache import store_kv_triton
 
-        store_kv_triton(k, v, kv_cache, slot_mapping, kv_scales)
+        store_kv_triton(k, v, kv_cache, slot_mapping, kv_scales, stored)
         return
-    store_kv_ref(k, v, kv_cache, slot_mapping, kv_scales)
+    store_kv_ref(k, v, kv_cache, slot_mapping, kv_scales, stored)

@@ -8,7 +8,8 @@ Shapes with no entry, CPU, and the batch-invariant mode (its own fixed-tile matm
 
 ``linear_silu_mul`` is an MLP's merged gate/up projection and its SiLU(gate) * up: one Triton kernel where the
 tuner measured one beating the projection followed by the SiLU-mul kernel (``dense_silu_mul,N,K,<dtype>``
-entries), else those two.
+entries), else those two; the MLP layers pass ``fused=False`` where ``KernelConfig.fused_silu_mul`` is off.
+Whether a tuned tile may run at all is the process-wide ``triton_gemv`` option (``ops.options``).
 """
 
 from __future__ import annotations
@@ -16,18 +17,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsinfer import batch_invariant, envs
+from dsinfer import batch_invariant
+from dsinfer.ops import options
 from dsinfer.ops.activation import silu_and_mul
 from dsinfer.ops.dispatch import use_triton
 
 GEMV_MAX_ROWS = 64  # past this a linear is a GEMM, cuBLAS's ground
-# linear_silu_mul takes a tuned fused tile where one exists; a module flag so that decode_env_sweep.py can time the
-# engine with and without it (``--var dsinfer.ops.linear:FUSED_SILU_MUL``)
-FUSED_SILU_MUL = True
 
 
 def _tuned_tile(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> dict | None:
-    if not (x.is_cuda and x.dim() >= 1 and envs.TRITON_GEMV.get() and use_triton(x)
+    if not (x.is_cuda and x.dim() >= 1 and options.current().triton_gemv and use_triton(x)
             and not batch_invariant.is_enabled()):
         return None
     rows = x.numel() // max(1, x.shape[-1])
@@ -48,11 +47,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    fused: bool = True) -> torch.Tensor:
     """``silu_and_mul(linear(x, weight, bias))`` for a merged gate/up weight [2I, K] (gate rows first): [..., I].
     See the module doc for when one Triton kernel runs both (never with a bias: it must be added before the
-    SiLU)."""
-    cfg = _tuned_tile(x, weight, gated=True) if bias is None and FUSED_SILU_MUL else None
+    SiLU; never with ``fused=False``)."""
+    cfg = _tuned_tile(x, weight, gated=True) if bias is None and fused else None
     if cfg is not None:
         from dsinfer.ops.triton.gemv import linear_silu_mul_triton
 

@@ -27,10 +27,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsinfer.ops._common import FP8_DTYPES, PackedContexts, cache_rows, copy_rows, latent_values, quantize
 from dsinfer.ops.dispatch import use_triton
-from dsinfer.ops.kv_cache import FP8_DTYPES, copy_rows, quantize
 from dsinfer.ops.norm import rms_norm
-from dsinfer.ops.rotary import apply_rotary
+from dsinfer.ops.rotary import RotaryAngles, apply_rotary
 
 
 def store_mla_kv(
@@ -68,6 +68,7 @@ def rope_norm_store_mla(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     absorb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    angles: RotaryAngles | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """An MLA layer's per-token preamble, fused: rope on q_pe [T, H, P] (returned, new) and on the shared key
     k_pe [T, P], RMSNorm of the latent kv_c [T, R] (``norm_weight``, ``eps``), both stored to the cache rows
@@ -75,15 +76,16 @@ def rope_norm_store_mla(
     (the rope covers the whole P: ``cos_sin_cache`` is [positions, P]).
 
     ``absorb`` = (q_nope [T, H, N], W_UK [H, N, R]): also the absorbed query ``absorb_query(q_nope, W_UK)``
-    [T, H, R], returned first (``(q_absorbed, q_pe)``); on the Triton path in the same launch."""
+    [T, H, R], returned first (``(q_absorbed, q_pe)``); on the Triton path in the same launch. ``angles``: the
+    step's ``RotaryAngles``, for the unfused path (as ``apply_rotary`` takes them)."""
     fusable = (cos_sin_cache.shape[-1] == q_pe.shape[-1] == k_pe.shape[-1]
                and torch.promote_types(norm_weight.dtype, kv_c.dtype) == kv_c.dtype)
     if use_triton(q_pe) and fusable:
         from dsinfer.ops.triton.mla_cache import rope_norm_store_mla_triton
 
         return rope_norm_store_mla_triton(positions, q_pe, k_pe, kv_c, norm_weight, eps, cos_sin_cache, is_neox,
-                                          kv_cache, slot_mapping, absorb=absorb)
-    q_pe, k_pe = apply_rotary(positions, q_pe, k_pe.unsqueeze(1), cos_sin_cache, is_neox)
+                                          kv_cache, slot_mapping, absorb=absorb, angles=angles)
+    q_pe, k_pe = apply_rotary(positions, q_pe, k_pe.unsqueeze(1), cos_sin_cache, is_neox, angles)
     store_mla_kv(rms_norm(kv_c, norm_weight, eps), k_pe.squeeze(1), kv_cache, slot_mapping)
     return q_pe if absorb is None else (absorb_query(*absorb), q_pe)
 
@@ -92,15 +94,6 @@ def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """q_nope [T, H, N] -> [T, H, R]: per head [H, T, N] @ W_UK [H, N, R] (one batched GEMM), read as [T, H, R]
     through strides (no copy)."""
     return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
-
-
-def cache_rows(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The cache rows ``slots`` ([...] int64) -> [..., R + P] in the cache's dtype (an FP8 cache is indexed as
-    bytes: a plain gather on every device and torch build)."""
-    flat = kv_cache.view(-1, kv_cache.shape[-1])
-    if kv_cache.dtype in FP8_DTYPES:
-        return flat.view(torch.uint8)[slots].view(kv_cache.dtype)
-    return flat[slots]
 
 
 def gather_mla_context(kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
@@ -177,9 +170,12 @@ def mla_prefill_ref(
     seq_lens: torch.Tensor,
     w_kv_b: torch.Tensor,
     scale: float,
+    contexts: PackedContexts | None = None,
 ) -> torch.Tensor:
     """Expanded MLA: q_nope [T, H, N], q_pe [T, H, P], w_kv_b [H, N + V, R] (kv_b_proj's weight, per head)
-    -> [T, H, V]. Each sequence's whole context (cached prefix included) is expanded from the latent cache."""
+    -> [T, H, V]. Each sequence's whole context (cached prefix included) is expanded from the latent cache.
+    ``contexts``: the step's ``PackedContexts`` of (block_tables, seq_lens), which the Triton path gathers
+    through (None: made per call); this path walks the sequences one by one and does not read it."""
     num_heads, nope_v, rank = w_kv_b.shape
     nope = q_nope.shape[-1]
     out = q_nope.new_empty(q_nope.shape[0], num_heads, nope_v - nope)
@@ -234,13 +230,6 @@ def mla_decode_uv_ref(
     return latent_values(latent, w_uv, out)
 
 
-def latent_values(latent: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """W_UV per head: latent [T, H, R] x w_uv [H, V, R] -> ``out`` [T, H, V] (one batched GEMM, [H, T, R] @
-    [H, R, V], written through a transposed view straight into [T, H, V])."""
-    torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
-    return out
-
-
 def mla_decode_uv(
     q_nope_absorbed, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, scale, w_uv, *, out=None,
     max_seq_len=None,
@@ -257,12 +246,13 @@ def mla_decode_uv(
 
 
 def mla_prefill(
-    q_nope, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, w_kv_b, scale
+    q_nope, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, w_kv_b, scale, contexts=None
 ) -> torch.Tensor:
     """See ``mla_prefill_ref``."""
     if use_triton(q_nope):
         from dsinfer.ops.triton.mla import mla_prefill_triton
 
         return mla_prefill_triton(q_nope, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, w_kv_b,
-                                  scale)
-    return mla_prefill_ref(q_nope, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, w_kv_b, scale)
+                                  scale, contexts)
+    return mla_prefill_ref(q_nope, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, w_kv_b, scale,
+                           contexts)

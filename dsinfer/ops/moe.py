@@ -13,36 +13,12 @@ their ids with weight 1.0 to every token's routed choice, so one grouped GEMM pa
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from dsinfer import batch_invariant, envs
+from dsinfer import batch_invariant
+from dsinfer.ops._common import Routing, block_dequantize, expert_outputs_by_expert
 from dsinfer.ops.dispatch import use_triton
-
-SCORING_FUNCS = ("softmax", "sigmoid")
-TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-
-
-@dataclass(frozen=True)
-class Routing:
-    """How router scores pick a token's experts and weight them (see ``select_experts``)."""
-
-    scoring_func: str = "softmax"
-    topk_method: str = "greedy"
-    n_group: int = 1
-    topk_group: int = 1
-    norm_topk_prob: bool = False
-    routed_scaling_factor: float = 1.0
-
-    def __post_init__(self):
-        if self.scoring_func not in SCORING_FUNCS:
-            raise ValueError(
-                f"scoring_func={self.scoring_func!r} is not supported; supported: {SCORING_FUNCS}"
-            )
-        if self.topk_method not in TOPK_METHODS:
-            raise ValueError(f"topk_method={self.topk_method!r} is not supported; supported: {TOPK_METHODS}")
 
 
 def _group_mask(scores: torch.Tensor, n_group: int, topk_group: int, group_score: str) -> torch.Tensor:
@@ -95,12 +71,14 @@ def route_hidden(
     routing: Routing = Routing(),
     e_score_correction_bias: torch.Tensor | None = None,
     num_shared: int = 0,
+    *,
+    gemv: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``select_experts`` of the gate logits ``hidden @ weight_16bit.T``, accumulated in float32 (16-bit products
-    are exact in it, so this is the float32 product up to summation order). On the Triton path, with
-    ``DSINFER_ROUTER_GEMV``, a batch of up to ``GEMV_MAX_TOKENS`` rows takes a split-K GEMV whose partials the
-    routing kernel sums; otherwise one GEMM writes float32 logits."""
-    if use_triton(hidden) and envs.ROUTER_GEMV.get() and not batch_invariant.is_enabled():
+    are exact in it, so this is the float32 product up to summation order). On the Triton path, with ``gemv``
+    (``KernelConfig.router_gemv``), a batch of up to ``GEMV_MAX_TOKENS`` rows takes a split-K GEMV whose partials
+    the routing kernel sums; otherwise one GEMM writes float32 logits."""
+    if gemv and use_triton(hidden) and not batch_invariant.is_enabled():
         from dsinfer.ops.triton import router
 
         if router.gemv_supports(hidden, weight_16bit) and router.supports(
@@ -177,33 +155,6 @@ def fused_moe_ref(
     return torch.zeros_like(hidden).index_add_(0, token_of, weighted.to(hidden.dtype))
 
 
-def expert_outputs_by_expert(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_ids: torch.Tensor,
-    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The T * k (token, expert) pairs sorted by expert (stable), and each pair's unweighted expert output in
-    that order: (order [T * k], out [T * k, H]). Each active expert runs ``linear`` (x @ w.T) twice over its
-    contiguous slice of rows; the deterministic mode passes its row-invariant matmul."""
-    top_k = topk_ids.shape[1]
-    flat_ids = topk_ids.reshape(-1)
-    order = flat_ids.argsort(stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # host sync: expert slice bounds
-    x = hidden[order // top_k]
-    out = torch.empty(x.shape[0], w2.shape[1], dtype=hidden.dtype, device=hidden.device)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = slice(start, start + count)
-        gate, up = linear(x[rows], w13[expert]).chunk(2, dim=-1)
-        out[rows] = linear(F.silu(gate) * up, w2[expert])
-        start += count
-    return order, out
-
-
 def fused_moe(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -235,8 +186,6 @@ def fused_moe(
         return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, w13_scale_inv=w13_scale_inv,
                                 w2_scale_inv=w2_scale_inv, block_size=block_size, addend=addend)
     if w13.dtype == torch.float8_e4m3fn:
-        from dsinfer.ops.fp8 import block_dequantize
-
         w13 = block_dequantize(w13, w13_scale_inv, block_size, hidden.dtype)
         w2 = block_dequantize(w2, w2_scale_inv, block_size, hidden.dtype)
     out = fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)

@@ -8,10 +8,12 @@ x[1::2]).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dsinfer.ops.dispatch import use_triton
-from dsinfer.ops.kv_cache import store_kv_ref
+from dsinfer.ops.kv_cache import StoredRows, store_kv_ref
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
@@ -23,20 +25,26 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool
     return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
 
-_last: tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+class RotaryAngles:
+    """cos and sin [T, 1, rot/2] of the rope at ``positions`` (``cos_sin``), for the torch path. Gathered on first
+    use and shared: a layer makes one per step from the batch (``batch.derive``) and passes it to every rope of
+    the step; the Triton kernels read the cos/sin cache directly and never build it."""
+
+    def __init__(self, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
+        self.positions, self.cos_sin_cache = positions, cos_sin_cache
+
+    @functools.cached_property
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin_cache[self.positions].float().unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
 
 
-def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [T, 1, rot/2] at the positions; layers of one step pass the same tensors, so reuse the last.
-
-    Batch tensors are never modified in place (a step builds new ones), and the memo keeps them alive, so an
-    identity match always means the same values."""
-    global _last
-    if _last is not None and _last[0] is positions and _last[1] is cos_sin_cache:
-        return _last[2]
-    cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)
-    _last = (positions, cos_sin_cache, (cos, sin))
-    return cos, sin
+def _cos_sin(positions, cos_sin_cache, angles: RotaryAngles | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if angles is None:
+        return RotaryAngles(positions, cos_sin_cache).cos_sin
+    if angles.cos_sin_cache is not cos_sin_cache:  # (positions may be another view of the step's: graph pieces)
+        raise ValueError("the rotary angles were gathered from another cos/sin cache than this call's")
+    return angles.cos_sin
 
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
@@ -56,11 +64,13 @@ def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
 
 
 def apply_rotary_ref(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool,
+    angles: RotaryAngles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, Hq, Dq], k: [T, Hk, Dk] (Dq, Dk >= rotary_dim). Returns new (q, k) of the same dtype."""
+    """q: [T, Hq, Dq], k: [T, Hk, Dk] (Dq, Dk >= rotary_dim). Returns new (q, k) of the same dtype. ``angles``:
+    the step's ``RotaryAngles`` of (positions, cos_sin_cache) (None: gathered here; the Triton path ignores it)."""
     rot = cos_sin_cache.shape[-1]
-    cos, sin = _cos_sin(positions, cos_sin_cache)
+    cos, sin = _cos_sin(positions, cos_sin_cache, angles)
     qk = _adjacent_heads(q, k)
     if qk is not None and rot == q.shape[-1]:  # one pass over both (half the small CPU ops of a layer's rope)
         out = _rotate(qk.float(), cos, sin, is_neox).to(q.dtype)
@@ -73,33 +83,38 @@ def apply_rotary_ref(
 
 
 def apply_rotary(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool,
+    angles: RotaryAngles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(q):
         from dsinfer.ops.triton.rotary import apply_rotary_triton
 
-        return apply_rotary_triton(positions, q, k, cos_sin_cache, is_neox)
-    return apply_rotary_ref(positions, q, k, cos_sin_cache, is_neox)
+        return apply_rotary_triton(positions, q, k, cos_sin_cache, is_neox, angles)
+    return apply_rotary_ref(positions, q, k, cos_sin_cache, is_neox, angles)
 
 
 def rotary_store_kv_ref(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
     is_neox: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0),
+    angles: RotaryAngles | None = None, stored: StoredRows | None = None,
 ) -> torch.Tensor:
     """``apply_rotary`` to q and k, then ``store_kv`` of the rotated k and v into ``kv_cache`` [2, blocks,
-    block_size, Hkv, D] at ``slot_mapping`` (negative slots skipped). q, k, v: [T, H, D]. Returns the rotated q."""
-    q, k = apply_rotary_ref(positions, q, k, cos_sin_cache, is_neox)
-    store_kv_ref(k, v, kv_cache, slot_mapping, kv_scales)
+    block_size, Hkv, D] at ``slot_mapping`` (negative slots skipped). q, k, v: [T, H, D]. Returns the rotated q.
+    ``angles`` / ``stored``: the step's, as ``apply_rotary`` / ``store_kv`` take them."""
+    q, k = apply_rotary_ref(positions, q, k, cos_sin_cache, is_neox, angles)
+    store_kv_ref(k, v, kv_cache, slot_mapping, kv_scales, stored)
     return q
 
 
 def rotary_store_kv(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
     is_neox: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0),
+    angles: RotaryAngles | None = None, stored: StoredRows | None = None,
 ) -> torch.Tensor:
     if use_triton(q):
         from dsinfer.ops.triton.rotary import rotary_store_kv_triton
 
         return rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, is_neox, kv_cache, slot_mapping,
-                                      kv_scales)
-    return rotary_store_kv_ref(positions, q, k, v, cos_sin_cache, is_neox, kv_cache, slot_mapping, kv_scales)
+                                      kv_scales, angles, stored)
+    return rotary_store_kv_ref(positions, q, k, v, cos_sin_cache, is_neox, kv_cache, slot_mapping, kv_scales,
+                               angles, stored)

@@ -2,7 +2,7 @@
 
 ``gumbel_argmax(logits, seeds, positions, temperature)``: row b takes ``argmax(logits[b])`` when
 ``temperature[b] == 0``, else ``argmax(logits[b] / temperature[b] + gumbel(seeds[b], positions[b], token))``
-with the counter-based noise of ``dsinfer.sampling.noise``, so a seeded request draws the same token in any
+with the counter-based noise of ``dsinfer.ops.noise``, so a seeded request draws the same token in any
 batch and on either path. Masked tokens arrive as ``-inf`` logits and are never picked (unless the whole row
 is masked: then token 0). Ties go to the lowest token id, as ``torch.argmax``.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from dsinfer.ops.dispatch import use_triton
-from dsinfer.sampling.noise import gumbel_noise
+from dsinfer.ops.noise import gumbel_noise
 
 
 def gumbel_argmax_ref(

@@ -25,7 +25,6 @@ from torch import nn
 
 from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.runner.input_batch import HostInputs, to_device_packed
-from dsinfer.runner.side_stream import graph_warmup
 
 logger = logging.getLogger("dsinfer")
 
@@ -65,6 +64,7 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:t], block_tables=self.block_tables[:size],
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
             logits_indices=self.positions[:0], max_query_len=q, max_seq_len=self.max_seq_len,
+            graphed=True,  # captured, or the warm-up before a capture: the graphs' paths (layers.streams)
         )
 
     def _forward(self, size: int, q: int) -> torch.Tensor:
@@ -84,8 +84,7 @@ class DecodeGraphs:
         for q in self.tokens_per_seq:
             try:
                 for size in reversed(self.sizes):
-                    with graph_warmup():  # compiles kernels and sets up cuBLAS outside the capture
-                        self._forward(size, q)
+                    self._forward(size, q)  # warm-up: compiles kernels and sets up cuBLAS outside the capture
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
                         self.logits[size, q] = self._forward(size, q)

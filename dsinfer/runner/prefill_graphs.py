@@ -8,11 +8,12 @@ attention kernels' grids and metadata (how many sequences, their lengths, which 
 from step to step, while everything else in a layer is row-wise and only depends on the token count.
 
 So the forward is captured per padded token count, with the attention of every layer left out. Layers mark the
-cut with ``attention_piece(fn, inputs, batch)`` around the part that reads the step's attention metadata (the
-KV-cache store and attention). Eagerly that is just ``fn(*inputs, batch)``. While a graph is captured, the
-capture ends there: the inputs are copied (inside the graph) into static buffers, ``fn`` is recorded, its
-output gets a static buffer that the next graph reads, and a new graph begins. A replay runs graph 0, then piece
-0 eagerly on the real step's rows and metadata, graph 1, piece 1, ... and the last graph.
+cut with ``layers.graph_pieces.attention_piece(fn, inputs, batch)`` around the part that reads the step's attention
+metadata (the KV-cache store and attention). Eagerly that is just ``fn(*inputs, batch)``. While a graph is captured
+(the batch carries a ``_Recorder`` as ``batch.pieces``), the capture ends there: the inputs are copied (inside
+the graph) into static buffers, ``fn`` is recorded, its output gets a static buffer that the next graph reads, and
+a new graph begins. A replay runs graph 0, then piece 0 eagerly on the real step's rows and metadata, graph 1,
+piece 1, ... and the last graph.
 
 The static buffers are shared by every layer and every token count: one stream orders a piece's read of its
 inputs before the next graph's copy overwrites them. Padding rows (past the step's tokens) are token 0 at
@@ -25,7 +26,6 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +34,6 @@ import torch
 from torch import nn
 
 from dsinfer.core.forward_batch import ForwardBatch
-from dsinfer.runner.side_stream import graph_warmup
 from dsinfer.runner.warmup import SEQUENCE_TOKENS, dummy_prefill_batch
 
 logger = logging.getLogger("dsinfer")
@@ -52,25 +51,6 @@ def capture_sizes(max_tokens: int) -> list[int]:
         else:  # 2^k -> 1.5 x 2^k -> 2^(k+1)
             size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
     return sizes
-
-
-class _State(threading.local):
-    recorder: _Recorder | None = None  # set while this thread's forward is being cut
-
-
-_state = _State()
-
-
-def attention_piece(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
-                    batch: ForwardBatch) -> torch.Tensor:
-    """``fn(*inputs, batch)``: the part of a layer that reads the step's attention metadata. ``inputs`` are
-    row-major per token ([T, ...]); so is the result. While a prefill graph is captured, the graph is cut here
-    (see the module doc), so ``fn`` must read nothing else that a graph produced: it runs between graphs. A
-    model's forward must go through here once per attention layer (the capture checks the count)."""
-    recorder = _state.recorder
-    if recorder is None:
-        return fn(*inputs, batch)
-    return recorder.cut(fn, inputs, batch)
 
 
 @dataclass
@@ -93,8 +73,9 @@ class _Captured:
 
 
 class _Recorder:
-    """Cuts one forward at its attention pieces. ``capture=False`` (the warm-up forward before a capture) runs
-    everything eagerly but through the static buffers, which it allocates; ``capture=True`` records graphs."""
+    """Cuts one forward at its attention pieces (a ``layers.graph_pieces.PieceCutter``). ``capture=False`` (the
+    warm-up forward before a capture) runs everything eagerly but through the static buffers, which it allocates;
+    ``capture=True`` records graphs."""
 
     def __init__(self, buffers: dict, rows: int, capture: bool, pool=None):
         self.buffers, self.rows, self.capture, self.pool = buffers, rows, capture, pool
@@ -175,16 +156,14 @@ class PrefillGraphs:
         return dummy_prefill_batch(size, min(SEQUENCE_TOKENS, self.max_model_len), self.block_size, self.device)
 
     def _forward(self, size: int, recorder: _Recorder) -> torch.Tensor:
+        """The forward cut by ``recorder``: a capture, or the warm-up before it (both take the graphs' paths)."""
         batch = self._batch(size)  # host-to-device copies: not inside a capture
-        _state.recorder = recorder
+        batch.graphed, batch.pieces = True, recorder
+        recorder.begin()
         try:
-            recorder.begin()
-            try:
-                hidden = self.model(self.input_ids[:size], self.positions[:size], batch)
-            finally:
-                recorder.end()
+            hidden = self.model(self.input_ids[:size], self.positions[:size], batch)
         finally:
-            _state.recorder = None
+            recorder.end()
         pieces, layers = len(recorder.result.pieces), len(self.model.attention_layers())
         if pieces != layers:  # an attention layer that bypassed attention_piece would be frozen into a graph
             raise RuntimeError(f"the forward was cut {pieces} times for {layers} attention layers")
@@ -203,8 +182,7 @@ class PrefillGraphs:
             with torch.cuda.stream(stream):
                 for size in reversed(self.sizes):
                     # warm-up: compiles this size's kernels, sets up cuBLAS and allocates the static buffers
-                    with graph_warmup():
-                        self._forward(size, _Recorder(self._buffers, rows, capture=False))
+                    self._forward(size, _Recorder(self._buffers, rows, capture=False))
                     torch.cuda.synchronize(self.device)
                     recorder = _Recorder(self._buffers, rows, capture=True, pool=pool)
                     recorder.result.hidden = self._forward(size, recorder)

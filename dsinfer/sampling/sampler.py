@@ -3,7 +3,7 @@
 Logprobs of the raw logits are taken first, as in vLLM; then come logit bias, penalties, the grammar's mask and the
 bans (min_tokens, allowed_token_ids, bad words; ``_ban`` says how they yield to a grammar). Greedy rows take the
 argmax; the others are scaled by temperature, filtered by top-k / top-p / min-p and sampled with the Gumbel-max
-trick using noise keyed by (seed, position) (``sampling/noise.py``), so a seeded request draws the same tokens
+trick using noise keyed by (seed, position) (``ops/noise.py``), so a seeded request draws the same tokens
 whatever batch it runs in.
 """
 

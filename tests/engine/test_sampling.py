@@ -10,9 +10,9 @@ import torch
 
 from dsinfer import LLM, SamplingParams
 from dsinfer.core.request import Request
+from dsinfer.ops.noise import uniform_noise
 from dsinfer.runner.input_batch import SampleRow, build_sampling_batch
 from dsinfer.runner.request_table import RequestTable
-from dsinfer.sampling.noise import uniform_noise
 from dsinfer.sampling.sampler import Penalties, Sampler, SamplingBatch, apply_penalties
 from dsinfer.scheduler.scheduler import ScheduledRequest, standalone_output
 
@@ -242,7 +242,7 @@ def _lowbias32(x: int) -> int:
 
 
 def _uniform_reference(seed: int, pos: int, token: int) -> float:
-    """The formula in sampling/noise.py's docstring, in plain Python integers."""
+    """The formula in ops/noise.py's docstring, in plain Python integers."""
     seed &= (1 << 64) - 1
     inner = _lowbias32((seed >> 32) ^ _lowbias32((pos & 0xFFFFFFFF) ^ 0x9E3779B9))
     key = _lowbias32((seed & 0xFFFFFFFF) ^ inner)

@@ -57,9 +57,10 @@ def moe_tensors(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     return {f"model.layers.1.mlp.{name}": t for name, t in out.items()}
 
 
-def load_moe(cfg: dict, tensors: dict[str, torch.Tensor]):
-    """The model's layer-1 MoE with ``tensors`` loaded the way ``load_weights`` routes them, post-processed."""
-    model = ARCHS["v3" if "V3" in cfg["architectures"][0] else "v2"](dict(cfg))
+def load_moe(cfg: dict, tensors: dict[str, torch.Tensor], kernel=None):
+    """The model's layer-1 MoE with ``tensors`` loaded the way ``load_weights`` routes them, post-processed
+    (``kernel``: the model's ``KernelConfig``, None for the defaults)."""
+    model = ARCHS["v3" if "V3" in cfg["architectures"][0] else "v2"](dict(cfg), kernel)
     params = dict(model.named_parameters())
     for ckpt_name, tensor in tensors.items():
         name, shard = model.checkpoint_name(ckpt_name)
@@ -141,11 +142,11 @@ def test_large_batches_run_the_shared_slots_beside_the_grouped_gemm(arch, shared
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through Triton's interpreter")
-def test_fused_shared_experts_through_the_triton_kernels(monkeypatch):
+def test_fused_shared_experts_through_the_triton_kernels(monkeypatch, kernel_options):
     """The same layer with the router and grouped GEMM kernels (Triton's interpreter on CPU)."""
     from dsinfer.ops.triton import moe_fused, router
 
-    monkeypatch.setenv("DSINFER_USE_TRITON", "always")
+    kernel_options(use_triton="always")
     calls = []
     for module, fn in ((router, "select_experts_triton"), (moe_fused, "fused_moe_triton")):
         kernel = getattr(module, fn)

@@ -1,9 +1,9 @@
 """Op tests: each Triton kernel against its torch reference, through the public op.
 
-Every test here runs with ``DSINFER_USE_TRITON=always``. Without CUDA the kernels run in Triton's interpreter
-on CPU tensors: ``TRITON_INTERPRET=1`` is set for each test (the ops import their kernel modules lazily, so
-the ``@triton.jit`` decorators see it). Both are monkeypatched, so the rest of the suite is unaffected. Tests
-marked ``gpu`` are skipped without CUDA.
+Every test here runs with the kernel option ``use_triton="always"`` (``DSINFER_USE_TRITON=always`` at start-up).
+Without CUDA the kernels run in Triton's interpreter on CPU tensors: ``TRITON_INTERPRET=1`` is set for each test
+(the ops import their kernel modules lazily, so the ``@triton.jit`` decorators see it). Both are put back after
+each test, so the rest of the suite is unaffected. Tests marked ``gpu`` are skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2 if HAS_CUDA else 2e-2}
 
 
 @pytest.fixture(autouse=True)
-def _triton_path(monkeypatch, request):
+def _triton_path(monkeypatch, request, kernel_options):
     if request.node.get_closest_marker("gpu") and not HAS_CUDA:
         pytest.skip("needs a CUDA device")
-    monkeypatch.setenv("DSINFER_USE_TRITON", "always")
+    kernel_options(use_triton="always")
     if not HAS_CUDA:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 

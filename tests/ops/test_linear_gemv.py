@@ -67,7 +67,7 @@ def test_cpu_takes_torch():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_dispatch_on_cuda(monkeypatch):
+def test_dispatch_on_cuda(monkeypatch, kernel_options):
     from dsinfer.batch_invariant import batch_invariant
     from dsinfer.ops.triton import gemv
 
@@ -81,9 +81,9 @@ def test_dispatch_on_cuda(monkeypatch):
     torch.testing.assert_close(out.float(), (x[:1].double() @ w.double().t()).float(), rtol=2e-2, atol=2e-2)
     assert calls == [(1, 512)]
     linear(x, w)  # 65 rows: a GEMM
-    monkeypatch.setenv("DSINFER_TRITON_GEMV", "0")
+    kernel_options(triton_gemv=False)
     linear(x[:1], w)
-    monkeypatch.delenv("DSINFER_TRITON_GEMV")
+    kernel_options(triton_gemv=True)
     with batch_invariant(True):
         linear(x[:1], w)
     assert calls == [(1, 512)]
@@ -128,8 +128,8 @@ def test_linear_silu_mul_takes_the_tuned_gated_tile_or_the_two_ops(monkeypatch, 
     assert len(calls) == 1
     assert torch.equal(linear_silu_mul(x, w, b), silu_and_mul(linear(x, w, b)))  # a bias: the two ops
     assert len(calls) == 1
-    monkeypatch.setattr(linear_mod, "FUSED_SILU_MUL", False)  # the sweep's switch: the two ops
-    assert torch.equal(linear_silu_mul(x, w), silu_and_mul(linear(x, w)))
+    # KernelConfig.fused_silu_mul off (DSINFER_FUSED_SILU_MUL=0, the sweep's switch): the two ops
+    assert torch.equal(linear_silu_mul(x, w, fused=False), silu_and_mul(linear(x, w)))
     assert len(calls) == 1
 
 

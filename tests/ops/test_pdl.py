@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsinfer import envs
 from dsinfer.ops.triton import pdl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,16 +42,16 @@ print(ptx.find("prefetch.global.L2"), ptx.find("griddepcontrol.wait"), ptx.count
 """
 
 
-def test_off_cuda_nothing_changes(monkeypatch):
+def test_off_cuda_nothing_changes(kernel_options):
     assert pdl.launch_args(torch.device("cpu")) == {}
-    monkeypatch.setenv("DSINFER_PDL_EARLY_TRIGGER", "all")
+    kernel_options(pdl_early_trigger="all")
     assert pdl.launch_args(torch.device("cpu")) == {}
     assert not pdl.enabled(torch.device("cpu"))
-    monkeypatch.setenv("DSINFER_PDL", "0")
+    kernel_options(pdl=False)
     assert pdl.launch_args(torch.device("cpu")) == {}
 
 
-def test_early_trigger_policy(monkeypatch):
+def test_early_trigger_policy(monkeypatch, kernel_options):
     """Which kernels signal before their wait, by role (``launch_args`` on a device that has PDL)."""
     monkeypatch.setattr(pdl, "enabled", lambda device: True)
     cuda = torch.device("cuda")
@@ -58,11 +59,13 @@ def test_early_trigger_policy(monkeypatch):
     expected = {"off": (1, 1, 1, 1, 1), "all": (2, 2, 2, 2, 2), "dense": (2, 1, 2, 2, 2), "mla": (1, 1, 2, 1, 1),
                 "norm, mla": (1, 1, 2, 2, 1), "split,other": (2, 1, 1, 1, 2)}
     for policy, orders in expected.items():
-        monkeypatch.setenv("DSINFER_PDL_EARLY_TRIGGER", policy)
+        monkeypatch.setenv("DSINFER_PDL_EARLY_TRIGGER", policy)  # parsed as start-up parses it
+        kernel_options(pdl_early_trigger=envs.PDL_EARLY_TRIGGER.get())
         got = tuple(pdl.launch_args(cuda, role)["PDL"] for role in roles)
         assert got == orders, policy
     assert pdl.launch_args(cuda)["launch_pdl"] is True
     monkeypatch.delenv("DSINFER_PDL_EARLY_TRIGGER")
+    kernel_options(pdl_early_trigger=envs.PDL_EARLY_TRIGGER.get())
     default = tuple(pdl.launch_args(cuda, role)["PDL"] for role in roles)
     assert default == (1, 1, 2, 1, 2)  # mla,split
 
@@ -128,7 +131,7 @@ def _chain(x, residual, norm_w, w_o, w13, w2, topk_w, topk_ids):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_same_bits_with_and_without_pdl_in_a_graph(monkeypatch):
+def test_same_bits_with_and_without_pdl_in_a_graph(kernel_options):
     gen = torch.Generator(device="cuda").manual_seed(0)
     bf = dict(device="cuda", dtype=torch.bfloat16)
     hidden, inter, experts = 2048, 1408, 16
@@ -141,8 +144,7 @@ def test_same_bits_with_and_without_pdl_in_a_graph(monkeypatch):
             torch.randperm(experts, generator=gen, device="cuda")[:6].view(1, 6))
     results = {}
     for flag in ("0", "1", "early"):
-        monkeypatch.setenv("DSINFER_PDL", "0" if flag == "0" else "1")
-        monkeypatch.setenv("DSINFER_PDL_EARLY_TRIGGER", "all" if flag == "early" else "off")
+        kernel_options(pdl=flag != "0", pdl_early_trigger="all" if flag == "early" else "off")
         eager = _chain(*args)
         _chain(*args)  # warm-up outside the capture (compiles, the pair-block constants)
         graph = torch.cuda.CUDAGraph()

@@ -61,11 +61,10 @@ def test_gemv_of_no_tokens(device):
     (4, True, False, True), (64, True, False, True), (65, True, False, False), (4, False, False, False),
     (4, True, True, False)])
 def test_route_hidden_takes_the_gemv_only_where_it_should(num_tokens, enabled, deterministic, expect_gemv,
-                                                          device, monkeypatch):
+                                                          device, monkeypatch):  # enabled: KernelConfig.router_gemv
     from dsinfer import batch_invariant
     from dsinfer.ops.triton import router
 
-    monkeypatch.setenv("DSINFER_ROUTER_GEMV", "1" if enabled else "0")
     calls = []
     kernel = router.route_hidden_triton
     monkeypatch.setattr(router, "route_hidden_triton", lambda *a, **k: calls.append(1) or kernel(*a, **k))
@@ -73,7 +72,7 @@ def test_route_hidden_takes_the_gemv_only_where_it_should(num_tokens, enabled, d
     routing = Routing(norm_topk_prob=True)
     ref_w, ref_ids = select_experts_ref((x.double() @ w.double().t()).float(), 2, routing)
     with batch_invariant.batch_invariant(deterministic):
-        out_w, out_ids = route_hidden(x.to(device), w.to(device), 2, routing)
+        out_w, out_ids = route_hidden(x.to(device), w.to(device), 2, routing, gemv=enabled)
     assert calls == ([1] if expect_gemv else [])
     (a_w, a_ids), (b_w, b_ids) = _by_id(out_w.cpu(), out_ids.cpu()), _by_id(ref_w, ref_ids)
     assert torch.equal(a_ids, b_ids)

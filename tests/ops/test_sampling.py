@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from dsinfer.ops import gumbel_argmax
+from dsinfer.ops.noise import uniform_noise
 from dsinfer.ops.sampling import gumbel_argmax_ref
-from dsinfer.sampling.noise import uniform_noise
 
 
 def _inputs(rows: int, vocab: int, device, temperature: float = 0.8, seed: int = 0):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dsinfer import LLM, SamplingParams
-from dsinfer.runner import prefill_graphs
-from dsinfer.runner.prefill_graphs import _Recorder, attention_piece, capture_sizes
+from dsinfer.layers.graph_pieces import attention_piece
+from dsinfer.runner.prefill_graphs import _Recorder, capture_sizes
 from dsinfer.runner.warmup import dummy_prefill_batch
 
 HAS_CUDA = torch.cuda.is_available()
@@ -22,8 +22,9 @@ def test_attention_piece_outside_a_capture_is_the_call():
         calls.append(batch)
         return a + b
 
-    out = attention_piece(fn, (torch.ones(3, 2), torch.full((3, 2), 2.0)), "the batch")
-    assert torch.equal(out, torch.full((3, 2), 3.0)) and calls == ["the batch"]
+    batch = dummy_prefill_batch(3, 16, 16, torch.device("cpu"))  # no ``pieces``: not being captured
+    out = attention_piece(fn, (torch.ones(3, 2), torch.full((3, 2), 2.0)), batch)
+    assert torch.equal(out, torch.full((3, 2), 3.0)) and len(calls) == 1 and calls[0] is batch
 
 
 def test_warm_up_recorder_cuts_every_attention_layer_through_shared_buffers(tiny_llama_dir, monkeypatch):
@@ -37,7 +38,7 @@ def test_warm_up_recorder_cuts_every_attention_layer_through_shared_buffers(tiny
         plain = model(batch.input_ids, batch.positions, batch)
         buffers: dict = {}
         recorder = _Recorder(buffers, rows=64, capture=False)
-        monkeypatch.setattr(prefill_graphs._state, "recorder", recorder)
+        batch.pieces = recorder  # as PrefillGraphs._forward cuts a forward
         cut = model(batch.input_ids, batch.positions, batch)
     torch.testing.assert_close(cut, plain, rtol=0, atol=0)
     assert len(recorder.result.pieces) == len(model.layers) == 2

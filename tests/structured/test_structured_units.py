@@ -106,11 +106,11 @@ def test_bitmask_op_masks_exactly_the_cleared_bits():
             assert (out[r, t] == logits[r, t]) if bit else out[r, t] == float("-inf")
 
 
-def test_bitmask_triton_matches_torch(monkeypatch):
+def test_bitmask_triton_matches_torch(monkeypatch, kernel_options):
     pytest.importorskip("triton")
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("DSINFER_USE_TRITON", "always")
+    kernel_options(use_triton="always")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 2100, generator=gen).to(device)

@@ -8,15 +8,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsinfer import batch_invariant, envs
+from dsinfer import batch_invariant
+from dsinfer.config import KernelConfig
 from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.layers.fp8_linear import Fp8Config, make_linear
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.mla import MLAAttention
 from dsinfer.layers.moe import FusedExperts, Router, RouterConfig
 from dsinfer.layers.norm import RMSNorm
+from dsinfer.layers.streams import SideStream, in_graphs
 from dsinfer.ops.moe import Routing
-from dsinfer.runner.side_stream import in_graphs, run_beside
 
 REQUIRED = (
     "hidden_size",
@@ -61,11 +62,11 @@ def check_config(cfg: dict[str, Any]) -> None:
         raise ValueError("mlp_bias=true is not supported for DeepSeek models (their MLPs have no bias)")
 
 
-def router_config(cfg: dict[str, Any], defaults: dict[str, Any]) -> RouterConfig:
+def router_config(cfg: dict[str, Any], defaults: dict[str, Any], gemv: bool = True) -> RouterConfig:
     """The gate's settings; fields a config leaves out (transformers 5 drops V3's) take the variant's. A config
     naming the other variant's scoring function (V2 softmax, V3 sigmoid: transformers hard-codes them, DeepSeek's
     code raises for the other) or a top-k method outside the variant's ``topk_methods`` is a ValueError, not a
-    silent switch."""
+    silent switch. ``gemv``: ``KernelConfig.router_gemv``."""
 
     def get(key: str, fallback: Any) -> Any:
         value = cfg.get(key)
@@ -86,19 +87,20 @@ def router_config(cfg: dict[str, Any], defaults: dict[str, Any]) -> RouterConfig
         norm_topk_prob=bool(get("norm_topk_prob", defaults["norm_topk_prob"])),
         routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
     )
-    return RouterConfig(num_experts=cfg["n_routed_experts"], top_k=cfg["num_experts_per_tok"], routing=routing)
+    return RouterConfig(num_experts=cfg["n_routed_experts"], top_k=cfg["num_experts_per_tok"], routing=routing,
+                        gemv=gemv)
 
 
-def fused_shared_experts(cfg: dict[str, Any], quant: Fp8Config | None) -> int:
+def fused_shared_experts(cfg: dict[str, Any], quant: Fp8Config | None, enabled: bool = True) -> int:
     """How many shared experts run as extra experts of the routed grouped GEMM (``FusedExperts`` slots after
     the routed ones, weight 1.0 for every token): ``n_shared_experts``, or 0 to keep a separate shared MLP
-    (also when ``DSINFER_FUSE_SHARED_EXPERTS`` is off).
+    (also when not ``enabled``: ``KernelConfig.fuse_shared_experts``, ``DSINFER_FUSE_SHARED_EXPERTS``).
 
     Saves the shared MLP's own launches (gate/up GEMM, SiLU-mul, down GEMM) in every MoE layer. Exact: the shared
     MLP of intermediate size S * I is S experts of size I summed. 0 without shared experts, and for FP8 with I off
     the scale grid: a chunk of the shared weights would then split a scale block."""
     shared = cfg.get("n_shared_experts") or 0
-    if not shared or not cfg.get("n_routed_experts") or not envs.FUSE_SHARED_EXPERTS.get():
+    if not shared or not cfg.get("n_routed_experts") or not enabled:
         return 0
     inter = cfg["moe_intermediate_size"]
     if quant and (inter % quant.block_size[0] or inter % quant.block_size[1]):
@@ -115,15 +117,16 @@ def is_moe_layer(cfg: dict[str, Any], layer_idx: int) -> bool:
 
 
 class DeepseekMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, quant: Fp8Config | None):
+    def __init__(self, hidden: int, intermediate: int, quant: Fp8Config | None, fused_silu_mul: bool = True):
         super().__init__()
         self.gate_up_proj = make_linear(hidden, [intermediate, intermediate], quant)
         self.down_proj = make_linear(intermediate, hidden, quant)
+        self.fused_silu_mul = fused_silu_mul  # KernelConfig.fused_silu_mul
 
     def forward(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
         """MLP(x), or ``add_to + MLP(x)``: with a plain (unquantized, bias-free) down_proj the sum is the down
         GEMM's own epilogue (``addmm_``, in place on ``add_to``: one kernel, not a GEMM and an add)."""
-        h = self.gate_up_proj.silu_mul(x)
+        h = self.gate_up_proj.silu_mul(x, self.fused_silu_mul)
         down = self.down_proj
         if add_to is None:
             return down(h)
@@ -138,17 +141,22 @@ class DeepseekMoE(nn.Module):
     """Routed experts (top-k of n_routed_experts) plus always-on shared experts: fused into the routed experts'
     grouped GEMM (``fused_shared_experts``), else a separate ``shared_experts`` MLP added to their output."""
 
-    def __init__(self, cfg: dict[str, Any], quant: Fp8Config | None, router: RouterConfig):
+    def __init__(self, cfg: dict[str, Any], quant: Fp8Config | None, router: RouterConfig,
+                 kernel: KernelConfig | None = None, side_stream: SideStream | None = None):
+        """``side_stream``: the model's, to run separate shared experts beside the routed ones in CUDA graphs
+        (None: in sequence)."""
         super().__init__()
+        kernel = kernel or KernelConfig()
         hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
-        router = replace(router, num_shared=fused_shared_experts(cfg, quant))
+        router = replace(router, num_shared=fused_shared_experts(cfg, quant, kernel.fuse_shared_experts))
         self.gate = Router(hidden, router)
         self.experts = FusedExperts(router.num_experts, hidden, inter, quant, num_shared=router.num_shared)
         shared = 0 if router.num_shared else cfg.get("n_shared_experts") or 0
-        self.shared_experts = DeepseekMLP(hidden, inter * shared, quant) if shared else None
-        self.overlap_shared = envs.SIDE_STREAM.get()  # separate shared experts beside, in CUDA graphs
+        self.shared_experts = DeepseekMLP(hidden, inter * shared, quant, kernel.fused_silu_mul) if shared else None
+        self.side_stream = side_stream  # separate shared experts beside, in CUDA graphs
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, graphed: bool = False) -> torch.Tensor:
+        """``graphed``: this forward is captured into a CUDA graph or warms a capture up (``in_graphs``)."""
         has_slots = self.experts.num_shared > 0  # shared experts stacked with the routed ones
         # Past a few dozen tokens the shared experts' rows in the grouped GEMM (every token, tiles of a decode
         # config) cost more than dense GEMMs (see FUSED_SHARED_MAX_TOKENS). The deterministic mode always fuses:
@@ -156,7 +164,7 @@ class DeepseekMoE(nn.Module):
         # Only in CUDA graphs: run eagerly, the fork and join of the side stream cost more host time per layer
         # than the overlap saves (a 512-token eager prefill step of V2-Lite: 46 ms of wall time against 38, for
         # the same 12 ms of GPU time)
-        beside = self.overlap_shared and x.is_cuda and x.shape[0] > 0 and in_graphs()
+        beside = graphed and self.side_stream is not None and x.is_cuda and x.shape[0] > 0
         limit = FUSED_SHARED_MAX_TOKENS_BESIDE if beside else FUSED_SHARED_MAX_TOKENS
         fuse = has_slots and (x.shape[0] <= limit or batch_invariant.is_enabled())
         if beside and not fuse and (has_slots or self.shared_experts is not None):
@@ -164,7 +172,7 @@ class DeepseekMoE(nn.Module):
             # sum waits for it and adds it (no add kernel)
             shared = self.experts.shared if has_slots else self.shared_experts
             topk_weights, topk_ids = self.gate(x, with_shared=False)
-            return self.experts(x, topk_weights, topk_ids, addend=run_beside(shared, x))
+            return self.experts(x, topk_weights, topk_ids, addend=self.side_stream.run_beside(shared, x))
         topk_weights, topk_ids = self.gate(x, with_shared=fuse)
         out = self.experts(x, topk_weights, topk_ids)
         if has_slots and not fuse:
@@ -175,14 +183,20 @@ class DeepseekMoE(nn.Module):
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layer_idx: int, quant: Fp8Config | None, variant: dict[str, Any]):
+    def __init__(self, cfg: dict[str, Any], layer_idx: int, quant: Fp8Config | None, variant: dict[str, Any],
+                 kernel: KernelConfig | None = None, side_stream: SideStream | None = None):
+        """``kernel``: the engine's kernel choices (None: the defaults); ``side_stream``: the model's (None: one
+        stream)."""
         super().__init__()
+        kernel = kernel or KernelConfig()
         hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
-        self.self_attn = MLAAttention(cfg, quant, rope_is_neox=variant["rope_is_neox"](cfg))
-        if is_moe_layer(cfg, layer_idx):
-            self.mlp = DeepseekMoE(cfg, quant, router_config(cfg, variant["router"]))
+        self.self_attn = MLAAttention(cfg, quant, variant["rope_is_neox"](cfg), side_stream)
+        self.is_moe = is_moe_layer(cfg, layer_idx)
+        if self.is_moe:
+            router = router_config(cfg, variant["router"], kernel.router_gemv)
+            self.mlp = DeepseekMoE(cfg, quant, router, kernel, side_stream)
         else:
-            self.mlp = DeepseekMLP(hidden, cfg["intermediate_size"], quant)
+            self.mlp = DeepseekMLP(hidden, cfg["intermediate_size"], quant, kernel.fused_silu_mul)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
@@ -199,4 +213,6 @@ class DeepseekDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, batch)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if self.is_moe:
+            return self.mlp(hidden, hidden.is_cuda and in_graphs(batch)), residual
         return self.mlp(hidden), residual

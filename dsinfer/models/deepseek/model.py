@@ -15,12 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from dsinfer.config import KernelConfig
 from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.fp8_linear import Fp8Config
 from dsinfer.layers.mla import MLAAttention, fuses_q_kv_a
 from dsinfer.layers.moe import SHARED, FusedExperts
 from dsinfer.layers.norm import RMSNorm
+from dsinfer.layers.streams import SideStream
 from dsinfer.models.deepseek.blocks import DeepseekDecoderLayer, check_config, fused_shared_experts
 from dsinfer.ops.fp8 import FP8_DTYPE
 
@@ -52,15 +54,20 @@ class DeepseekV2ForCausalLM(nn.Module):
                    "topk_methods": ("greedy", "group_limited_greedy")},
     }
 
-    def __init__(self, cfg: dict[str, Any]):
+    def __init__(self, cfg: dict[str, Any], kernel: KernelConfig | None = None):
+        """``kernel``: the engine's kernel choices (None: ``KernelConfig()``'s defaults)."""
         super().__init__()
         check_config(cfg)
         cfg.setdefault("rms_norm_eps", 1e-6)
+        kernel = kernel or KernelConfig()
         self.cfg, self.quant = cfg, Fp8Config.from_hf(cfg)
-        self.fuses_shared_experts = fused_shared_experts(cfg, self.quant) > 0
+        self.fuses_shared_experts = fused_shared_experts(cfg, self.quant, kernel.fuse_shared_experts) > 0
+        # one side stream for every layer that overlaps work in CUDA graphs (streams made on first use)
+        self.side_stream = SideStream() if kernel.side_stream else None
         self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"])
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(cfg, i, self.quant, self.variant) for i in range(cfg["num_hidden_layers"])
+            DeepseekDecoderLayer(cfg, i, self.quant, self.variant, kernel, self.side_stream)
+            for i in range(cfg["num_hidden_layers"])
         )
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         tied = cfg.get("tie_word_embeddings", False)
@@ -69,7 +76,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         if cfg.get("num_nextn_predict_layers"):
             from dsinfer.models.mtp import DeepseekMTP
 
-            self.mtp = DeepseekMTP(cfg, self.quant, self.variant)
+            self.mtp = DeepseekMTP(cfg, self.quant, self.variant, kernel, self.side_stream)
 
     def attention_layers(self) -> list[MLAAttention]:
         """The main model's MLA layers (the MTP module's own layers are ``self.mtp.attention_layers()``)."""

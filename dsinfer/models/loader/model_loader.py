@@ -10,6 +10,7 @@ from torch import nn
 from dsinfer.config import EngineConfig
 from dsinfer.models.registry import model_class
 from dsinfer.models.weights import init_dummy_weights, iterate_safetensors
+from dsinfer.ops import options
 
 
 @contextlib.contextmanager
@@ -24,9 +25,12 @@ def _default_dtype_and_device(dtype: torch.dtype, device: torch.device):
 
 
 def load_model(config: EngineConfig) -> nn.Module:
+    """The model of ``config``, built with its ``KernelConfig`` (whose process-wide kernel options are set here,
+    once, before any forward: ``ops.options.configure``)."""
+    options.configure(config.kernel)
     cls = model_class(config.model.architecture)
     with _default_dtype_and_device(config.model.dtype, config.device.device):
-        model = cls(dict(config.model.hf_config))
+        model = cls(dict(config.model.hf_config), config.kernel)
     if config.load.load_format == "dummy":
         init_dummy_weights(model, float(config.model.hf_config.get("initializer_range", 0.02)), config.load.seed)
     else:

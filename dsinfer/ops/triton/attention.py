@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.kv_cache import FP8_DTYPES, read_scales
+from dsinfer.ops._common import FP8_DTYPES, read_scales
 from dsinfer.ops.triton.pdl import GQA_COMBINE, enter, launch_args
 from dsinfer.ops.triton.utils import has_fp8_convert, num_sms
 
@@ -328,11 +328,13 @@ def paged_attention_triton(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    plan=None,
     num_splits: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``paged_attention_ref``; ``num_splits``, ``block_m``, ``block_n`` override tuning."""
+    """Same contract as ``paged_attention_ref`` (``plan`` is the torch path's); ``num_splits``, ``block_m``,
+    ``block_n`` override tuning."""
     num_seqs = query_start_loc.shape[0] - 1
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_seqs > 0 else 0

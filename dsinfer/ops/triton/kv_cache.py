@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.kv_cache import fp8_max
+from dsinfer.ops._common import fp8_max
 from dsinfer.ops.triton.pdl import enter, launch_args
 
 
@@ -47,8 +47,9 @@ def _store_kv_kernel(
 
 def store_kv_triton(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    kv_scales: tuple[float, float] = (1.0, 1.0),
+    kv_scales: tuple[float, float] = (1.0, 1.0), stored=None,
 ) -> None:
+    """See ``ops.kv_cache.store_kv`` (``stored`` is the torch path's; the kernel skips negative slots)."""
     num_tokens = slot_mapping.shape[0]
     _, _, block_size, num_heads, head_dim = kv_cache.shape
     if num_tokens == 0:

@@ -29,8 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.kv_cache import FP8_DTYPES
-from dsinfer.ops.mla import cache_rows
+from dsinfer.ops._common import FP8_DTYPES, PackedContexts, cache_rows
 from dsinfer.ops.triton import attention as gqa
 from dsinfer.ops.triton.attention import find_tile_seq, widen_fp8
 from dsinfer.ops.triton.pdl import MLA_COMBINE, enter, launch_args
@@ -412,35 +411,6 @@ def _mla_prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & (offs_dv[None, :] < VDIM))
 
 
-_last_context: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
-
-
-def _context_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int):
-    """(cache slots of every sequence's context packed back to back [L_total], cu [B + 1]). One host sync (the
-    packed length; prefill steps are not graph-captured). Every MLA layer of a step passes the same batch
-    tensors, so the last result is reused while they are the very same objects (the memo keeps them alive, so
-    ids cannot recur): once per step, not once per layer."""
-    global _last_context
-    key = (block_tables, seq_lens, block_size)
-    if _last_context is not None and all(a is b for a, b in zip(_last_context[0], key)):
-        return _last_context[1]
-    lens = seq_lens.long()
-    cu = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
-    torch.cumsum(lens, 0, out=cu[1:])
-    total = int(cu[-1])
-    seq_of = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens, output_size=total)
-    pos = torch.arange(total, device=lens.device) - cu[seq_of]
-    slots = block_tables[seq_of, pos // block_size].long() * block_size + pos % block_size
-    _last_context = (key, (slots, cu))
-    return slots, cu
-
-
-def _gather_contexts(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor):
-    """Every sequence's context rows packed back to back: ([L_total, R + P], cu [B + 1])."""
-    slots, cu = _context_slots(block_tables, seq_lens, kv_cache.shape[1])
-    return cache_rows(kv_cache, slots), cu
-
-
 def mla_prefill_triton(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -450,18 +420,25 @@ def mla_prefill_triton(
     seq_lens: torch.Tensor,
     w_kv_b: torch.Tensor,
     scale: float,
+    contexts: PackedContexts | None = None,
     *,
     config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """See ``ops.mla.mla_prefill_ref``. ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the
-    default tile (tuning)."""
+    """See ``ops.mla.mla_prefill_ref``. The contexts are gathered through ``contexts`` (made here when None).
+    ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the default tile (tuning)."""
     num_heads, nope_v, rank = w_kv_b.shape
     num_rows, nope, rope = q_nope.shape[0], q_nope.shape[-1], q_pe.shape[-1]
     vdim = nope_v - nope
     out = q_nope.new_empty(num_rows, num_heads, vdim)
     if num_rows == 0:
         return out
-    ctx, cu = _gather_contexts(kv_cache, block_tables, seq_lens)
+    if contexts is None:
+        contexts = PackedContexts(block_tables, seq_lens, kv_cache.shape[1])
+    elif contexts.block_size != kv_cache.shape[1]:
+        raise ValueError(f"contexts were packed for blocks of {contexts.block_size} tokens, the cache has "
+                         f"{kv_cache.shape[1]}")
+    slots, cu = contexts.slots_and_starts
+    ctx = cache_rows(kv_cache, slots)
     ctx = ctx.to(q_nope.dtype)
     kv = torch.nn.functional.linear(ctx[:, :rank], w_kv_b.reshape(-1, rank).to(q_nope.dtype))
     kv = kv.view(-1, num_heads, nope_v)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.kv_cache import fp8_max
+from dsinfer.ops._common import fp8_max
 from dsinfer.ops.triton.kv_cache import to_cache
 from dsinfer.ops.triton.pdl import ROPE, enter, launch_args
 from dsinfer.ops.triton.rotary import _cos_sin_at, _pair_offsets, _rotate_heads
@@ -152,11 +152,11 @@ ABSORB_CHUNK = 128  # W_UK columns per absorbing program: a 128 x 128 bf16 tile 
 def rope_norm_store_mla_triton(
     positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor, kv_c: torch.Tensor, norm_weight: torch.Tensor,
     eps: float, cos_sin_cache: torch.Tensor, is_neox: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    absorb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    absorb: tuple[torch.Tensor, torch.Tensor] | None = None, angles=None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """See ``ops.mla.rope_norm_store_mla``: one program per token; with ``absorb`` = (q_nope [T, H, N], W_UK
-    [H, N, R]) also ``H * R / ABSORB_CHUNK`` programs per token for the absorbed query, returned first. No host
-    sync."""
+    """See ``ops.mla.rope_norm_store_mla`` (``angles`` is the torch path's): one program per token; with
+    ``absorb`` = (q_nope [T, H, N], W_UK [H, N, R]) also ``H * R / ABSORB_CHUNK`` programs per token for the
+    absorbed query, returned first. No host sync."""
     num_tokens, num_heads, rope = q_pe.shape
     rank = kv_c.shape[-1]
     q_out = torch.empty(q_pe.shape, dtype=q_pe.dtype, device=q_pe.device)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.mla import latent_values
+from dsinfer.ops._common import latent_values
 from dsinfer.ops.triton.mla import combine_splits, decode_splits
 from dsinfer.ops.triton.pdl import MLA_COMBINE, enter, launch_args
 

@@ -39,6 +39,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsinfer import envs
+from dsinfer.ops import options
 
 WAIT_FIRST, TRIGGER_FIRST = 1, 2  # values of a kernel's PDL constexpr when launched with PDL
 
@@ -62,8 +63,8 @@ def _supported(index: int) -> bool:
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on device launch with PDL: CUDA sm_90+ and ``DSINFER_PDL`` on."""
-    if device.type != "cuda" or not envs.PDL.get():
+    """Whether kernels on device launch with PDL: CUDA sm_90+ and the ``pdl`` kernel option (``DSINFER_PDL``) on."""
+    if device.type != "cuda" or not options.current().pdl:
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -89,5 +90,5 @@ def launch_args(device: torch.device, role: str = OTHER) -> dict:
     ``PDL=False``)."""
     if not enabled(device):
         return {}
-    early = role in _early_roles(envs.PDL_EARLY_TRIGGER.get())
+    early = role in _early_roles(options.current().pdl_early_trigger)
     return {"PDL": TRIGGER_FIRST if early else WAIT_FIRST, "launch_pdl": True}

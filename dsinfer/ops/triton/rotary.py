@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.kv_cache import fp8_max
+from dsinfer.ops._common import fp8_max
 from dsinfer.ops.triton.kv_cache import to_cache
 from dsinfer.ops.triton.pdl import ROPE, enter, launch_args
 
@@ -80,8 +80,10 @@ def _heads(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary_triton(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool,
+    angles=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """See ``ops.rotary.apply_rotary`` (``angles`` is the torch path's: the kernel reads the cos/sin cache)."""
     q, k = _heads(q), _heads(k)
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     rotary_dim = cache.shape[-1]
@@ -136,7 +138,9 @@ def _rotary_store_kv_kernel(
 def rotary_store_kv_triton(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
     is_neox: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0),
+    angles=None, stored=None,
 ) -> torch.Tensor:
+    """See ``ops.rotary.rotary_store_kv`` (``angles`` and ``stored`` are the torch path's)."""
     q, k, v = _heads(q), _heads(k), _heads(v)
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     if kv_cache.stride(-1) != 1:

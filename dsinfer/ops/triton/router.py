@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsinfer.ops.moe import Routing
+from dsinfer.ops._common import Routing
 from dsinfer.ops.triton.pdl import MOE, enter, launch_args
 
 # MAX_TOP_K bounds a row's columns, routed + shared (V3: 8 + 1; V2 / V2-Lite: 6 + 2)

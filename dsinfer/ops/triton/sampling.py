@@ -1,6 +1,6 @@
 """Triton ``gumbel_argmax``: programs walk the vocab in tiles, keeping a running max and its index.
 
-The noise reproduces ``dsinfer.sampling.noise`` bit for bit (lowbias32 over uint32); the float steps follow
+The noise reproduces ``dsinfer.ops.noise`` bit for bit (lowbias32 over uint32); the float steps follow
 the torch reference in order and rounding (correctly rounded division, then add; libdevice ``logf`` on CUDA),
 so the tokens match the reference on the same inputs. No host sync: greedy and sampled rows share the launch.
 
