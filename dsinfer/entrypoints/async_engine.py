@@ -2,9 +2,10 @@
 
 The event loop never runs engine work. Submissions and aborts go through lock-protected queues that the engine
 thread applies before each step; outputs come back to each request's ``asyncio.Queue`` through
-``loop.call_soon_threadsafe``. An exception escaping the step loop marks the engine dead: every open stream
-fails with ``EngineDeadError`` and new requests are refused. Draining refuses new requests while in-flight
-ones finish.
+``loop.call_soon_threadsafe``. An exception escaping the step loop (a dead worker's ``WorkerDiedError``
+included) marks the engine dead: every open stream fails with ``EngineCrashedError`` and new requests are refused
+with ``EngineDeadError``, both naming what died; the server then exits (``server.lifecycle``). Draining refuses
+new requests while in-flight ones finish. ``shutdown`` also stops the engine's own workers.
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ logger = logging.getLogger("dsinfer.async_engine")
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop crashed; no request can be served."""
+    """The engine loop crashed; no request can be served (a new request's answer: 503)."""
+
+
+class EngineCrashedError(EngineDeadError):
+    """The engine loop crashed while this request was in flight (its answer: 500, as vLLM's)."""
 
 
 class EngineDrainingError(RuntimeError):
@@ -92,15 +97,30 @@ class AsyncEngine:
             self._thread.start()
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the step loop (waiting up to ``timeout`` for the step in progress), then the engine's workers
+        (``engine.shutdown()``, where it has one): a thread still stuck in a step then gets its worker's death."""
         self._stop = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        stop_workers = getattr(self.engine, "shutdown", None)
+        if stop_workers is not None:
+            try:
+                stop_workers()
+            except Exception:  # noqa: BLE001 - shutting down anyway; say why it was not clean
+                logger.exception("the engine's shutdown failed")
 
     @property
     def dead(self) -> bool:
         thread_gone = self._thread is not None and not self._thread.is_alive() and not self._stop
         return self.error is not None or thread_gone
+
+    @property
+    def death_reason(self) -> str:
+        """What killed the engine, for error messages and logs ("" while it lives)."""
+        if self.error is not None:
+            return f"{type(self.error).__name__}: {self.error}"
+        return "the engine thread exited" if self.dead else ""
 
     @property
     def is_healthy(self) -> bool:
@@ -136,7 +156,7 @@ class AsyncEngine:
     # ---- requests ----------
     def _check_accepting(self) -> None:
         if self.dead:
-            raise EngineDeadError(f"the engine is dead: {self.error!r}")
+            raise EngineDeadError(f"the engine is dead ({self.death_reason})")
         if self.draining:
             raise EngineDrainingError("the server is shutting down and accepts no new requests")
         waiting = len(self._submissions) + int(self.stats.get("num_waiting", 0))
@@ -155,6 +175,8 @@ class AsyncEngine:
         self._check_accepting()
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
+            if self.error is not None:  # it died after the check: _die has already failed the open streams
+                raise EngineDeadError(f"the engine is dead ({self.death_reason})")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
@@ -233,8 +255,8 @@ class AsyncEngine:
 
     def _die(self, exc: BaseException) -> None:
         logger.exception("engine loop crashed; failing every open request", exc_info=exc)
-        self.error = exc
-        with self._lock:
+        with self._lock:  # under the lock: a request that generate() adds after this sees the error
+            self.error = exc
             streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
-            stream.put(EngineDeadError(f"the engine failed: {exc!r}"))
+            stream.put(EngineCrashedError(f"the engine died while serving this request ({self.death_reason})"))

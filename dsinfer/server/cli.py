@@ -11,7 +11,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dsinfer.config import KV_CACHE_DTYPES, PARALLEL_SIZES, SCHEDULING_POLICIES, check_parallel_size
+from dsinfer.config import (
+    EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
+    PARALLEL_SIZES,
+    SCHEDULING_POLICIES,
+    check_parallel_size,
+)
 from dsinfer.engine.sampling_params import DEFAULT_MAX_LOGPROBS
 from dsinfer.protocol.chat_formats import BUILTIN_TEMPLATES
 from dsinfer.protocol.tool_parsers import TOOL_PARSERS
@@ -38,7 +44,10 @@ _ENGINE_ARGS = (
     "max_logprobs",
     "kv_cache_dtype",
     "scheduling_policy",
+    "distributed_executor_backend",
 )
+
+logger = logging.getLogger("dsinfer.server")
 
 
 class _Extend(argparse.Action):
@@ -83,6 +92,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="fraction of GPU memory for weights, activations and the KV cache")
     eng.add_argument("--seed", type=int, default=None, help="engine seed")
     eng.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
+    eng.add_argument("--distributed-executor-backend", default=None, choices=list(EXECUTOR_BACKENDS),
+                     help="where the model runs: uni (default: in the server's process) or mp (in a worker "
+                          "process; should it die, the server exits with code 1)")
     eng.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None, help="no CUDA graphs")
     eng.add_argument("--max-prefill-graph-tokens", type=int, default=None,
                      help="steps with prompt tokens up to this many replay piecewise CUDA graphs (0: eager)")
@@ -368,8 +380,9 @@ def check_address_free(host: str, port: int) -> None:
 
 def run_serve(
     args: argparse.Namespace, engine_factory: Callable[[argparse.Namespace], Any] | None = None
-) -> None:
-    """Build the engine, then serve until SIGTERM/SIGINT (drained gracefully)."""
+) -> int:
+    """Build the engine, then serve until SIGTERM/SIGINT (drained gracefully: exit code 0) or until the engine
+    dies (exit code 1, for an orchestrator to restart the server)."""
     check_serve_args(args)  # before the model loads: a refused flag costs nothing
     check_address_free(args.host, args.port)  # and a taken port
     import uvicorn
@@ -386,7 +399,12 @@ def run_serve(
     async_engine = AsyncEngine(engine, max_waiting=settings.max_waiting_requests)
     app = build_app(async_engine, settings)
     config = uvicorn.Config(app, **uvicorn_options(args), timeout_graceful_shutdown=5, access_log=False)
-    DrainingServer(config, async_engine, settings.drain_timeout_s).run()
+    server = DrainingServer(config, async_engine, settings.drain_timeout_s)
+    server.run()
+    if server.engine_error is not None:
+        logger.error("engine died: %s; exiting", server.engine_error)
+        return 1
+    return 0
 
 
 def vllm_spelling(argv: list[str]) -> list[str]:
@@ -410,7 +428,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = add_serve_args(argparse.ArgumentParser(prog="dsinfer serve", description=__doc__))
     args = parser.parse_args(vllm_spelling(sys.argv[1:] if argv is None else argv))
     try:
-        run_serve(args)
+        code = run_serve(args)
     except (ValueError, FileNotFoundError) as exc:  # as ``dsinfer serve``: the reason, exit 2
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    sys.exit(code)

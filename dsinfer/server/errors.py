@@ -12,6 +12,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsinfer.entrypoints.async_engine import (
+    EngineCrashedError,
     EngineDeadError,
     EngineDrainingError,
     EngineOverloadedError,
@@ -138,6 +139,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return _reply(request, 503, str(exc))
+
+    @app.exception_handler(EngineCrashedError)
+    async def _crashed(request: Request, exc: EngineCrashedError) -> JSONResponse:
+        # in flight when the engine died: vLLM's 500 (a request after it is refused with the 503 above)
+        return _reply(request, 500, str(exc))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

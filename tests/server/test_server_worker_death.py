@@ -1,0 +1,218 @@
+"""A dead engine ends the server: its in-flight requests fail naming what died, /health and new requests get 503,
+and the process exits non-zero soon after, for an orchestrator to restart it (as vLLM's).
+
+The live test kills the model's worker process (``--distributed-executor-backend mp``) of a real ``dsinfer serve``
+mid-generation; the fast ones drive AsyncEngine and DrainingServer's watcher with a fake engine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import uvicorn
+
+from dsinfer.engine.sampling_params import SamplingParams
+from dsinfer.entrypoints.async_engine import AsyncEngine, EngineCrashedError, EngineDeadError
+from dsinfer.executor.base import WorkerDiedError
+from dsinfer.server.cli import add_serve_args, engine_args
+from dsinfer.server.lifecycle import DrainingServer
+
+from ..protocol.tiny_tokenizer import write_tiny_tokenizer
+from .live_server import API_KEY, REPO, free_port
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+# long enough to be in flight when the worker is killed; the tiny model's vocabulary is 256 ids
+LONG = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 400, "ignore_eos": True}
+
+
+def test_the_executor_backend_flag_reaches_engine_args_and_refuses_other_values(capsys):
+    parser = add_serve_args(argparse.ArgumentParser())
+    assert "--distributed-executor-backend {uni,mp}" in parser.format_help()
+    assert engine_args(parser.parse_args(["m", "--distributed-executor-backend", "mp"])).distributed_executor_backend \
+        == "mp"
+    assert engine_args(parser.parse_args(["m"])).distributed_executor_backend is None  # the engine's default: uni
+    with pytest.raises(SystemExit) as refused:
+        parser.parse_args(["m", "--distributed-executor-backend", "ray"])
+    assert refused.value.code == 2 and "invalid choice: 'ray'" in capsys.readouterr().err
+
+
+class _DyingEngine:
+    """An LLMEngine stand-in whose step() raises ``WorkerDiedError`` once ``alive`` is cleared."""
+
+    def __init__(self):
+        self.tokenizer = SimpleNamespace()
+        self.model_config = SimpleNamespace(max_model_len=64, vocab_size=100)
+        self.alive = threading.Event()
+        self.alive.set()
+        self.requests: set[str] = set()
+        self.shutdowns = 0
+
+    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0):
+        self.requests.add(request_id)
+
+    def abort_request(self, ids):
+        self.requests.difference_update(ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self):
+        time.sleep(0.005)
+        if not self.alive.is_set():
+            raise WorkerDiedError("worker process 0 (pid 4242) died (signal 9); the engine cannot go on")
+        return []
+
+    def get_stats(self) -> dict:
+        return {"num_running": len(self.requests), "num_waiting": 0, "kv_cache_usage": 0.0}
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+async def _drain(engine: AsyncEngine, request_id: str) -> None:
+    async for _ in engine.generate({"prompt_token_ids": [1]}, SamplingParams(max_tokens=10), request_id):
+        pass
+
+
+def test_a_crash_fails_the_request_in_flight_with_the_cause_and_refuses_new_ones():
+    fake = _DyingEngine()
+
+    async def main():
+        engine = AsyncEngine(fake)
+        engine.start()
+        in_flight = asyncio.ensure_future(_drain(engine, "a"))
+        await asyncio.sleep(0.05)
+        fake.alive.clear()
+        with pytest.raises(EngineCrashedError, match=r"WorkerDiedError: worker process 0 \(pid 4242\) died"):
+            await asyncio.wait_for(in_flight, 5)
+        with pytest.raises(EngineDeadError, match="the engine is dead") as refused:
+            await _drain(engine, "b")
+        assert not isinstance(refused.value, EngineCrashedError)  # a new request's answer is the 503, not the 500
+        assert engine.dead and "WorkerDiedError" in engine.death_reason
+        started = time.monotonic()
+        engine.shutdown()
+        return time.monotonic() - started
+
+    shutdown_s = asyncio.run(main())
+    assert fake.shutdowns == 1 and shutdown_s < 1.0  # the dead engine's workers are stopped, without a hang
+
+
+def test_the_watcher_tells_uvicorn_to_exit_after_the_grace_period():
+    engine = SimpleNamespace(dead=False, death_reason="")
+    server = DrainingServer(uvicorn.Config(app=None), engine, drain_timeout_s=30, death_grace_s=0.2)
+
+    async def main():
+        watcher = asyncio.ensure_future(server.watch_engine())
+        await asyncio.sleep(0.3)
+        assert not server.should_exit and server.engine_error is None  # a live engine: nothing happens
+        engine.dead, engine.death_reason = True, "WorkerDiedError: worker process 0 died"
+        await asyncio.sleep(0.2)
+        assert server.engine_error == "WorkerDiedError: worker process 0 died" and not server.should_exit
+        await asyncio.wait_for(watcher, 1.0)
+
+    asyncio.run(main())
+    assert server.should_exit and not server.force_exit
+
+
+def _worker_pid(server_pid: int) -> int:
+    """The spawned model worker among the server's children (not multiprocessing's resource tracker)."""
+    children = []
+    for task in Path(f"/proc/{server_pid}/task").iterdir():
+        children += (task / "children").read_text().split()
+    for pid in children:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            return int(pid)
+    raise AssertionError(f"no spawned worker among the children {children} of the server {server_pid}")
+
+
+def _start(tmp: Path, model: Path, tokenizer: Path) -> tuple[subprocess.Popen, str, Path]:
+    port, log = free_port(), tmp / "server.log"
+    cmd = [sys.executable, "-m", "dsinfer.server", str(model), "--tokenizer", str(tokenizer), "--device", "cpu",
+           "--distributed-executor-backend", "mp", "--served-model-name", "tiny", "--host", "127.0.0.1",
+           "--port", str(port), "--api-key", API_KEY, "--max-model-len", "512", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 45
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url, log
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"server not healthy in 45s:\n{log.read_text()[-4000:]}")
+
+
+def _stream(url: str, first_chunk: threading.Event, out: dict) -> None:
+    """A streamed completion: its data lines, until the server ends the stream."""
+    with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}, headers=HEADERS,
+                      timeout=20) as r:
+        out["status"], out["lines"] = r.status_code, []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out["lines"].append(line.removeprefix("data: "))
+                first_chunk.set()
+
+
+def _whole(url: str, out: dict) -> None:
+    out["response"] = httpx.post(f"{url}/v1/completions", json=LONG, headers=HEADERS, timeout=20)
+
+
+def test_killing_the_worker_fails_in_flight_requests_and_the_server_exits_non_zero(tiny_llama_dir, tmp_path):
+    proc, url, log = _start(tmp_path, tiny_llama_dir, write_tiny_tokenizer(tmp_path / "tok"))
+    try:
+        first_chunk, streamed, whole = threading.Event(), {}, {}
+        threads = [threading.Thread(target=_stream, args=(url, first_chunk, streamed)),
+                   threading.Thread(target=_whole, args=(url, whole))]
+        for t in threads:
+            t.start()
+        assert first_chunk.wait(20), f"no streamed token in 20s:\n{log.read_text()[-4000:]}"
+        time.sleep(0.2)  # the non-streamed one is in the engine by now
+        os.kill(_worker_pid(proc.pid), signal.SIGKILL)
+        killed = time.monotonic()
+        for t in threads:
+            t.join(20)
+        assert not any(t.is_alive() for t in threads), "a request in flight hung after the worker died"
+        checked_at = time.monotonic() - killed
+        try:  # within the grace period the server still answers, with 503s
+            health = httpx.get(f"{url}/health", timeout=5)
+            assert (health.status_code, health.json()) == (503, {"status": "dead"})
+            late = httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 1}, headers=HEADERS, timeout=5)
+            assert late.status_code == 503 and "the engine is dead" in late.json()["error"]["message"]
+        except httpx.ConnectError:  # or it has already gone
+            assert checked_at > 0.5, f"the server stopped listening only {checked_at:.2f}s after the death"
+        code = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = log.read_text()
+    assert code == 1, text[-4000:]
+    assert "engine died: WorkerDiedError: worker process 0" in text, text[-4000:]
+
+    assert streamed["status"] == 200 and streamed["lines"][-1] != "[DONE]"
+    error = json.loads(streamed["lines"][-1])["error"]  # the stream's last event names what died
+    assert "worker process 0" in error["message"] and "died (signal 9)" in error["message"]
+
+    response = whole["response"]  # not streamed: a 500 in OpenAI's envelope, naming what died
+    body = response.json()
+    message = body["error"]["message"]
+    assert response.status_code == 500, body
+    assert body == {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+    assert message.startswith("the engine died while serving this request (WorkerDiedError: worker process 0 (pid ")
+    assert message.endswith(" died (signal 9); the engine cannot go on)")
