@@ -116,6 +116,9 @@ class ParallelConfig:
 class SpeculativeConfig:
     # draft tokens a step may verify per request (0: one-token steps); sizes the multi-token decode CUDA graphs
     num_speculative_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class KernelConfig:
     """Which kernels and overlaps a forward takes. Read once from the ``DSINFER_*`` variables at start-up
     (``from_envs``, in ``create_engine_config``), never during a forward. The model gets it at construction and

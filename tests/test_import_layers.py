@@ -51,8 +51,6 @@ ALLOWED_UPWARD = {("entrypoints.cli", "server")}
 KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
     ("config", "engine"): "boundary",                  # EngineConfig reads generation_config sampling defaults
     ("config", "models"): "boundary",                  # EngineArgs resolves the model directory
-    ("runner.input_batch", "scheduler"): "boundary",   # reads ScheduledRequest
-    ("runner.model_runner", "scheduler"): "boundary",  # reads ScheduledRequest / SchedulerOutput
     ("layers.attention", "runner"): "hidden-state",    # runner.prefill_graphs.attention_piece
     ("layers.mla", "runner"): "hidden-state",          # runner.prefill_graphs / runner.side_stream
     ("models.deepseek.blocks", "runner"): "hidden-state",  # runner.side_stream
