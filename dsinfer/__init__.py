@@ -14,7 +14,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "EngineArgs":
-        from dsinfer.config import EngineArgs
+        from dsinfer.engine.arg_utils import EngineArgs
 
         return EngineArgs
     raise AttributeError(f"module 'dsinfer' has no attribute {name!r}")

@@ -49,8 +49,6 @@ ALLOWED_UPWARD = {("entrypoints.cli", "server")}
 # (importing module, imported node) -> who removes it: "boundary" (engine / scheduler / kvcache / runner / config)
 # or "hidden-state" (layers / models / ops / batch_invariant / sampling).
 KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
-    ("config", "engine"): "boundary",                  # EngineConfig reads generation_config sampling defaults
-    ("config", "models"): "boundary",                  # EngineArgs resolves the model directory
     ("layers.attention", "runner"): "hidden-state",    # runner.prefill_graphs.attention_piece
     ("layers.mla", "runner"): "hidden-state",          # runner.prefill_graphs / runner.side_stream
     ("models.deepseek.blocks", "runner"): "hidden-state",  # runner.side_stream

@@ -26,9 +26,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from dsinfer.config import EngineArgs, EngineConfig
+from dsinfer.config import EngineConfig
 from dsinfer.core.outputs import RunnerOutput
 from dsinfer.core.request import Request, RequestStatus
+from dsinfer.engine.arg_utils import EngineArgs
 from dsinfer.engine.input_processor import InputProcessor
 from dsinfer.engine.output_processor import ChildState, LogprobDecoder, ParentRequest
 from dsinfer.engine.outputs import RequestOutput

@@ -8,7 +8,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from dsinfer.config import PARALLEL_SIZES, EngineArgs, check_parallel_size
+from dsinfer.config import PARALLEL_SIZES, check_parallel_size
+from dsinfer.engine.arg_utils import EngineArgs
 from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.sampling_params import RequestOutputKind, SamplingParams

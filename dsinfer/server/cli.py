@@ -301,7 +301,7 @@ def _template_text(value: str | None) -> str | None:
 
 def engine_args(args: argparse.Namespace) -> Any:
     """The ``EngineArgs`` of the engine flags that were given (the others keep their defaults)."""
-    from dsinfer.config import EngineArgs
+    from dsinfer.engine.arg_utils import EngineArgs
 
     names = {f.name for f in dataclasses.fields(EngineArgs)}
     kwargs = {k: getattr(args, k) for k in _ENGINE_ARGS if k in names and getattr(args, k) is not None}

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dsinfer import config
-from dsinfer.config import EngineArgs, default_batched_tokens
+from dsinfer.engine import arg_utils as config
+from dsinfer.engine.arg_utils import EngineArgs, default_batched_tokens
 
 
 def _gpu_of(monkeypatch, gib: int) -> torch.device:

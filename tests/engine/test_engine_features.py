@@ -322,7 +322,7 @@ def test_block_size_defaults_to_64_for_mla_on_cuda_only():
     else, and any explicit block size, is left alone."""
     import torch
 
-    from dsinfer.config import _resolve_block_size
+    from dsinfer.engine.arg_utils import _resolve_block_size
 
     mla, mha = {"kv_lora_rank": 512}, {"num_key_value_heads": 8}
     cuda, cpu = torch.device("cuda"), torch.device("cpu")

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from dsinfer.config import EngineArgs
+from dsinfer.engine.arg_utils import EngineArgs
 from dsinfer.engine.sampling_params import SamplingParams, generation_config_sampling_defaults
 
 FILE = {"temperature": 0.6, "top_k": 1, "max_new_tokens": 5}

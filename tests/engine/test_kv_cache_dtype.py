@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from dsinfer import LLM, SamplingParams
-from dsinfer.config import EngineArgs
+from dsinfer.engine.arg_utils import EngineArgs
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 61, 200, 11], [7, 7, 130, 250, 1, 64]]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from dsinfer import LLM, SamplingParams
-from dsinfer.config import EngineArgs
+from dsinfer.engine.arg_utils import EngineArgs
 
 VOCAB = 256  # the tiny Llama's
 PROMPT = {"prompt_token_ids": [1, 2, 3]}

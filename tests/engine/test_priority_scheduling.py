@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from dsinfer import LLM, SamplingParams
-from dsinfer.config import EngineArgs, SchedulerConfig
+from dsinfer.config import SchedulerConfig
 from dsinfer.core.request import RequestStatus
+from dsinfer.engine.arg_utils import EngineArgs
 from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.kvcache.manager import KVCacheManager
 from dsinfer.scheduler.scheduler import Scheduler

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dsinfer.config import EngineArgs
+from dsinfer.engine.arg_utils import EngineArgs
 from dsinfer.entrypoints.cli import build_parser
 from dsinfer.entrypoints.llm import LLM
 

@@ -21,7 +21,7 @@ def test_engine_flags_reach_engine_args():
 
 
 def test_flags_not_given_keep_the_engine_defaults():
-    from dsinfer.config import EngineArgs
+    from dsinfer.engine.arg_utils import EngineArgs
 
     assert engine_args(_parse()) == EngineArgs()
 

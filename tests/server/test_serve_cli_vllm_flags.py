@@ -42,7 +42,7 @@ def test_model_as_a_flag_is_the_positional_model():
 
 
 def test_a_typical_vllm_line_is_accepted_and_its_no_ops_change_nothing(tmp_path):
-    from dsinfer.config import EngineArgs
+    from dsinfer.engine.arg_utils import EngineArgs
 
     args = _parse("--model", "/m", "-tp", "1", "--pipeline-parallel-size", "1", "-dp", "1", "--trust-remote-code",
                   "--disable-log-requests", "--disable-log-stats", "--disable-uvicorn-access-log",
