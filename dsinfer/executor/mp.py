@@ -21,6 +21,7 @@ import os
 import traceback
 from typing import Any
 
+import torch
 import torch.multiprocessing as torch_mp
 
 from dsinfer.config import EngineConfig
@@ -52,8 +53,10 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig):
         ctx = torch_mp.get_context("spawn")
         self._conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=run_worker, args=(config, child, 0), name="dsinfer-worker-0",
-                                   daemon=True)
+        # the worker computes with as many threads as the engine's process would (a CPU matmul's sums follow
+        # the thread count, and the outputs must be the in-process executor's)
+        self.process = ctx.Process(target=run_worker, args=(config, child, 0, torch.get_num_threads()),
+                                   name="dsinfer-worker-0", daemon=True)
         self.process.start()
         child.close()
         self._pending: collections.deque[_StepFuture] = collections.deque()
@@ -123,10 +126,13 @@ class MultiprocExecutor(Executor):
         self._conn.close()
 
 
-def run_worker(config: EngineConfig, conn: multiprocessing.connection.Connection, rank: int) -> None:
+def run_worker(config: EngineConfig, conn: multiprocessing.connection.Connection, rank: int,
+               num_threads: int) -> None:
     """A worker process's main loop (the spawn target): load the model, then serve step plans until told to stop
     or until the engine's end of the pipe closes."""
     from dsinfer.runner.model_runner import ModelRunner
+
+    torch.set_num_threads(num_threads)
 
     try:
         runner = ModelRunner(config)

@@ -12,26 +12,12 @@ import time
 
 import numpy as np
 import pytest
-import torch
-import transformers
 
 from dsinfer import LLM, SamplingParams
 from dsinfer.core import wire
 from dsinfer.core.outputs import RunnerOutput, TokenLogprobs
 from dsinfer.core.plan import CachedRequestData, NewRequestData, RequestSampling, StepPlan
 from dsinfer.executor.base import WorkerDiedError
-from tests.models.test_deepseek import hub_style_config, randomize, v2_config
-
-
-@pytest.fixture(scope="module")
-def tiny_deepseek_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    hf = transformers.DeepseekV2ForCausalLM(v2_config()).eval()
-    randomize(hf, seed=1)
-    path = tmp_path_factory.mktemp("mp-deepseek-v2")
-    hf.save_pretrained(path)
-    hub_style_config(path)
-    return path
 
 
 def _prompts(count: int, vocab: int, seed: int = 0) -> list[dict]:

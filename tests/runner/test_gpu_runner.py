@@ -92,3 +92,26 @@ def test_model_that_does_not_fit_says_by_how_much(tmp_path):
     with pytest.raises(ValueError, match=r"short by 1\d\.\d\d GiB"):
         LLM(str(tmp_path), load_format="dummy", dtype="bfloat16", device="cuda", gpu_memory_utilization=util)
     assert json.loads((tmp_path / "config.json").read_text())["hidden_size"] == 4096
+
+
+@pytest.mark.parametrize("model", ["llama", "deepseek"])
+def test_multi_token_decode_graphs_give_one_token_outputs(request, model, tmp_path):
+    """Steps that verify 3 drafts replay the decode graphs captured for 4 tokens a sequence; their outputs are the
+    one-token steps' (drafts from the one-token run, every third one spoiled) and the graph's logits the eager
+    forward's."""
+    from tests.engine.test_multi_token_steps import KnownTokensDrafter, with_drafter
+
+    path = str(request.getfixturevalue("tiny_llama_dir" if model == "llama" else "tiny_deepseek_dir"))
+    kwargs = dict(device="cuda", dtype="float32", enable_prefix_caching=False)
+    batch = prompts(6, seed=4)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    expected = greedy(LLM(path, **kwargs), batch, params)
+    drafter = KnownTokensDrafter({tuple(p["prompt_token_ids"]): o for p, o in zip(batch, expected)}, 3)
+    llm = with_drafter(LLM(path, **kwargs), drafter, k=3)
+    graphs = llm.engine.runner.graphs
+    assert (8, 4) in graphs.graphs and (8, 1) in graphs.graphs, "no 4-token decode graphs were captured"
+    replays = []
+    replay = graphs.replay
+    graphs.replay = lambda size, q=1: replays.append(q) or replay(size, q)
+    assert greedy(llm, batch, params) == expected
+    assert 4 in replays and drafter.proposed > 0
