@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# A change's speed against the tree before it, back to back on one GPU: each benchmark runs on BEFORE (a copy of
+# the old tree: dsinfer/ and benchmarks/, e.g. `git archive <commit> dsinfer benchmarks | tar -x -C .baseline`),
+# then on this tree, in one call; the rows of each pair come one after the other.
+#
+#   bash benchmarks/before_after.sh .baseline decode      # Llama-3.1-8B and DeepSeek-V2-Lite decode b=1/64/256
+#   bash benchmarks/before_after.sh .baseline offline     # Llama 512 x 1000/1000 and V2-Lite 512 x 1000/100
+#
+# Logs and JSON go to $OUT (the device tool's) or /tmp/dsinfer-before-after.
+set -uo pipefail
+BEFORE=${1:?the folder of the old tree}
+PART=${2:?decode or offline}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-/tmp/dsinfer-before-after}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+LLAMA=$ROOT/benchmarks/configs/llama-3.1-8b
+V2LITE=$ROOT/benchmarks/configs/deepseek-v2-lite
+DUMMY=(--device cuda --dtype bfloat16 --load-format dummy --max-num-seqs 256 --gpu-memory-utilization 0.8)
+run() {  # run NAME TIMEOUT CMD...: on the old tree, then on this one
+    local name=$1 limit=$2; shift 2
+    for tree in before after; do
+        local dir=$ROOT
+        [ "$tree" = before ] && dir=$(cd "$BEFORE" && pwd)
+        echo "=== $name ($tree)"
+        (cd "$dir" && PYTHONPATH=$dir timeout -k 5 "$limit" python3 "$@" 2>&1 | grep -v -i warn \
+            | tee "$OUT/$name-$tree.log" | tail -12)
+    done
+}
+nvidia-smi --query-gpu=name,clocks.sm,power.draw,power.limit --format=csv,noheader || true
+case $PART in
+    decode)
+        run latency-llama 150 benchmarks/latency.py --model "$LLAMA" --batch-sizes 1 64 256 --prefill --steps 50
+        run latency-v2-lite 120 benchmarks/latency.py --model "$V2LITE" --batch-sizes 1 64 256 --prefill \
+            --steps 30 --idle-batch 0 ;;
+    offline)
+        run throughput-llama 140 benchmarks/throughput.py "${DUMMY[@]}" --model "$LLAMA" --num-prompts 512 \
+            --input-len 1000 --output-len 1000
+        run throughput-v2-lite 100 benchmarks/throughput.py "${DUMMY[@]}" --model "$V2LITE" --num-prompts 512 \
+            --input-len 1000 --output-len 100 --max-num-batched-tokens 8192 ;;
+    *) echo "unknown part: $PART (decode or offline)" >&2; exit 2 ;;
+esac
