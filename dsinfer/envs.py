@@ -80,7 +80,7 @@ class EnvVar:
         if raw is None:
             return self.default
         key = (self.name, raw)
-        if key not in _PARSED:  # ops read some variables per call: parse each distinct value once
+        if key not in _PARSED:  # parse each distinct value once (start-up and tests read them repeatedly)
             try:
                 _PARSED[key] = self.parse(raw)
             except ValueError as exc:

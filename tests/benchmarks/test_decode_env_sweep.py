@@ -60,3 +60,27 @@ def test_an_unknown_table_entry_is_refused_before_loading(capsys):
     with pytest.raises(SystemExit):
         main(["--key", "1,2,3,bfloat16", "--bucket", "1", "--values", "{}"])
     assert "no bucket '1' under '1,2,3,bfloat16'" in capsys.readouterr().err
+
+
+def test_a_variable_that_changes_the_weight_layout_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--var", "DSINFER_FUSE_SHARED_EXPERTS", "--values", "0", "1"])
+    assert "a run of its own" in capsys.readouterr().err
+
+
+def test_a_value_is_applied_as_start_up_applies_it(monkeypatch):
+    """The engine reads the variables once: the sweep sets the process-wide options and the built layers."""
+    from benchmarks.decode_env_sweep import set_value
+    from dsinfer.models.llama import LlamaForCausalLM
+    from dsinfer.ops import options
+
+    monkeypatch.setenv("DSINFER_PDL_EARLY_TRIGGER", "mla")  # restored after the test
+    monkeypatch.setenv("DSINFER_FUSED_SILU_MUL", "1")
+    before = options.current()
+    model = LlamaForCausalLM(dict(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, intermediate_size=16,
+                                  vocab_size=32, architectures=["LlamaForCausalLM"]))
+    set_value("DSINFER_PDL_EARLY_TRIGGER", "norm,mla")
+    assert options.current().pdl_early_trigger == "mla,norm"
+    set_value("DSINFER_FUSED_SILU_MUL", "0", model)
+    assert [layer.mlp.fused_silu_mul for layer in model.layers] == [False, False]
+    options.configure(before)

@@ -88,14 +88,15 @@ def test_packed_contexts_are_the_slots_of_each_sequence_in_turn():
     assert slots.tolist() == [12, 13, 14, 15, 4, 0, 1] and cu.tolist() == [0, 5, 7]
 
 
-def _forward_batch(q_lens, ctx_lens, seed, block_size=16):
-    q, cache, tables, qsl, lens = _batch(q_lens, ctx_lens, 4, 2, 16, block_size, torch.float32, "cpu", seed=seed)
+def _forward_batch(q_lens, ctx_lens, seed, block_size=16, device="cpu"):
+    q, cache, tables, qsl, lens = _batch(q_lens, ctx_lens, 4, 2, 16, block_size, torch.float32, device, seed=seed)
     starts = qsl[:-1].long()
     positions = torch.cat([torch.arange(n - m, n) for m, n in zip(q_lens, ctx_lens)])
     slots = torch.full((sum(q_lens),), -1, dtype=torch.int64)  # their keys are cached already: store nothing
-    batch = ForwardBatch(input_ids=torch.zeros(len(positions), dtype=torch.int64), positions=positions,
-                         slot_mapping=slots, block_tables=tables, query_start_loc=qsl, seq_lens=lens,
-                         logits_indices=starts, max_query_len=max(q_lens), max_seq_len=max(ctx_lens))
+    batch = ForwardBatch(input_ids=torch.zeros(len(positions), dtype=torch.int64, device=device),
+                         positions=positions.to(device), slot_mapping=slots.to(device), block_tables=tables,
+                         query_start_loc=qsl, seq_lens=lens, logits_indices=starts, max_query_len=max(q_lens),
+                         max_seq_len=max(ctx_lens))
     return q.flatten(1), cache.nan_to_num(), batch
 
 
@@ -123,10 +124,10 @@ def test_the_attention_layer_derives_once_per_batch(kernel_options):
     assert not any(value is plans[0] for value in batch2.derived.values())
 
 
-def test_the_triton_path_never_builds_the_torch_plan():
+def test_the_triton_path_never_builds_the_torch_plan(device):
     """The plan's host syncs are the torch path's only: on the Triton path (CUDA graphs) it stays unbuilt."""
-    q, cache, batch = _forward_batch([1, 1], [7, 20], seed=5)
-    k = v = torch.zeros(q.shape[0], 2 * 16)
+    q, cache, batch = _forward_batch([1, 1], [7, 20], seed=5, device=device)
+    k = v = torch.zeros(q.shape[0], 2 * 16, device=device)
     _layer(cache)(q, k, v, batch)
     lazy = [value for value in batch.derived.values() if isinstance(value, (AttentionPlan, StoredRows))]
     assert len(lazy) == 2 and not any(set(value.__dict__) & {"layout", "keep"} for value in lazy)

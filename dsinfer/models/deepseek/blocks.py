@@ -214,5 +214,7 @@ class DeepseekDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, batch)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         if self.is_moe:
-            return self.mlp(hidden, hidden.is_cuda and in_graphs(batch)), residual
+            # asked only where the answer matters (in_graphs is a host call per layer)
+            graphed = self.mlp.side_stream is not None and hidden.is_cuda and in_graphs(batch)
+            return self.mlp(hidden, graphed), residual
         return self.mlp(hidden), residual
