@@ -5,8 +5,9 @@
 #
 #   bash benchmarks/before_after.sh .baseline decode      # Llama-3.1-8B and DeepSeek-V2-Lite decode b=1/64/256
 #   bash benchmarks/before_after.sh .baseline offline     # Llama 512 x 1000/1000 and V2-Lite 512 x 1000/100
+#   PROMPTS=256 bash benchmarks/before_after.sh .baseline offline-llama   # one of them, fewer prompts
 #
-# Logs and JSON go to $OUT (the device tool's) or /tmp/dsinfer-before-after.
+# ORDER="after before" runs this tree first. Logs and JSON go to $OUT (the device tool's) or /tmp/dsinfer-before-after.
 set -uo pipefail
 BEFORE=${1:?the folder of the old tree}
 PART=${2:?decode or offline}
@@ -19,7 +20,7 @@ V2LITE=$ROOT/benchmarks/configs/deepseek-v2-lite
 DUMMY=(--device cuda --dtype bfloat16 --load-format dummy --max-num-seqs 256 --gpu-memory-utilization 0.8)
 run() {  # run NAME TIMEOUT CMD...: on the old tree, then on this one
     local name=$1 limit=$2; shift 2
-    for tree in before after; do
+    for tree in ${ORDER:-before after}; do
         local dir=$ROOT
         [ "$tree" = before ] && dir=$(cd "$BEFORE" && pwd)
         echo "=== $name ($tree)"
@@ -28,15 +29,18 @@ run() {  # run NAME TIMEOUT CMD...: on the old tree, then on this one
     done
 }
 nvidia-smi --query-gpu=name,clocks.sm,power.draw,power.limit --format=csv,noheader || true
+PROMPTS=${PROMPTS:-512}
+case $PART in decode|offline|offline-llama|offline-v2-lite) ;;
+    *) echo "unknown part: $PART (decode, offline, offline-llama or offline-v2-lite)" >&2; exit 2 ;; esac
 case $PART in
     decode)
         run latency-llama 150 benchmarks/latency.py --model "$LLAMA" --batch-sizes 1 64 256 --prefill --steps 50
         run latency-v2-lite 120 benchmarks/latency.py --model "$V2LITE" --batch-sizes 1 64 256 --prefill \
-            --steps 30 --idle-batch 0 ;;
-    offline)
-        run throughput-llama 140 benchmarks/throughput.py "${DUMMY[@]}" --model "$LLAMA" --num-prompts 512 \
-            --input-len 1000 --output-len 1000
-        run throughput-v2-lite 100 benchmarks/throughput.py "${DUMMY[@]}" --model "$V2LITE" --num-prompts 512 \
+            --steps 30 --idle-batch 0 ;;&
+    offline|offline-llama)
+        run throughput-llama 140 benchmarks/throughput.py "${DUMMY[@]}" --model "$LLAMA" --num-prompts "$PROMPTS" \
+            --input-len 1000 --output-len 1000 ;;&
+    offline|offline-v2-lite)
+        run throughput-v2-lite 100 benchmarks/throughput.py "${DUMMY[@]}" --model "$V2LITE" --num-prompts "$PROMPTS" \
             --input-len 1000 --output-len 100 --max-num-batched-tokens 8192 ;;
-    *) echo "unknown part: $PART (decode or offline)" >&2; exit 2 ;;
 esac

@@ -234,18 +234,19 @@ class PlanWriter:
         self._finished, self._preempted = [], []
         for item in scheduled:
             request = item.request
-            block_ids = [block.block_id for block in request.blocks]
+            blocks = request.blocks
             if request.num_tokens_sent == 0:
                 plan.new_requests.append(NewRequestData(
                     request.request_id, list(request.all_token_ids), request.num_prompt_tokens, request.sampling,
-                    [block_ids], item.num_computed_tokens, max(len(request.prompt_logprobs) - 1, 0)))
-            else:
-                kept = min(self._blocks_sent[request.request_id], len(block_ids))
+                    [[block.block_id for block in blocks]], item.num_computed_tokens,
+                    max(len(request.prompt_logprobs) - 1, 0)))
+            else:  # only the change: a decode step's costs no walk over the request's blocks
+                kept = min(self._blocks_sent[request.request_id], len(blocks))
                 plan.cached_requests.append(CachedRequestData(
-                    request.request_id, request.all_token_ids[request.num_tokens_sent:], [block_ids[kept:]], [kept],
-                    item.num_computed_tokens))
+                    request.request_id, request.all_token_ids[request.num_tokens_sent:],
+                    [[block.block_id for block in blocks[kept:]]], [kept], item.num_computed_tokens))
             request.num_tokens_sent = request.num_tokens
-            self._blocks_sent[request.request_id] = len(block_ids)
+            self._blocks_sent[request.request_id] = len(blocks)
             plan.num_scheduled_tokens[request.request_id] = item.num_new_tokens
             if item.draft_token_ids:
                 plan.draft_token_ids[request.request_id] = list(item.draft_token_ids)
