@@ -117,6 +117,9 @@ class LlamaForCausalLM(nn.Module):
     """The Llama family; subclasses only change the variant flags."""
 
     variant: dict[str, Any] = {"qkv_bias": False, "qk_norm": False, "sliding_window": _no_window}
+    # decode steps of 1 + k tokens a sequence (drafts to verify) capture into CUDA graphs: paged attention reads
+    # nothing on the host at any query length (runner/cuda_graphs.py)
+    multi_token_decode_graphs = True
     # checkpoint name fragment -> (our merged parameter fragment, shard id)
     packed_modules = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),

@@ -73,15 +73,15 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden, upcast=False)  # the sampler upcasts when it must
 
     @torch.inference_mode()
-    def capture(self, pool, stream: torch.cuda.Stream) -> None:
+    def capture(self, pool, stream: torch.cuda.Stream, tokens_per_seq: tuple[int, ...] | None = None) -> None:
         """Capture every size, largest first, into ``pool`` on ``stream`` (smaller graphs reuse the largest one's
-        memory), for each number of tokens per sequence."""
+        memory), for each number of tokens per sequence (``tokens_per_seq``: these only; None: all)."""
         started = time.perf_counter()
         # all-padding inputs: nothing is stored, attention skips every row
         self.slot_mapping.fill_(-1)
         self.query_start_loc.zero_()
         self.seq_lens.zero_()
-        for q in self.tokens_per_seq:
+        for q in tokens_per_seq or self.tokens_per_seq:
             try:
                 for size in reversed(self.sizes):
                     self._forward(size, q)  # warm-up: compiles kernels and sets up cuBLAS outside the capture

@@ -114,19 +114,24 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         if self.device.type == "cuda" and not config.device.enforce_eager:
             max_len = config.model.max_model_len
+            # steps that verify k drafts get graphs of 1 + k tokens a sequence where the model's attention can be
+            # captured at that length (``multi_token_decode_graphs``); otherwise they run eagerly
             k = config.speculative.num_speculative_tokens
+            multi = (1 + k,) if k and getattr(self.model, "multi_token_decode_graphs", False) else ()
             self.graphs = DecodeGraphs(self.model, config.scheduler.max_num_seqs, -(-max_len // self.block_size),
-                                       max_len, self.device, tokens_per_seq=(1, 1 + k) if k else (1,))
+                                       max_len, self.device, tokens_per_seq=(1, *multi))
             # one graph runs at a time, so all share one memory pool, captured on one stream (the allocator reuses
             # a pool's free memory on the stream that freed it)
             pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
             with batch_invariant(config.device.deterministic):  # capture the kernels the eager steps run
-                self.graphs.capture(pool, stream)
+                self.graphs.capture(pool, stream, (1,))
                 max_tokens = min(config.device.max_prefill_graph_tokens, config.scheduler.max_num_batched_tokens)
                 if max_tokens > 0:
                     self.prefill_graphs = PrefillGraphs(self.model, max_tokens, max_len, self.block_size,
                                                         self.device)
                     self.prefill_graphs.capture(pool, stream)
+                if multi:  # last: a capture that fails leaves the pool unusable for the captures after it
+                    self.graphs.capture(pool, stream, multi)
         if self.device.type == "cuda":
             with batch_invariant(config.device.deterministic):
                 warm_up_prefill(self.model, config.scheduler.max_num_batched_tokens, config.model.max_model_len,

@@ -80,9 +80,9 @@ def _count_replays(llm: LLM, monkeypatch) -> list[int]:
     count = [0]
     replay = graphs.replay
 
-    def counted(size: int) -> torch.Tensor:
+    def counted(size: int, q: int = 1) -> torch.Tensor:
         count[0] += 1
-        return replay(size)
+        return replay(size, q)
 
     monkeypatch.setattr(graphs, "replay", counted)
     return count

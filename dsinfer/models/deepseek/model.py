@@ -48,6 +48,9 @@ def _stacked(mlp: str, proj: str, tensor: str) -> str:
 
 
 class DeepseekV2ForCausalLM(nn.Module):
+    # MLA takes its prefill path for steps of more than one token a sequence, which reads the step's sequence
+    # lengths on the host: steps that verify drafts run eagerly (measured on the H200: their capture fails)
+    multi_token_decode_graphs = False
     variant: dict[str, Any] = {
         "rope_is_neox": lambda cfg: False,  # V2 ropes interleaved pairs (the reference's complex multiply)
         "router": {"scoring_func": "softmax", "topk_method": "greedy", "norm_topk_prob": False,
