@@ -66,6 +66,7 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     blocks: list[Any] = field(default_factory=list)  # kvcache.KVCacheBlock, in token order (the manager's)
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of the full blocks of all_token_ids
+    num_offered_blocks: int = 0  # blocks[:n] were offered to the prefix cache (each once; reset when freed)
     stop_reason: int | str | None = None
     logprobs: list[Any] = field(default_factory=list)  # engine.outputs.PositionLogprobs, one per output token
     prompt_logprobs: list[Any] = field(default_factory=list)  # the same per prompt token (first: None)
