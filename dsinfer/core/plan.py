@@ -25,8 +25,25 @@ from typing import Any
 import numpy as np
 
 
+class SamplingRules:
+    """What the user's SamplingParams and the worker's RequestSampling derive alike from their fields."""
+
+    temperature: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
 @dataclass
-class RequestSampling:
+class RequestSampling(SamplingRules):
     """How the worker samples one request (a plain copy of what it needs from the user's SamplingParams)."""
 
     temperature: float  # below 1e-5: greedy
@@ -44,14 +61,6 @@ class RequestSampling:
     min_tokens: int = 0
     min_tokens_banned: list[int] = field(default_factory=list)  # stop and EOS ids, banned until min_tokens outputs
     bad_word_ids: list[list[int]] = field(default_factory=list)  # token sequences whose last token is banned
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < 1e-5
-
-    @property
-    def uses_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @classmethod
     def of(cls, params: Any, seed: int, eos_token_ids: frozenset[int] | set[int] = frozenset(),

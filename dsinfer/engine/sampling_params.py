@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from dsinfer.core.plan import SamplingRules
 from dsinfer.structured.spec import StructuredOutputsParams, parse_structured_outputs
 
 _MAX_N = 128
@@ -88,7 +89,7 @@ def token_id_list(value: Any) -> list[int] | None:
 
 
 @dataclass
-class SamplingParams:
+class SamplingParams(SamplingRules):
     """Per-request decoding settings. Invalid values raise ``ValueError`` naming the field and its range.
 
     ``structured_outputs`` ends as in vLLM: once the grammar is complete and allows nothing more, only EOS may be
@@ -297,10 +298,3 @@ class SamplingParams:
             if tid >= vocab_size:
                 raise ValueError(f"allowed_token_ids contains {tid}, outside the vocabulary [0, {vocab_size})")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < 1e-5
-
-    @property
-    def uses_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
