@@ -93,17 +93,10 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 def tiny_deepseek_dir(tmp_path_factory) -> Path:
     """A random 2-layer DeepSeek-V2 (MLA, softmax MoE with shared experts, YaRN) from transformers; prompts are
     ids (the V2 checkpoint of tests/models/test_deepseek.py)."""
-    import torch
-    import transformers
+    from tests.models.test_deepseek import save_v2
 
-    from tests.models.test_deepseek import hub_style_config, randomize, v2_config
-
-    torch.manual_seed(0)
-    hf = transformers.DeepseekV2ForCausalLM(v2_config()).eval()
-    randomize(hf, seed=1)
     path = tmp_path_factory.mktemp("tiny_deepseek_v2")
-    hf.save_pretrained(path)
-    hub_style_config(path)
+    save_v2(path)
     return path
 
 

@@ -227,14 +227,20 @@ def _prompts(vocab: int) -> list[list[int]]:
     return own + [stem + torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 12, 16, 28)]
 
 
-@pytest.fixture(scope="module")
-def v2(tmp_path_factory) -> Checkpoint:
+def save_v2(path: Path) -> transformers.DeepseekV2ForCausalLM:
+    """The random V2 checkpoint (seeded), written to ``path`` as a hub checkpoint; -> the transformers model."""
     torch.manual_seed(0)
     hf = transformers.DeepseekV2ForCausalLM(v2_config()).eval()
     randomize(hf, seed=1)
-    path = tmp_path_factory.mktemp("deepseek-v2")
     hf.save_pretrained(path)
     hub_style_config(path)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def v2(tmp_path_factory) -> Checkpoint:
+    path = tmp_path_factory.mktemp("deepseek-v2")
+    hf = save_v2(path)
     return Checkpoint("v2", path, hf, _prompts(hf.config.vocab_size))
 
 
