@@ -3,11 +3,14 @@ the sampling batch and the engine's bookkeeping, for B requests of a given conte
 its executor replaced by one that builds the step's inputs and returns a fixed token).
 
     python benchmarks/host_step.py --batch 256 --context 1000
+    python benchmarks/host_step.py --profile 30     # where the time goes (cProfile slows each call)
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
 import tempfile
 import time
@@ -50,11 +53,15 @@ def main(argv=None) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from dsinfer import LLM, SamplingParams
+    from dsinfer.engine.heap import startup_heap_frozen
+    from dsinfer.engine.sampling_params import RequestOutputKind
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=1000)
     p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="print the N functions of most own time over the timed steps (cProfile)")
     args = p.parse_args(argv)
     path = tempfile.mkdtemp(prefix="dsinfer-host-step-")
     torch.manual_seed(0)
@@ -68,14 +75,27 @@ def main(argv=None) -> None:
     rng = random.Random(0)
     for i in range(args.batch):
         engine.add_request(str(i), {"prompt_token_ids": [rng.randrange(256) for _ in range(args.context)]},
-                           SamplingParams(max_tokens=args.steps + 40, temperature=0.0, ignore_eos=True))
+                           SamplingParams(max_tokens=args.steps + 40, temperature=0.0, ignore_eos=True,
+                                          output_kind=RequestOutputKind.FINAL_ONLY))  # as LLM.generate
     for _ in range(20):  # the prompts, then a few decode steps
         engine.step()
-    started = time.perf_counter()
+    frozen = startup_heap_frozen()  # as LLM.generate runs its steps
+    frozen.__enter__()
+    profiler = cProfile.Profile() if args.profile else None
+    started, started_cpu = time.perf_counter(), time.thread_time()
+    if profiler:
+        profiler.enable()
     for _ in range(args.steps):
         engine.step()
+    if profiler:
+        profiler.disable()
+    frozen.__exit__(None, None, None)
+    # the thread's CPU time beside the wall: on a shared machine the wall also counts other processes' turns
     print(f"host ms per decode step, B={args.batch}, context {args.context}: "
-          f"{(time.perf_counter() - started) * 1e3 / args.steps:.2f}")
+          f"{(time.perf_counter() - started) * 1e3 / args.steps:.2f} wall, "
+          f"{(time.thread_time() - started_cpu) * 1e3 / args.steps:.2f} CPU")
+    if profiler:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ figure is printed beside its floor, from ceilings measured in the same run (``be
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import shutil
 import statistics
@@ -367,7 +368,9 @@ def measure_idle(llm, batch: int, context: int) -> dict:
             busy += s0.elapsed_time(e0)
             gaps += e0.elapsed_time(s1)
     span = busy + gaps
-    return dict(batch=batch, context=context, steps=len(events), wall_s=wall,
+    # the decode batches the steps had (a figure of nan: no two consecutive steps ran all ``batch`` requests)
+    sizes = collections.Counter(n for *_, n in events)
+    return dict(batch=batch, context=context, steps=len(events), wall_s=wall, step_sizes=dict(sizes.most_common(4)),
                 idle_pct=100 * gaps / span if span else float("nan"),
                 mean_step_ms=span / max(1, sum(1 for *_, n in events if n == batch) - 1))
 
@@ -428,7 +431,8 @@ def main(argv=None) -> int:
         report["idle"] = measure_idle(llm, args.idle_batch, args.context)
         idle = report["idle"]
         print(f"engine decode B={idle['batch']}: GPU idle between steps {idle['idle_pct']:.2f}% "
-              f"(mean step {idle['mean_step_ms']:.2f} ms over {idle['steps']} steps)", flush=True)
+              f"(mean step {idle['mean_step_ms']:.2f} ms over {idle['steps']} steps; "
+              f"most common decode batches {idle['step_sizes']}, -1: a step with prompt tokens)", flush=True)
     if args.json_out:
         args.json_out.write_text(json.dumps(report, indent=2))
     return 0

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from dsinfer.engine.heap import startup_heap_frozen
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.sampling_params import SamplingParams
 
@@ -207,16 +208,17 @@ class AsyncEngine:
     # ---- engine thread ----------
     def _run(self) -> None:
         try:
-            while not self._stop:
-                self._wake.clear()
-                self._apply_queued()
-                if not self.engine.has_unfinished_requests():
+            with startup_heap_frozen():
+                while not self._stop:
+                    self._wake.clear()
+                    self._apply_queued()
+                    if not self.engine.has_unfinished_requests():
+                        self.stats = self.engine.get_stats()
+                        self._wake.wait(self._idle_wait_s)
+                        continue
+                    outputs = self.engine.step()
+                    self._dispatch(outputs)
                     self.stats = self.engine.get_stats()
-                    self._wake.wait(self._idle_wait_s)
-                    continue
-                outputs = self.engine.step()
-                self._dispatch(outputs)
-                self.stats = self.engine.get_stats()
         except BaseException as exc:  # noqa: BLE001 - any escape kills the engine; streams must learn it
             self._die(exc)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from dsinfer.config import PARALLEL_SIZES, check_parallel_size
 from dsinfer.engine.arg_utils import EngineArgs
+from dsinfer.engine.heap import startup_heap_frozen
 from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -175,12 +176,8 @@ class LLM:
             make_bar = use_tqdm if callable(use_tqdm) else tqdm
             bar = make_bar(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
         try:
-            while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        if bar is not None:
-                            bar.update(1)
+            with startup_heap_frozen():
+                self._step_until_done(finished, bar)
         except BaseException:  # Ctrl-C, out of memory, a failing step: this call's requests end, the LLM stays usable
             self.engine.abort_all()
             raise
@@ -188,6 +185,14 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[rid] for rid in request_ids]
+
+    def _step_until_done(self, finished: dict[str, RequestOutput], bar: Any) -> None:
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    if bar is not None:
+                        bar.update(1)
 
     def _drain(self) -> None:
         while self.engine.has_unfinished_requests():

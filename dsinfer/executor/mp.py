@@ -15,6 +15,7 @@ engine's end of the pipe closes, so no worker outlives its engine.
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import multiprocessing.connection
 import os
@@ -141,6 +142,9 @@ def run_worker(config: EngineConfig, conn: multiprocessing.connection.Connection
         return
     conn.send_bytes(wire.encode(["ready", {"num_kv_blocks": runner.num_blocks, "rank": rank, "pid": os.getpid(),
                                            "kv_bytes_per_token": runner.kv_bytes_per_token}]))
+    # the worker's own objects live as long as it does: its collections walk only what steps make
+    gc.collect()
+    gc.freeze()
     launched: collections.deque[Any] = collections.deque()  # step handles, or the exception a launch raised
     while True:
         try:
