@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import json
+import pstats
 import shutil
 import statistics
 import sys
@@ -58,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--prefill", nargs="*", default=["512", "2048", "8192", "8x2048"])
     p.add_argument("--idle-batch", type=int, default=256, help="0: skip the GPU-idle measurement")
+    p.add_argument("--idle-profile", type=int, default=0, metavar="N",
+                   help="also print the N functions of most own time in the idle run's host loop (cProfile: a "
+                        "call that waits for the GPU shows there)")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e5m2 (the floor counts its bytes)")
     p.add_argument("--max-model-len", type=int, default=8192)
@@ -346,7 +351,7 @@ def time_prefill(llm, spec: str, shape: WeightShape, matmul_rate: float, fp8_rat
                 of_peak=floor / ms)
 
 
-def measure_idle(llm, batch: int, context: int) -> dict:
+def measure_idle(llm, batch: int, context: int, profile: int = 0) -> dict:
     from dsinfer import SamplingParams
 
     runner = llm.engine.runner
@@ -357,9 +362,16 @@ def measure_idle(llm, batch: int, context: int) -> dict:
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     runner.step_events = []
+    profiler = cProfile.Profile() if profile else None
     started = time.perf_counter()
+    if profiler:
+        profiler.enable()
     llm.generate(prompts, params, use_tqdm=False)
+    if profiler:
+        profiler.disable()
     wall = time.perf_counter() - started
+    if profiler:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(profile)
     events, runner.step_events = runner.step_events, None
     torch.cuda.synchronize()
     busy = gaps = 0.0
@@ -428,7 +440,7 @@ def main(argv=None) -> int:
         print(f"prefill {spec:>7}: {row['ms']:.1f} ms, floor {row['floor_ms']:.1f} ms, {row['tflops']:.0f} "
               f"TFLOP/s = {100 * row['of_peak']:.0f}% of the measured matmul rate(s)", flush=True)
     if args.idle_batch and device.type == "cuda":
-        report["idle"] = measure_idle(llm, args.idle_batch, args.context)
+        report["idle"] = measure_idle(llm, args.idle_batch, args.context, args.idle_profile)
         idle = report["idle"]
         print(f"engine decode B={idle['batch']}: GPU idle between steps {idle['idle_pct']:.2f}% "
               f"(mean step {idle['mean_step_ms']:.2f} ms over {idle['steps']} steps; "

@@ -247,8 +247,9 @@ class LLMEngine:
             self._apply(item, child, result)
             touched[parent.request_id] = parent
         for parent in touched.values():
-            output = parent.make_output()
-            if parent.finished:
+            finished = parent.finished
+            output = parent.make_output(finished)
+            if finished:
                 self._finish_parent(parent, emit=False)
             if output is not None:
                 outputs.append(output)
@@ -257,13 +258,14 @@ class LLMEngine:
     def _apply(self, item: ScheduledRequest, child: ChildState, result: RunnerOutput) -> None:
         request = child.request
         rid = request.request_id
-        if rid in result.prompt_logprobs:
+        if result.prompt_logprobs and rid in result.prompt_logprobs:
             request.prompt_logprobs.extend(self._logprob_decoder.position(p) for p in result.prompt_logprobs[rid])
         tokens = result.sampled_token_ids.get(rid)
         if not tokens:
             return
-        self.scheduler.rollback(request, len(item.draft_token_ids) + 1 - len(tokens))
-        logprobs = result.logprobs.get(rid)
+        if item.draft_token_ids:
+            self.scheduler.rollback(request, len(item.draft_token_ids) + 1 - len(tokens))
+        logprobs = result.logprobs.get(rid) if result.logprobs else None
         for i, token in enumerate(tokens):
             status = self._append(child, token, logprobs[i] if logprobs else None)
             if status is not None:  # the first stop ends the run: later tokens are dropped

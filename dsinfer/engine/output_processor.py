@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from dsinfer.core.outputs import TokenLogprobs
-from dsinfer.core.request import Request
+from dsinfer.core.request import FINISHED_STATUSES, Request
 from dsinfer.engine.detokenizer import IncrementalDetokenizer
 from dsinfer.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from dsinfer.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -67,11 +67,15 @@ class ParentRequest:
 
     @property
     def finished(self) -> bool:
-        return all(c.request.is_finished for c in self.children)
+        if len(self.children) == 1:
+            return self.children[0].request.status in FINISHED_STATUSES
+        return all(c.request.status in FINISHED_STATUSES for c in self.children)
 
-    def make_output(self) -> RequestOutput | None:
-        """The output to return now, by the request's output kind (None: nothing to say yet)."""
-        finished = self.finished
+    def make_output(self, finished: bool | None = None) -> RequestOutput | None:
+        """The output to return now, by the request's output kind (None: nothing to say yet). ``finished``: the
+        caller's ``self.finished``, when it has it."""
+        if finished is None:
+            finished = self.finished
         kind = self.params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None

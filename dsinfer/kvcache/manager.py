@@ -55,6 +55,12 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed: list[KVCacheBlock] = ()) -> bool:
         """Give the request room for ``num_new_tokens`` more tokens; False (and no change) if blocks run out."""
+        end = request.num_computed_tokens + num_new_tokens
+        if not computed and end <= len(request.blocks) * self.block_size:
+            # most decode steps: the tokens fit the last block; only a block filled by them is offered
+            if self.enable_caching and end // self.block_size > request.num_offered_blocks:
+                self._cache_full_blocks(request, end)
+            return True
         if not self.can_allocate(request, num_new_tokens, computed):
             return False
         if computed:

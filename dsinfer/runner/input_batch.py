@@ -3,6 +3,7 @@ one packed copy to the device each)."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,34 +103,39 @@ def _step_tokens(states: list[RequestState], plan: StepPlan, num_tokens: int
     """Input ids of every scheduled chunk: its known tokens, placeholders (0) for the tokens a step in flight
     sampled, then its drafts; the placeholder rows and their requests; each request's sample rows (none for a
     prompt chunk that does not reach the end of the known tokens)."""
-    ids = np.zeros(num_tokens, dtype=np.int64)
+    ids: list[int] = []  # one conversion to an array at the end: a numpy store per request costs more
     rows: list[int] = []
     owners: list[str] = []
     samples: list[list[SampleRow]] = []
-    row = 0
-    for state in states:
-        n = plan.num_scheduled_tokens[state.request_id]
-        drafts = plan.draft_token_ids.get(state.request_id, [])
+    all_drafts = plan.draft_token_ids
+    for state, n in zip(states, plan.num_scheduled_tokens.values()):
+        drafts = all_drafts.get(state.request_id, []) if all_drafts else []
         start, end = state.num_computed_tokens, state.num_computed_tokens + n - len(drafts)
-        known = state.token_ids[start:end]
-        ids[row:row + len(known)] = known
-        ids[row + n - len(drafts):row + n] = drafts
-        for missing in range(len(known), end - start):
-            rows.append(row + missing)
-            owners.append(state.request_id)
-        if end >= len(state.token_ids):  # reaches the last token (known or in flight): samples
-            samples.append([SampleRow(state, end + j, drafts[:j], drafts[j] if j < len(drafts) else None)
-                            for j in range(len(drafts) + 1)])
+        tokens = state.token_ids
+        known = tokens[start:end]
+        ids += known
+        if len(known) < end - start:  # tokens a step in flight sampled
+            for _ in range(len(known), end - start):
+                rows.append(len(ids))
+                owners.append(state.request_id)
+                ids.append(0)
+        ids += drafts
+        if end >= len(tokens):  # reaches the last token (known or in flight): samples
+            if drafts:
+                samples.append([SampleRow(state, end + j, drafts[:j], drafts[j] if j < len(drafts) else None)
+                                for j in range(len(drafts) + 1)])
+            else:
+                samples.append([SampleRow(state, end, [], None)])
         else:
             samples.append([])
-        row += n
-    return ids, rows, owners, samples
+    assert len(ids) == num_tokens, "the plan's token counts do not match its requests"
+    return np.array(ids, dtype=np.int64), rows, owners, samples
 
 
 def build_step_inputs(states: list[RequestState], plan: StepPlan, block_size: int, device: torch.device
                       ) -> StepInputs:
-    """Flat batch of every scheduled chunk; logits rows: prompt-logprob rows first, then one row per sampled
-    position."""
+    """Flat batch of every scheduled chunk (``states``: the plan's requests, in its order); logits rows:
+    prompt-logprob rows first, then one row per sampled position."""
     q_lens = np.fromiter((plan.num_scheduled_tokens[s.request_id] for s in states), dtype=np.int64,
                          count=len(states))
     starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
@@ -139,10 +145,11 @@ def build_step_inputs(states: list[RequestState], plan: StepPlan, block_size: in
     input_ids, placeholder_rows, placeholder_requests, samples = _step_tokens(states, plan, num_tokens)
     row = np.repeat(np.arange(len(states)), q_lens)
     positions = np.arange(num_tokens) - cu[:-1][row] + starts[row]
-    tables = np.zeros((len(states), max(len(s.block_ids[0]) for s in states)), dtype=np.int32)
-    for i, s in enumerate(states):
-        blocks = s.block_ids[0]
-        tables[i, :len(blocks)] = blocks
+    # every request's block ids in one conversion, placed row by row through a mask (row-major, as they come)
+    num_blocks = np.fromiter((len(s.block_ids[0]) for s in states), dtype=np.int64, count=len(states))
+    tables = np.zeros((len(states), int(num_blocks.max())), dtype=np.int32)
+    tables[np.arange(tables.shape[1]) < num_blocks[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(s.block_ids[0] for s in states), dtype=np.int32, count=int(num_blocks.sum()))
     slots = tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
     prompt_rows, logits_rows = _prompt_logprob_rows(states, cu)
@@ -245,6 +252,8 @@ def _logit_bias(rows: list[SampleRow], vocab_size: int, device: torch.device) ->
 def _banned(rows: list[SampleRow], vocab_size: int, device: torch.device) -> torch.Tensor | None:
     """Tokens a row must not sample: its request's stop tokens while it has fewer than min_tokens outputs, every
     token outside ``allowed_token_ids``, and its bad words' last tokens where the output ends with the rest."""
+    if not any(p.min_tokens_banned or p.bad_word_ids or p.allowed_token_ids for p in (r.state.sampling for r in rows)):
+        return None  # most steps: nothing to build a row of
     banned_ids = {i: tokens for i, r in enumerate(rows) if (tokens := _banned_tokens(r))}
     allowed = {i: r.state.sampling.allowed_token_ids for i, r in enumerate(rows) if r.state.sampling.allowed_token_ids}
     if not banned_ids and not allowed:

@@ -122,7 +122,7 @@ class Scheduler:
             if num_new <= 0 or request.num_output_tokens + request.num_pending >= request.max_tokens:
                 i += 1
                 continue
-            drafts = self._drafts(request, budget - num_new)
+            drafts = self._drafts(request, budget - num_new) if request.draft_token_ids else []
             num_new += len(drafts)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self._pick_victim()
@@ -242,9 +242,10 @@ class PlanWriter:
                     max(len(request.prompt_logprobs) - 1, 0)))
             else:  # only the change: a decode step's costs no walk over the request's blocks
                 kept = min(self._blocks_sent[request.request_id], len(blocks))
+                new_blocks = [block.block_id for block in blocks[kept:]] if kept < len(blocks) else []
                 plan.cached_requests.append(CachedRequestData(
-                    request.request_id, request.all_token_ids[request.num_tokens_sent:],
-                    [[block.block_id for block in blocks[kept:]]], [kept], item.num_computed_tokens))
+                    request.request_id, request.all_token_ids[request.num_tokens_sent:], [new_blocks], [kept],
+                    item.num_computed_tokens))
             request.num_tokens_sent = request.num_tokens
             self._blocks_sent[request.request_id] = len(blocks)
             plan.num_scheduled_tokens[request.request_id] = item.num_new_tokens
