@@ -1,0 +1,205 @@
+"""DeepSeek-V3.2 (lightning indexer + top-k sparse MLA) against HF transformers on a tiny random checkpoint.
+
+The checkpoint is written by transformers' ``save_pretrained`` (V3's MLA with q LoRA, sigmoid noaux_tc MoE with
+groups and a shared expert, YaRN rope; an indexer of 8 heads of 16 features in every layer) with an MTP layer
+appended as hub checkpoints store it. ``index_topk`` is 8 and the prompts run to 64 tokens (plus 16 generated),
+so most query rows attend to a strict subset of their context and the selection decides the output. fp32 on
+CPU: prompt logprobs within 1e-4 of HF's, greedy continuations identical to HF's ``generate``, in a batch of
+mixed lengths, through chunked prefill, preemption and prefix-cache hits. Weights are re-drawn at unit scale
+(``test_deepseek.randomize``), so the indexer's scores are well spread and no two tie at the top-k boundary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsinfer import LLM, SamplingParams
+from dsinfer.core.kv_cache_spec import IndexedMLASpec
+from dsinfer.layers.indexer import IndexedMLAAttention
+from tests.models.test_deepseek import COMMON, YARN, append_tensors, mtp_tensors, randomize
+
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 16
+TOPK = 8
+
+
+def v32_config(num_hidden_layers: int = 2, index_topk: int = TOPK) -> transformers.DeepseekV32Config:
+    return transformers.DeepseekV32Config(
+        **COMMON,
+        num_hidden_layers=num_hidden_layers,
+        q_lora_rank=24,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        rope_parameters=dict(YARN, mscale=1.0, mscale_all_dim=1.0),
+        index_topk=index_topk,
+        index_head_dim=16,
+        index_n_heads=8,
+    )
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    """8 prompts of 5 to 64 tokens (one shorter than index_topk); the last four share a 36-token stem."""
+    gen = torch.Generator().manual_seed(11)
+    stem = torch.randint(0, vocab, (36,), generator=gen).tolist()
+    own = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 20, 33, 47)]
+    return own + [stem + torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 12, 16, 28)]
+
+
+class Checkpoint:
+    def __init__(self, path: Path, hf: torch.nn.Module):
+        self.path, self.hf = path, hf
+        self.prompts = _prompts(hf.config.vocab_size)
+        self._logprobs: dict[int, torch.Tensor] = {}
+        self._greedy: dict[int, list[int]] = {}
+
+    def hf_logprobs(self, i: int) -> torch.Tensor:
+        if i not in self._logprobs:
+            ids = torch.tensor([self.prompts[i]])
+            with torch.no_grad():
+                logits = self.hf(ids).logits[0].float()
+            self._logprobs[i] = logits.log_softmax(-1)[:-1].gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1)
+        return self._logprobs[i]
+
+    def hf_greedy(self, i: int) -> list[int]:
+        if i not in self._greedy:
+            ids = torch.tensor([self.prompts[i]])
+            with torch.no_grad():
+                out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                       min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+            self._greedy[i] = out[0, ids.shape[1]:].tolist()
+        return self._greedy[i]
+
+
+@pytest.fixture(scope="module")
+def v32(tmp_path_factory) -> Checkpoint:
+    """Main model = layers 0-1 of a 3-layer donor; the donor's layer 2 (indexer included) is the MTP block."""
+    torch.manual_seed(0)
+    donor = transformers.DeepseekV32ForCausalLM(v32_config(num_hidden_layers=3)).eval()
+    randomize(donor, seed=5)
+    hf = transformers.DeepseekV32ForCausalLM(v32_config()).eval()
+    hf.load_state_dict({k: v for k, v in donor.state_dict().items() if not k.startswith("model.layers.2.")})
+    path = tmp_path_factory.mktemp("deepseek-v32")
+    hf.save_pretrained(path)
+    # transformers' V3.2 config has no num_nextn_predict_layers; the published config.json has 1
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(cfg | {"num_nextn_predict_layers": 1}))
+    append_tensors(path, mtp_tensors(donor, donor_layer=2, index=2, seed=6))
+    return Checkpoint(path, hf)
+
+
+ALL = list(range(8))
+
+
+def _run(llm: LLM, ckpt: Checkpoint, indices: list[int], prompt_logprobs: bool = True):
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                            prompt_logprobs=0 if prompt_logprobs else None)
+    return llm.generate([{"prompt_token_ids": ckpt.prompts[i]} for i in indices], params, use_tqdm=False)
+
+
+def _logprobs_of(out, ids: list[int]) -> torch.Tensor:
+    return torch.tensor([out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))])
+
+
+def _assert_matches_hf(outputs, ckpt: Checkpoint, indices: list[int], mode: str) -> None:
+    for out, i in zip(outputs, indices):
+        assert out.outputs[0].token_ids == ckpt.hf_greedy(i), f"{mode}: prompt {i} diverged"
+        if out.prompt_logprobs is not None:
+            worst = float((_logprobs_of(out, ckpt.prompts[i]) - ckpt.hf_logprobs(i)).abs().max())
+            assert worst < 1e-4, f"{mode}: prompt {i} logprobs differ by {worst:.3g}"
+
+
+def test_batch_of_mixed_lengths_matches_hf(v32):
+    _assert_matches_hf(_run(LLM(str(v32.path)), v32, ALL), v32, ALL, "batch")
+
+
+def test_chunked_prefill_matches_hf(v32):
+    llm = LLM(str(v32.path), max_num_batched_tokens=16, enable_prefix_caching=False)
+    _assert_matches_hf(_run(llm, v32, ALL), v32, ALL, "chunked")
+
+
+def test_preemption_matches_hf(v32):
+    llm = LLM(str(v32.path), num_kv_blocks=10, enable_prefix_caching=False)
+    scheduler, preempted = llm.engine.scheduler, []
+    original = scheduler._preempt
+    scheduler._preempt = lambda request: (preempted.append(request), original(request))
+    _assert_matches_hf(_run(llm, v32, ALL), v32, ALL, "preempt")
+    assert preempted, "the KV cache was large enough: nothing was preempted"
+
+
+def test_prefix_cache_hits_equal_no_prefix_cache(v32):
+    """A hit reuses the blocks' latent rows and indexer keys alike: the same tokens as without the cache."""
+    off = [o.outputs[0].token_ids for o in _run(LLM(str(v32.path), enable_prefix_caching=False), v32, ALL, False)]
+    llm = LLM(str(v32.path), enable_prefix_caching=True)
+    first = [o.outputs[0].token_ids for o in _run(llm, v32, [7], prompt_logprobs=False)]
+    hits = llm.engine.get_stats()["prefix_cache_hits"]
+    on = [o.outputs[0].token_ids for o in _run(llm, v32, ALL, prompt_logprobs=False)]
+    assert llm.engine.get_stats()["prefix_cache_hits"] > hits
+    assert first == [off[7]] and on == off
+    assert on == [v32.hf_greedy(i) for i in ALL]
+
+
+def test_cache_pages_hold_latent_and_indexer_keys(v32):
+    runner = LLM(str(v32.path)).engine.runner
+    cfg = v32.hf.config
+    per_token = cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.index_head_dim
+    assert all(isinstance(spec, IndexedMLASpec) for spec in runner.kv_specs)
+    assert runner.kv_bytes_per_token == cfg.num_hidden_layers * per_token * 4
+    layer = runner.model.attention_layers()[0]
+    assert isinstance(layer, IndexedMLAAttention)
+    assert layer.kv_cache.shape == (runner.num_blocks, 16, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    assert layer.index_cache.shape == (runner.num_blocks, 16, cfg.index_head_dim)
+    mtp = runner.model.mtp
+    assert mtp is not None and isinstance(mtp.layers[0].block.self_attn, IndexedMLAAttention)
+
+
+def _with_config(src: Path, dst: Path, **changes) -> Path:
+    cfg = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(cfg | changes))
+    (dst / "model.safetensors").symlink_to(src / "model.safetensors")
+    return dst
+
+
+def _v3_of(src: Path, dst: Path) -> Path:
+    """The same weights as a dense DeepSeek-V3 checkpoint (interleaved rope, no indexer tensors)."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", rope_interleave=True)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    tensors = {k: v for k, v in load_file(src / "model.safetensors").items() if ".indexer." not in k}
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_selection_changes_the_output_and_is_all_that_does(v32, tmp_path):
+    """With index_topk beyond every context V3.2 is V3's dense MLA (the same weights run as V3 give the same
+    logprobs); with index_topk 8 the logprobs of long prompts move far from those: the selection matters."""
+    long = [3, 7]
+
+    def logprobs(path: Path) -> torch.Tensor:
+        outs = _run(LLM(str(path)), v32, long)
+        return torch.cat([_logprobs_of(o, v32.prompts[i]) for o, i in zip(outs, long)])
+
+    (tmp_path / "dense").mkdir(), (tmp_path / "v3").mkdir()
+    dense = logprobs(_with_config(v32.path, tmp_path / "dense", index_topk=1024))
+    v3 = logprobs(_v3_of(v32.path, tmp_path / "v3"))
+    sparse = logprobs(v32.path)
+    assert float((dense - v3).abs().max()) < 1e-4
+    assert float((sparse - dense).abs().max()) > 0.1
+    assert float((sparse - torch.cat([v32.hf_logprobs(i) for i in long])).abs().max()) < 1e-4
+
+
+def test_config_without_indexer_fields_is_refused(v32, tmp_path):
+    path = _with_config(v32.path, tmp_path, index_topk=0)
+    with pytest.raises(ValueError, match="index_topk must be a positive integer"):
+        LLM(str(path))
