@@ -20,8 +20,16 @@ from dsinfer.ops.dispatch import use_triton
 
 
 def store_index_keys(k: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k [T, D] -> the cache rows ``slot_mapping`` (negative slots are padding, skipped). A plain indexed copy on
-    every device: one row per token, no arithmetic to fuse."""
+    """k [T, D] -> the cache rows ``slot_mapping`` (negative slots are padding, skipped)."""
+    if use_triton(k):
+        from dsinfer.ops.triton.indexer import store_index_keys_triton
+
+        return store_index_keys_triton(k, index_cache, slot_mapping)
+    store_index_keys_ref(k, index_cache, slot_mapping)
+
+
+def store_index_keys_ref(k: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Torch path of ``store_index_keys`` (its filter of padding rows reads the mask on the host)."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, slot_mapping = k[keep], slot_mapping[keep]

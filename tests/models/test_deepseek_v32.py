@@ -203,3 +203,36 @@ def test_config_without_indexer_fields_is_refused(v32, tmp_path):
     path = _with_config(v32.path, tmp_path, index_topk=0)
     with pytest.raises(ValueError, match="index_topk must be a positive integer"):
         LLM(str(path))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the kernels run compiled")
+def test_triton_interpreter_greedy_matches_hf(v32, monkeypatch):
+    """Every op on its Triton kernel under TRITON_INTERPRET=1 (the indexer's key store and scores, sparse MLA,
+    and V3's kernels): HF's greedy tokens (the first 6) and prompt logprobs for a prompt shorter than index_topk
+    and one of 64 tokens."""
+    import dsinfer.ops.triton.indexer as indexer_kernels
+    import dsinfer.ops.triton.sparse_mla as sparse_kernels
+
+    monkeypatch.setenv("DSINFER_USE_TRITON", "always")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = dict.fromkeys(("store_index_keys_triton", "indexer_scores_triton", "sparse_mla_triton"), 0)
+    for module in (indexer_kernels, sparse_kernels):
+        for name in calls:
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, _counting(calls, name, getattr(module, name)))
+    llm = LLM(str(v32.path), device="cpu", dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)  # (interpreter time)
+    outs = llm.generate([{"prompt_token_ids": v32.prompts[i]} for i in (0, 7)], params, use_tqdm=False)
+    for out, i in zip(outs, (0, 7)):
+        assert out.outputs[0].token_ids == v32.hf_greedy(i)[:6], f"prompt {i} diverged"
+        assert float((_logprobs_of(out, v32.prompts[i]) - v32.hf_logprobs(i)).abs().max()) < 1e-4
+    assert all(calls.values()), f"an op did not take its Triton kernel: {calls}"
+
+
+def _counting(calls: dict[str, int], name: str, fn):
+    def wrapped(*args, **kwargs):
+        calls[name] += 1
+        return fn(*args, **kwargs)
+
+    return wrapped

@@ -13,6 +13,7 @@ from dsinfer.ops.indexer import (
     row_positions,
     select_topk,
     store_index_keys,
+    store_index_keys_ref,
 )
 from dsinfer.ops.mla import mla_decode_ref
 from dsinfer.ops.sparse_mla import selected_slots, sparse_mla, sparse_mla_ref
@@ -62,9 +63,9 @@ def test_row_positions_follow_the_batch_layout():
     assert seq.tolist() == [0, 1, 1, 1, 2, 2] and pos.tolist() == [6, 0, 1, 2, 8, 9]
 
 
-def test_store_index_keys_skips_padding_slots():
+def test_store_index_keys_ref_skips_padding_slots():
     cache = torch.zeros(2, 4, 3)
-    store_index_keys(torch.arange(9.0).view(3, 3), cache, torch.tensor([5, -1, 0]))
+    store_index_keys_ref(torch.arange(9.0).view(3, 3), cache, torch.tensor([5, -1, 0]))
     assert cache.view(-1, 3)[5].tolist() == [0, 1, 2] and cache.view(-1, 3)[0].tolist() == [6, 7, 8]
     assert int((cache != 0).sum()) == 5  # nothing else written (key [0, 1, 2] has one zero)
 
@@ -115,6 +116,13 @@ def test_triton_indexer_and_sparse_mla_match_references(q_lens, ctx_lens, ih, id
         assert [sorted(r) for r in chosen.tolist()] == [sorted(r) for r in want.tolist()]
     seq, _ = row_positions(qsl, seq_lens, num_rows)
     slots = selected_slots(chosen, seq, tables, block_size)
+    stored, want = keys.clone(), keys.clone()
+    new_keys = torch.randn(num_rows, idim, generator=gen).to(dtype).to(device)
+    new_slots = torch.randperm(keys.shape[0] * block_size, generator=gen)[:num_rows].to(device)
+    new_slots[0] = -1  # padding
+    store_index_keys(new_keys, stored, new_slots)
+    store_index_keys_ref(new_keys, want, new_slots)
+    assert torch.equal(stored, want) and not torch.equal(stored, keys)
     qn = torch.randn(num_rows, heads, rank, generator=gen).to(dtype).to(device)
     qp = torch.randn(num_rows, heads, rope, generator=gen).to(dtype).to(device)
     out = sparse_mla(qn, qp, latent, slots, rank**-0.5)

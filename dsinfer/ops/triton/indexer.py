@@ -1,4 +1,7 @@
-"""Triton lightning-indexer scores (DeepSeek-V3.2) over the paged indexer-key cache.
+"""Triton lightning-indexer ops (DeepSeek-V3.2) over the paged indexer-key cache: the key store and the scores.
+
+The store is a program per token that copies its key to its slot (negative: padding, skipped) with no host
+read, so decode steps can be captured in a CUDA graph (the torch path's filter of padding rows syncs).
 
 Grid (key tiles, query rows). A program scores ``BLOCK_N`` key positions of one row's sequence: it gathers the
 keys through the block table, multiplies them by all of the row's indexer heads at once (one ``[H, D] x [D, N]``
@@ -46,6 +49,26 @@ def _index_scores_kernel(
     s = tl.maximum(_dot(q, tl.trans(k), UPCAST) * scale, 0.0)  # [BLOCK_H, BLOCK_N]
     score = tl.sum(s * w[:, None], axis=0)
     tl.store(out_ptr + row64 * stride_ot + offs_n, tl.where(n_valid, score, float("-inf")), mask=offs_n < width)
+
+
+@triton.jit
+def _store_keys_kernel(k_ptr, cache_ptr, slots_ptr, stride_kt, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    if slot >= 0:
+        offs = tl.arange(0, BLOCK_D)
+        key = tl.load(k_ptr + token.to(tl.int64) * stride_kt + offs, mask=offs < HEAD_DIM)
+        tl.store(cache_ptr + slot * HEAD_DIM + offs, key.to(cache_ptr.dtype.element_ty), mask=offs < HEAD_DIM)
+
+
+def store_index_keys_triton(k: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """See ``ops.indexer.store_index_keys``."""
+    if not index_cache.is_contiguous() or k.stride(-1) != 1:
+        raise ValueError("the indexer-key store needs a contiguous cache and keys with a unit last stride")
+    if k.shape[0]:
+        head_dim = k.shape[-1]
+        _store_keys_kernel[(k.shape[0],)](k, index_cache, slot_mapping, k.stride(0), HEAD_DIM=head_dim,
+                                          BLOCK_D=triton.next_power_of_2(head_dim))
 
 
 def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
