@@ -18,9 +18,19 @@ import pytest
 import torch
 
 from dsinfer import LLM, SamplingParams
+from dsinfer.config import KV_CACHE_DTYPES
 from dsinfer.core.kv_cache_spec import IndexedMLASpec
 from dsinfer.layers.indexer import IndexedMLAAttention
-from tests.models.test_deepseek import COMMON, YARN, append_tensors, mtp_tensors, randomize
+from dsinfer.ops.fp8 import FP8_DTYPE, block_dequantize, block_quantize
+from tests.models.test_deepseek import (
+    COMMON,
+    QUANTIZED,
+    YARN,
+    _hf_reads_fp8_latent,
+    append_tensors,
+    mtp_tensors,
+    randomize,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -203,6 +213,66 @@ def test_config_without_indexer_fields_is_refused(v32, tmp_path):
     path = _with_config(v32.path, tmp_path, index_topk=0)
     with pytest.raises(ValueError, match="index_topk must be a positive integer"):
         LLM(str(path))
+
+
+def _fp8_pair(src: Path, fp8: Path, deq: Path) -> None:
+    """``src`` with every projection (the indexer's wq_b and wk included, as the published checkpoint has them;
+    weights_proj stays unquantized there) stored as FP8 [128, 128] blocks, and that checkpoint's dequantization
+    written out in float32."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    fp8.mkdir(), deq.mkdir()
+    (deq / "config.json").write_text(json.dumps(cfg))
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    (fp8 / "config.json").write_text(json.dumps(cfg | {"quantization_config": quant}))
+    quantized, dequantized = {}, {}
+    for name, tensor in load_file(src / "model.safetensors").items():
+        if name.endswith(".weight") and name.split(".")[-2] in QUANTIZED + ("wq_b", "wk"):
+            q, scale = block_quantize(tensor, (128, 128))
+            quantized[name], quantized[name + "_scale_inv"] = q, scale
+            dequantized[name] = block_dequantize(q, scale, (128, 128))
+        else:
+            quantized[name] = dequantized[name] = tensor
+    save_file(quantized, fp8 / "model.safetensors", metadata={"format": "pt"})
+    save_file(dequantized, deq / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_fp8_block_weights_equal_their_dequantization(v32, tmp_path):
+    _fp8_pair(v32.path, tmp_path / "fp8", tmp_path / "deq")
+    llm = LLM(str(tmp_path / "fp8"))
+    indexer = llm.engine.runner.model.layers[1].self_attn.indexer
+    assert indexer.wq_b.weight.dtype == FP8_DTYPE and indexer.wk.weight.dtype == FP8_DTYPE
+    long = [3, 7]
+    ours, ref = _run(llm, v32, long), _run(LLM(str(tmp_path / "deq")), v32, long)
+    for a, b, i in zip(ours, ref, long):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        lp = _logprobs_of(a, v32.prompts[i]) - _logprobs_of(b, v32.prompts[i])
+        assert float(lp.abs().max()) < 1e-4
+
+
+def test_fp8_latent_cache_matches_hf_over_fp8_rounded_latents(v32):
+    """An FP8 latent cache (the indexer's keys stay float32) computes what HF computes with its latent and rope key
+    rounded to FP8, through prefill, decode and prefix-cache hits."""
+    dtype = KV_CACHE_DTYPES["fp8"]
+    llm = LLM(str(v32.path), kv_cache_dtype="fp8", enable_prefix_caching=True)
+    layer = llm.engine.runner.model.attention_layers()[0]
+    assert layer.kv_cache.dtype == dtype and layer.index_cache.dtype == torch.float32
+    long = [3, 6, 7]
+    want_tokens, want_lp = {}, {}
+    with _hf_reads_fp8_latent(v32.hf, dtype), torch.no_grad():
+        for i in long:
+            ids = torch.tensor([v32.prompts[i]])
+            want_lp[i] = v32.hf(ids).logits[0].float().log_softmax(-1)[:-1].gather(
+                1, ids[0, 1:].unsqueeze(1)).squeeze(1)
+            out = v32.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                  min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+            want_tokens[i] = out[0, ids.shape[1]:].tolist()
+    for out, i in zip(_run(llm, v32, long), long):
+        assert out.outputs[0].token_ids == want_tokens[i], f"prompt {i} diverged"
+        assert float((_logprobs_of(out, v32.prompts[i]) - want_lp[i]).abs().max()) < 1e-4
+    again = _run(llm, v32, long, prompt_logprobs=False)  # the stem's blocks read back from FP8 rows
+    assert [o.outputs[0].token_ids for o in again] == [want_tokens[i] for i in long]
 
 
 @pytest.mark.slow
