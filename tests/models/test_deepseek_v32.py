@@ -172,6 +172,38 @@ def test_cache_pages_hold_latent_and_indexer_keys(v32):
     assert mtp is not None and isinstance(mtp.layers[0].block.self_attn, IndexedMLAAttention)
 
 
+def test_each_layer_selects_the_tokens_hf_selects(v32, monkeypatch):
+    """Per layer and prompt row, the indexer's chosen positions equal HF's top-k among the positions the row can
+    see (HF's rows that see fewer than index_topk tokens also name some they cannot, which its mask drops)."""
+    import dsinfer.layers.indexer as indexer_layer
+
+    ids = v32.prompts[7]
+    hf_picks = []
+    hooks = [layer.self_attn.indexer.register_forward_hook(lambda m, a, out: hf_picks.append(out[0]))
+             for layer in v32.hf.model.layers]
+    try:
+        with torch.no_grad():
+            v32.hf(torch.tensor([ids]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    ours, pick = [], indexer_layer.indexer_topk
+
+    def recorded(*args, **kwargs):
+        ours.append(pick(*args, **kwargs))
+        return ours[-1]
+
+    monkeypatch.setattr(indexer_layer, "indexer_topk", recorded)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    LLM(str(v32.path)).generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+    assert len(ours) >= len(hf_picks) == v32.hf.config.num_hidden_layers
+    for layer, (got, want) in enumerate(zip(ours, hf_picks)):  # the prompt's step comes first
+        for row in range(len(ids)):
+            assert sorted(p for p in got[row].tolist() if p >= 0) == sorted(
+                p for p in want[row].tolist() if p <= row), f"layer {layer} row {row}"
+        assert (got >= 0).sum(1).max() == TOPK
+
+
 def _with_config(src: Path, dst: Path, **changes) -> Path:
     cfg = json.loads((src / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps(cfg | changes))
