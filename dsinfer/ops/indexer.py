@@ -39,11 +39,12 @@ def store_index_keys_ref(k: torch.Tensor, index_cache: torch.Tensor, slot_mappin
 def row_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_rows: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence [T] int64, position [T] int64) of every query row: rows of sequence b hold its last
-    ``q_len[b]`` positions."""
+    ``q_len[b]`` positions. No host read (a CUDA graph's padding rows, past ``query_start_loc[B]``, get the last
+    sequence and a position nothing reads)."""
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    seq = torch.repeat_interleave(torch.arange(q_lens.numel(), device=q_lens.device), q_lens,
-                                  output_size=num_rows)
-    pos = torch.arange(num_rows, device=q_lens.device) - query_start_loc[seq].long()
+    rows = torch.arange(num_rows, device=query_start_loc.device, dtype=query_start_loc.dtype)
+    seq = torch.searchsorted(query_start_loc[1:].contiguous(), rows, right=True).clamp_max(q_lens.numel() - 1)
+    pos = rows.long() - query_start_loc[seq].long()
     return seq, pos + (seq_lens.long() - q_lens)[seq]
 
 

@@ -6,7 +6,8 @@ row, expanding per-head K/V for the whole context buys nothing): the caller fold
 selected latent rows, and the output is the attention-weighted latent [T, H, R] (the caller applies W_UV).
 
 The selection is given as cache slots per row (``selected_slots``: ``block * block_size + offset``, -1 = none),
-so the op needs no block table. Every row must select at least one slot (its own token always qualifies).
+so the op needs no block table. A row's own token always qualifies; a row that selects nothing (padding)
+gets zeros.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def sparse_mla_ref(
         ctx = cache_rows(kv_cache, s.clamp_min(0)).to(dtype)  # [n, K, R + P]
         scores = torch.einsum("nhc,nkc->nhk", q[rows], ctx) * scale
         scores = scores.masked_fill((s < 0).unsqueeze(1), float("-inf"))
-        out[rows] = torch.einsum("nhk,nkr->nhr", scores.softmax(-1), ctx[..., :rank]).to(out.dtype)
+        weights = scores.softmax(-1).nan_to_num_(0.0)  # a row that selects nothing (padding): zeros
+        out[rows] = torch.einsum("nhk,nkr->nhr", weights, ctx[..., :rank]).to(out.dtype)
     return out
 
 

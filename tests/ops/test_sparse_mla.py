@@ -127,3 +127,22 @@ def test_triton_indexer_and_sparse_mla_match_references(q_lens, ctx_lens, ih, id
     qp = torch.randn(num_rows, heads, rope, generator=gen).to(dtype).to(device)
     out = sparse_mla(qn, qp, latent, slots, rank**-0.5)
     assert_close(out, sparse_mla_ref(qn, qp, latent, slots, rank**-0.5), dtype)
+
+
+def test_padding_rows_of_a_graph_select_nothing(device):
+    """A CUDA graph pads the step with rows past query_start_loc[B] (empty queries, seq_len 0, slot -1): they
+    score every key -inf, select no slot and attend to nothing (zeros, no NaN), reading only real memory."""
+    keys = torch.randn(4, 8, 16).to(device)
+    tables = torch.tensor([[2, 1], [0, 0]], dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 1, 1], dtype=torch.int32, device=device)  # one real row, then a padding sequence
+    seq_lens = torch.tensor([11, 0], dtype=torch.int32, device=device)
+    q, w = torch.randn(3, 2, 16).to(device), torch.randn(3, 2).to(device)
+    scores = indexer_scores(q, w, keys, tables, qsl, seq_lens, 0.25, 16)
+    assert torch.isfinite(scores[0, :11]).all() and scores[0, 11:].isinf().all() and scores[1:].isinf().all()
+    chosen = select_topk(scores, 4)
+    seq, _ = row_positions(qsl, seq_lens, 3)
+    slots = selected_slots(chosen, seq, tables, 8)
+    assert seq.tolist() == [0, 1, 1] and (slots[1:] == -1).all() and (slots[0] >= 0).all()
+    latent, qn, qp = torch.randn(4, 8, 40).to(device), torch.randn(3, 4, 32).to(device), torch.randn(3, 4, 8).to(device)
+    for out in (sparse_mla(qn, qp, latent, slots, 0.2), sparse_mla_ref(qn, qp, latent, slots, 0.2)):
+        assert torch.isfinite(out).all() and (out[1:] == 0).all()

@@ -3,11 +3,11 @@
 The store is a program per token that copies its key to its slot (negative: padding, skipped) with no host
 read, so decode steps can be captured in a CUDA graph (the torch path's filter of padding rows syncs).
 
-Grid (key tiles, query rows). A program scores ``BLOCK_N`` key positions of one row's sequence: it gathers the
-keys through the block table, multiplies them by all of the row's indexer heads at once (one ``[H, D] x [D, N]``
-product), applies ReLU and the scale, and sums the heads weighted by the row's head weights, in float32. Keys
-after the row's position (causal) and past the sequence score -inf. The top-k over the scores is torch's
-(``ops.indexer.select_topk``).
+Scores: grid (key tiles, query rows). A program scores ``BLOCK_N`` key positions of one row's sequence: it
+gathers the keys through the block table, multiplies them by all of the row's indexer heads at once (one
+``[H, D] x [D, N]`` product), applies ReLU and the scale, and sums the heads weighted by the row's head weights,
+in float32. Keys after the row's position (causal) and past the sequence score -inf, as does every key for a
+padding row. The top-k over the scores is torch's (``ops.indexer.select_topk``; on CUDA a radix select).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ def _index_scores_kernel(
     seq = _find_row_seq(query_start_loc_ptr, num_seqs, row)
     q_end = tl.load(query_start_loc_ptr + seq + 1)
     visible = tl.load(seq_lens_ptr + seq) - (q_end - 1 - row)  # causal: keys up to this row's position
+    # a CUDA graph's padding row (past the last query) sees nothing: all -inf, so it selects no slot
+    visible = tl.where(row < tl.load(query_start_loc_ptr + num_seqs), visible, 0)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < visible
     offs_h = tl.arange(0, BLOCK_H)

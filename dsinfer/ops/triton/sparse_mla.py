@@ -3,8 +3,8 @@
 Grid (head tiles, query rows). A program holds ``BLOCK_H`` heads of one row and walks the row's selected cache
 slots (``ops.sparse_mla``: -1 = none) in tiles of ``BLOCK_N``: each gathered tile of latent rows is the key
 (``q_absorbed . c + q_pe . k_pe``) and the value (``p @ c``) for all heads of the tile, as in the dense decode
-kernel (``ops.triton.mla``), whose softmax steps it shares. One pass, no split: a row has at most ``index_topk``
-keys.
+kernel (``ops.triton.mla``). One pass, no split: a row has at most ``index_topk`` keys. A row that selects
+nothing (a CUDA graph's padding row) gets zeros.
 """
 
 from __future__ import annotations
@@ -14,7 +14,20 @@ import triton
 import triton.language as tl
 
 from dsinfer.ops._common import FP8_DTYPES
-from dsinfer.ops.triton.mla import _LOG2E, _dot, _softmax_step, _softmax_totals, _tile
+from dsinfer.ops.triton.mla import _LOG2E, _dot, _softmax_totals, _tile
+
+
+@triton.jit
+def _softmax_step(s, n_valid, scale_log2, m_i, l_i):
+    """``ops.triton.mla``'s online-softmax step, safe for a row with no key yet: a running max still -inf is
+    taken as 0, so the tile's weights and the rescale are 0 instead of NaN (a CUDA graph's padding rows select
+    nothing at all)."""
+    s = tl.where(n_valid[None, :], s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
 
 
 @triton.jit
@@ -70,7 +83,8 @@ def sparse_mla_triton(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, kv_cach
     out = q_nope_absorbed.new_empty(num_rows, num_heads, rank)
     if num_rows == 0:
         return out
-    block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
+    # a [BLOCK_H, R] float32 accumulator per program: 16 heads at V3's rank 512 (32 KB), more at small ranks
+    block_h = 16 if rank >= 256 else min(64, max(16, triton.next_power_of_2(num_heads)))
     grid = (triton.cdiv(num_heads, block_h), num_rows)
     _sparse_mla_kernel[grid](
         q_nope_absorbed, q_pe, kv_cache, slots, out,
