@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsinfer import batch_invariant
 from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.core.kv_cache_spec import IndexedMLACache, IndexedMLASpec
 from dsinfer.layers.fp8_linear import Fp8Config, make_linear
@@ -145,5 +146,8 @@ class IndexedMLAAttention(MLAAttention):
                                    self.kv_cache, batch.slot_mapping, angles=angles)
         slots = self.indexer.select(index_q, index_k, index_w, positions, batch, self.index_cache, cos_sin, angles)
         latent = sparse_mla(self._absorb(q_nope), q_pe, self.kv_cache, slots, self.scale)
+        w_uv = self._kv_b()[2]
+        if batch_invariant.is_enabled():  # its dispatch mode routes bmm, not the bmm into ``out`` below
+            return torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).flatten(1)
         out = latent.new_empty(latent.shape[0], self.num_heads, self.v_dim)
-        return latent_values(latent, self._kv_b()[2], out).flatten(1)
+        return latent_values(latent, w_uv, out).flatten(1)

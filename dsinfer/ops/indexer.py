@@ -92,11 +92,14 @@ def indexer_scores(q, weights, index_cache, block_tables, query_start_loc, seq_l
 
 
 def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """scores [T, L] -> the positions of each row's ``min(topk, L)`` best keys [T, min(topk, L)] int32, -1 in
-    place of a key the row cannot see (rows that see fewer keys than ``topk`` keep all they see). Order within a
-    row is unspecified (attention over the set does not depend on it)."""
+    """scores [T, L] -> the positions of each row's ``min(topk, L)`` best keys [T, min(topk, L)] int32, ascending,
+    then -1 in place of keys the row cannot see (rows that see fewer keys than ``topk`` keep all they see).
+    Ascending: the attention over the set then sums it in one order whatever the width ``L`` of the step's
+    scores (the deterministic mode's batch invariance), and gathers the cache rows in memory order."""
     values, positions = scores.topk(min(topk, scores.shape[1]), dim=-1, sorted=False)
-    return positions.masked_fill(values == float("-inf"), -1).to(torch.int32)
+    unseen = torch.iinfo(positions.dtype).max
+    positions = positions.masked_fill(values == float("-inf"), unseen).sort(dim=-1).values
+    return positions.masked_fill(positions == unseen, -1).to(torch.int32)
 
 
 def indexer_topk(

@@ -247,6 +247,26 @@ def test_config_without_indexer_fields_is_refused(v32, tmp_path):
         LLM(str(path))
 
 
+def test_deterministic_mode_output_does_not_depend_on_the_batch(v32):
+    """deterministic=True: a seeded (T=0.8) request gives the same tokens and logprobs alone and among
+    companions of other lengths, chunked and not (the sparse path's matmuls go through the invariant mode)."""
+    target = SamplingParams(temperature=0.8, seed=3, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+    others = SamplingParams(temperature=1.0, seed=4, max_tokens=5, ignore_eos=True)
+    prompt = {"prompt_token_ids": v32.prompts[7]}
+    companions = [{"prompt_token_ids": v32.prompts[i]} for i in (0, 2, 3, 5, 6)]
+
+    def fingerprint(out):
+        c = out.outputs[0]
+        return c.token_ids, [sorted((t, lp.logprob) for t, lp in pos.items()) for pos in c.logprobs]
+
+    (alone,) = LLM(str(v32.path), deterministic=True).generate(prompt, target, use_tqdm=False)
+    for kwargs in (dict(), dict(max_num_batched_tokens=24)):
+        llm = LLM(str(v32.path), deterministic=True, **kwargs)
+        outs = llm.generate(companions[:2] + [prompt] + companions[2:], [others] * 2 + [target] + [others] * 3,
+                            use_tqdm=False)
+        assert fingerprint(outs[2]) == fingerprint(alone), kwargs
+
+
 def _fp8_pair(src: Path, fp8: Path, deq: Path) -> None:
     """``src`` with every projection (the indexer's wq_b and wk included, as the published checkpoint has them;
     weights_proj stays unquantized there) stored as FP8 [128, 128] blocks, and that checkpoint's dequantization
