@@ -327,6 +327,35 @@ def test_fp8_latent_cache_matches_hf_over_fp8_rounded_latents(v32):
     assert [o.outputs[0].token_ids for o in again] == [want_tokens[i] for i in long]
 
 
+# ---- CUDA (skipped without a GPU) ----
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", [dict(), dict(async_scheduling=False, enforce_eager=True)],
+                         ids=["graphs-async", "eager-sync"])
+def test_cuda_float32_greedy_matches_hf(v32, mode):
+    """The Triton kernels on the GPU at float32 (the key store, indexer scores and sparse MLA have no host read,
+    so decode is captured in CUDA graphs): HF's greedy tokens and prompt logprobs."""
+    assert torch.get_float32_matmul_precision() == "highest"  # TF32 would make float32 inexact
+    llm = LLM(str(v32.path), device="cuda", dtype="float32", **mode)
+    if not mode:
+        assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs, \
+            "decode CUDA graphs were not captured (see the capture warning in the log)"
+    _assert_matches_hf(_run(llm, v32, ALL), v32, ALL, f"cuda {mode}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bfloat16_smoke(v32):
+    """dtype auto: bf16 on the GPU; close to float32 HF, not identical (bf16 may flip a near tie in the top-k)."""
+    llm = LLM(str(v32.path), device="cuda")
+    outs = _run(llm, v32, ALL)
+    diffs = torch.cat([(_logprobs_of(o, v32.prompts[i]) - v32.hf_logprobs(i)).abs() for o, i in zip(outs, ALL)])
+    assert float(diffs.mean()) < 0.05, f"bf16 prompt logprobs differ from float32 HF by {float(diffs.mean()):.3g}"
+    assert sum(o.outputs[0].token_ids[0] == v32.hf_greedy(i)[0] for o, i in zip(outs, ALL)) >= 6
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the kernels run compiled")
 def test_triton_interpreter_greedy_matches_hf(v32, monkeypatch):
