@@ -18,6 +18,8 @@ import torch
 from dsinfer.ops._common import copy_rows
 from dsinfer.ops.dispatch import use_triton
 
+SCORE_ROWS_BUDGET = 1 << 26  # float32 scores (256 MiB) that ``indexer_topk`` materializes at once
+
 
 def store_index_keys(k: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """k [T, D] -> the cache rows ``slot_mapping`` (negative slots are padding, skipped)."""
@@ -57,38 +59,42 @@ def indexer_scores_ref(
     seq_lens: torch.Tensor,
     scale: float,
     max_seq_len: int,
+    rows: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] (roped), weights [T, H] -> scores [T, max_seq_len] float32 over key positions, -inf where the
-    row cannot see the key (after its position, or past its sequence). Sequence by sequence, 128 query rows at a
-    time (bounds the [rows, H, L] product)."""
-    num_rows = q.shape[0]
-    out = torch.full((num_rows, max_seq_len), float("-inf"), dtype=torch.float32, device=q.device)
+    row cannot see the key (after its position, or past its sequence). ``rows`` = (start, end): only those query
+    rows' scores, [end - start, max_seq_len] (None: every row). Sequence by sequence, 128 query rows at a time
+    (bounds the [rows, H, L] product)."""
+    start, end = rows or (0, q.shape[0])
+    out = torch.full((end - start, max_seq_len), float("-inf"), dtype=torch.float32, device=q.device)
     block_size, flat = index_cache.shape[1], index_cache.view(-1, index_cache.shape[-1])
     starts = query_start_loc.tolist()
     for b, length in enumerate(seq_lens.tolist()):
         first, n = starts[b], starts[b + 1] - starts[b]
-        if n == 0:
+        lo_row, hi_row = max(first, start), min(first + n, end)  # this sequence's rows within ``rows``
+        if lo_row >= hi_row:
             continue
         pos = torch.arange(length, device=q.device)
         keys = flat[block_tables[b, pos // block_size].long() * block_size + pos % block_size].float()  # [L, D]
-        for lo in range(0, n, 128):
-            rows = slice(first + lo, first + min(n, lo + 128))
-            s = torch.relu(torch.einsum("nhd,ld->nhl", q[rows].float(), keys) * scale)
-            s = torch.einsum("nh,nhl->nl", weights[rows].float(), s)
-            q_pos = torch.arange(length - n + lo, length - n + lo + s.shape[0], device=q.device)
-            out[rows, :length] = s.masked_fill(pos > q_pos.unsqueeze(1), float("-inf"))
+        for lo in range(lo_row, hi_row, 128):
+            hi = min(hi_row, lo + 128)
+            s = torch.relu(torch.einsum("nhd,ld->nhl", q[lo:hi].float(), keys) * scale)
+            s = torch.einsum("nh,nhl->nl", weights[lo:hi].float(), s)
+            q_pos = torch.arange(lo, hi, device=q.device) - first + length - n
+            out[lo - start : hi - start, :length] = s.masked_fill(pos > q_pos.unsqueeze(1), float("-inf"))
     return out
 
 
-def indexer_scores(q, weights, index_cache, block_tables, query_start_loc, seq_lens, scale, max_seq_len
+def indexer_scores(q, weights, index_cache, block_tables, query_start_loc, seq_lens, scale, max_seq_len, rows=None
                    ) -> torch.Tensor:
     """See ``indexer_scores_ref``."""
     if use_triton(q):
         from dsinfer.ops.triton.indexer import indexer_scores_triton
 
         return indexer_scores_triton(q, weights, index_cache, block_tables, query_start_loc, seq_lens, scale,
-                                     max_seq_len)
-    return indexer_scores_ref(q, weights, index_cache, block_tables, query_start_loc, seq_lens, scale, max_seq_len)
+                                     max_seq_len, rows)
+    return indexer_scores_ref(q, weights, index_cache, block_tables, query_start_loc, seq_lens, scale, max_seq_len,
+                              rows)
 
 
 def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -114,6 +120,16 @@ def indexer_topk(
     max_seq_len: int,
 ) -> torch.Tensor:
     """The key positions each query row attends to: ``select_topk(indexer_scores(...), topk)``, [T, K] int32
-    with K = min(topk, max_seq_len); ``max_seq_len`` (host int) bounds ``seq_lens``."""
-    scores = indexer_scores(q, weights, index_cache, block_tables, query_start_loc, seq_lens, scale, max_seq_len)
-    return select_topk(scores, topk)
+    with K = min(topk, max_seq_len); ``max_seq_len`` (host int) bounds ``seq_lens``. Scored ``SCORE_ROWS_BUDGET //
+    max_seq_len`` rows at a time, so the float32 score matrix stays bounded (a 8k-token prefill chunk at a 128k
+    context would be 4 GiB); decode steps take one pass."""
+    num_rows, step = q.shape[0], max(1, SCORE_ROWS_BUDGET // max(max_seq_len, 1))
+    if num_rows <= step:
+        scores = indexer_scores(q, weights, index_cache, block_tables, query_start_loc, seq_lens, scale, max_seq_len)
+        return select_topk(scores, topk)
+    out = torch.empty(num_rows, min(topk, max_seq_len), dtype=torch.int32, device=q.device)
+    for start in range(0, num_rows, step):
+        rows = (start, min(num_rows, start + step))
+        out[rows[0] : rows[1]] = select_topk(indexer_scores(q, weights, index_cache, block_tables, query_start_loc,
+                                                            seq_lens, scale, max_seq_len, rows), topk)
+    return out

@@ -146,3 +146,20 @@ def test_padding_rows_of_a_graph_select_nothing(device):
     latent, qn, qp = torch.randn(4, 8, 40).to(device), torch.randn(3, 4, 32).to(device), torch.randn(3, 4, 8).to(device)
     for out in (sparse_mla(qn, qp, latent, slots, 0.2), sparse_mla_ref(qn, qp, latent, slots, 0.2)):
         assert torch.isfinite(out).all() and (out[1:] == 0).all()
+
+
+def test_scores_in_row_chunks_equal_one_pass(monkeypatch, device):
+    """indexer_topk scores a bounded number of rows at a time (``SCORE_ROWS_BUDGET``): chunks that cut through
+    sequences give the one-pass selection, on the kernel and on the reference."""
+    import dsinfer.ops.indexer as indexer_ops
+
+    q_lens, ctx_lens = [3, 1, 5], [20, 9, 33]
+    keys, tables, qsl, seq_lens, gen = _latent_batch(q_lens, ctx_lens, 1, 16, 0, 8, torch.float32, device)
+    keys = torch.nan_to_num(keys)
+    q, w = torch.randn(9, 4, 16, generator=gen).to(device), torch.randn(9, 4, generator=gen).to(device)
+    args = (q, w, keys, tables, qsl, seq_lens, 0.25)
+    whole = indexer_topk(*args, 6, 33)
+    ref = indexer_scores_ref(*args, 33)
+    assert torch.equal(torch.cat([indexer_scores_ref(*args, 33, (a, b)) for a, b in ((0, 2), (2, 7), (7, 9))]), ref)
+    monkeypatch.setattr(indexer_ops, "SCORE_ROWS_BUDGET", 2 * 33)  # two rows a pass
+    assert torch.equal(indexer_topk(*args, 6, 33), whole)

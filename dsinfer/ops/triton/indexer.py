@@ -22,13 +22,14 @@ from dsinfer.ops.triton.mla import _dot, _find_row_seq, _tile
 @triton.jit
 def _index_scores_kernel(
     q_ptr, w_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-    num_seqs, num_heads, width, scale,
+    num_seqs, num_heads, width, scale, first_row,
     stride_qt, stride_qh, stride_wt, stride_c_blk, stride_c_off, stride_bt, block_size, stride_ot,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    row = tl.program_id(1)
+    out_row = tl.program_id(1).to(tl.int64)
+    row = tl.program_id(1) + first_row
     seq = _find_row_seq(query_start_loc_ptr, num_seqs, row)
     q_end = tl.load(query_start_loc_ptr + seq + 1)
     visible = tl.load(seq_lens_ptr + seq) - (q_end - 1 - row)  # causal: keys up to this row's position
@@ -50,7 +51,7 @@ def _index_scores_kernel(
                 + offs_d[None, :], mask=n_valid[:, None] & d_valid[None, :], other=0.0)
     s = tl.maximum(_dot(q, tl.trans(k), UPCAST) * scale, 0.0)  # [BLOCK_H, BLOCK_N]
     score = tl.sum(s * w[:, None], axis=0)
-    tl.store(out_ptr + row64 * stride_ot + offs_n, tl.where(n_valid, score, float("-inf")), mask=offs_n < width)
+    tl.store(out_ptr + out_row * stride_ot + offs_n, tl.where(n_valid, score, float("-inf")), mask=offs_n < width)
 
 
 @triton.jit
@@ -75,9 +76,11 @@ def store_index_keys_triton(k: torch.Tensor, index_cache: torch.Tensor, slot_map
 
 def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                           block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                          scale: float, max_seq_len: int) -> torch.Tensor:
+                          scale: float, max_seq_len: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """See ``ops.indexer.indexer_scores_ref``."""
-    num_rows, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
+    first_row, end = rows or (0, q.shape[0])
+    num_rows = end - first_row
     if q.stride(-1) != 1 or index_cache.stride(-1) != 1:
         raise ValueError("the indexer reads its queries and keys with a unit last stride")
     out = torch.empty(num_rows, max_seq_len, dtype=torch.float32, device=q.device)
@@ -87,7 +90,7 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, index_cache: t
     grid = (triton.cdiv(max_seq_len, block_n), num_rows)
     _index_scores_kernel[grid](
         q, weights, index_cache, block_tables, query_start_loc, seq_lens, out,
-        query_start_loc.shape[0] - 1, num_heads, max_seq_len, scale,
+        query_start_loc.shape[0] - 1, num_heads, max_seq_len, scale, first_row,
         q.stride(0), q.stride(1), weights.stride(0), index_cache.stride(0), index_cache.stride(1),
         block_tables.stride(0), index_cache.shape[1], out.stride(0),
         HEAD_DIM=head_dim, BLOCK_D=_tile(head_dim), BLOCK_H=_tile(num_heads), BLOCK_N=block_n,
