@@ -241,6 +241,21 @@ def test_selection_changes_the_output_and_is_all_that_does(v32, tmp_path):
     assert float((sparse - torch.cat([v32.hf_logprobs(i) for i in long])).abs().max()) < 1e-4
 
 
+def test_dummy_weights_and_a_config_naming_only_the_model_type(v32, tmp_path):
+    """load_format dummy: transformers-like random weights (k_norm's bias zero, its weight one), and a config.json
+    without ``architectures`` resolves through ``model_type: deepseek_v32``."""
+    cfg = json.loads((v32.path / "config.json").read_text())
+    del cfg["architectures"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(tmp_path), load_format="dummy")
+    indexer = llm.engine.runner.model.layers[0].self_attn.indexer
+    assert torch.equal(indexer.k_norm.bias, torch.zeros(16)) and torch.equal(indexer.k_norm.weight, torch.ones(16))
+    assert 0.015 < float(indexer.wq_b.weight.std()) < 0.025
+    out = llm.generate([{"prompt_token_ids": v32.prompts[7]}], SamplingParams(max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
 def test_config_without_indexer_fields_is_refused(v32, tmp_path):
     path = _with_config(v32.path, tmp_path, index_topk=0)
     with pytest.raises(ValueError, match="index_topk must be a positive integer"):
