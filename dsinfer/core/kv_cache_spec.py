@@ -7,6 +7,7 @@ divided by the sum of ``bytes_per_block`` over layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -69,4 +70,35 @@ class MLASpec:
         return torch.zeros(self.cache_shape(num_blocks), dtype=self.dtype, device=device)
 
 
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLASpec
+class IndexedMLACache(NamedTuple):
+    """The two caches of an ``IndexedMLASpec`` layer, indexed by the same block ids."""
+
+    latent: torch.Tensor  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (``MLASpec``'s layout)
+    index_keys: torch.Tensor  # [num_blocks, block_size, index_head_dim]
+
+
+@dataclass(frozen=True)
+class IndexedMLASpec(MLASpec):
+    """MLA with a lightning indexer (DeepSeek-V3.2): per token the latent row (``MLASpec``) and the indexer's key.
+
+    Both live in the pages of one block table (a block id indexes both), so a prefix-cache hit, a preemption and
+    a freed block cover both at once; ``bytes_per_block`` counts both, so the block budget is right. The keys are
+    kept apart from the latent rows (``IndexedMLACache``), each contiguous, so the MLA ops read the latent as
+    they do for V2/V3. ``index_dtype``: the keys' element type (the model's: an FP8 latent cache does not
+    quantize the indexer's keys, transformers scores them unquantized).
+    """
+
+    index_head_dim: int = 0
+    index_dtype: torch.dtype = torch.float32
+
+    @property
+    def bytes_per_block(self) -> int:
+        return super().bytes_per_block + self.block_size * self.index_head_dim * self.index_dtype.itemsize
+
+    def allocate(self, num_blocks: int, device: torch.device) -> IndexedMLACache:
+        index_shape = (num_blocks, self.block_size, self.index_head_dim)
+        return IndexedMLACache(super().allocate(num_blocks, device),
+                               torch.zeros(index_shape, dtype=self.index_dtype, device=device))
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLASpec | IndexedMLASpec

@@ -233,7 +233,7 @@ def _resolve_block_size(block_size: int | None, hf_config: dict[str, Any], devic
 # config.json's model_type -> architecture, for configs written without "architectures" (as transformers infers)
 _ARCHITECTURE_OF_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                          "mistral": "MistralForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-                         "deepseek_v3": "DeepseekV3ForCausalLM"}
+                         "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
 
 
 def _architectures(hf_config: dict[str, Any], path: Path) -> list[str]:

@@ -179,15 +179,19 @@ class MLAAttention(nn.Module):
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> MLASpec:
         return MLASpec(block_size, self.kv_lora_rank, self.rope_dim, dtype)
 
-    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (q [T, H * (N + P)], kv_a [T, R + P]), both possibly column slices of one GEMM's output."""
+    def _project_a(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (the normalized q LoRA latent [T, q_lora_rank], or q [T, H * (N + P)] without q LoRA; kv_a
+        [T, R + P]), kv_a possibly a column slice of one GEMM's output."""
         if self.fused_qkv_a_proj is not None:
             q, kv_a = self.fused_qkv_a_proj(hidden).split(self.q_split, dim=-1)
         else:
             q, kv_a = self.q_proj(hidden), self.kv_a_proj_with_mqa(hidden)
-        if self.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(q))
-        return q, kv_a
+        return (self.q_a_layernorm(q) if self.q_lora_rank else q), kv_a
+
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (q [T, H * (N + P)], kv_a [T, R + P]), both possibly column slices of one GEMM's output."""
+        q, kv_a = self._project_a(hidden)
+        return (self.q_b_proj(q) if self.q_lora_rank else q), kv_a
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q, kv_a = self._project(hidden)

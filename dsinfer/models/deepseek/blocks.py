@@ -190,7 +190,8 @@ class DeepseekDecoderLayer(nn.Module):
         super().__init__()
         kernel = kernel or KernelConfig()
         hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
-        self.self_attn = MLAAttention(cfg, quant, variant["rope_is_neox"](cfg), side_stream)
+        attention = variant.get("attention", MLAAttention)  # V3.2: MLA over the indexer's selection
+        self.self_attn = attention(cfg, quant, variant["rope_is_neox"](cfg), side_stream)
         self.is_moe = is_moe_layer(cfg, layer_idx)
         if self.is_moe:
             router = router_config(cfg, variant["router"], kernel.router_gemv)

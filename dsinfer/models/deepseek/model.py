@@ -1,8 +1,10 @@
-"""DeepseekV2ForCausalLM / DeepseekV3ForCausalLM: MLA + MoE decoder, optional MTP draft module, FP8 weights.
+"""DeepseekV2ForCausalLM / DeepseekV3ForCausalLM / DeepseekV32ForCausalLM: MLA + MoE decoder, optional MTP draft
+module, FP8 weights.
 
-The two differ only in defaults: V2 always ropes interleaved pairs and gates with softmax; V3 ropes
+V2 and V3 differ only in defaults: V2 always ropes interleaved pairs and gates with softmax; V3 ropes
 interleaved unless ``rope_interleave`` is false and gates with sigmoid + noaux_tc unless the config says
-otherwise (transformers >= 5 writes V3 configs without ``scoring_func`` / ``topk_method``).
+otherwise (transformers >= 5 writes V3 configs without ``scoring_func`` / ``topk_method``). V3.2 is V3 whose
+attention layers attend only to the tokens their lightning indexer selects (``layers.indexer``).
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from dsinfer.config import KernelConfig
 from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.fp8_linear import Fp8Config
+from dsinfer.layers.indexer import IndexedMLAAttention
 from dsinfer.layers.mla import MLAAttention, fuses_q_kv_a
 from dsinfer.layers.moe import SHARED, FusedExperts
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.streams import SideStream
-from dsinfer.models.deepseek.blocks import DeepseekDecoderLayer, check_config, fused_shared_experts
+from dsinfer.models.deepseek.blocks import DeepseekDecoderLayer, check_config, fused_shared_experts, is_moe_layer
 from dsinfer.ops.fp8 import FP8_DTYPE
 
 logger = logging.getLogger("dsinfer")
@@ -179,3 +182,22 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
         "router": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
                    "topk_methods": ("noaux_tc",)},
     }
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """V3 with DeepSeek sparse attention: every layer's MLA attends to its indexer's top ``index_topk`` tokens.
+    transformers ropes V3.2's MLA interleaved whatever the config says (it has no ``rope_interleave``)."""
+
+    variant: dict[str, Any] = {
+        **DeepseekV3ForCausalLM.variant,
+        "rope_is_neox": lambda cfg: False,
+        "attention": IndexedMLAAttention,
+    }
+
+    def __init__(self, cfg: dict[str, Any], kernel: KernelConfig | None = None):
+        types = cfg.get("mlp_layer_types")
+        ours = ["sparse" if is_moe_layer(cfg, i) else "dense" for i in range(cfg.get("num_hidden_layers") or 0)]
+        if types is not None and list(types) != ours:
+            raise ValueError(f"mlp_layer_types={types} is not supported: the MoE layers are those from "
+                             f"first_k_dense_replace={cfg.get('first_k_dense_replace')} on ({ours})")
+        super().__init__(cfg, kernel)
