@@ -13,6 +13,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("dsinfer.models.llama", "MistralForCausalLM"),
     "DeepseekV2ForCausalLM": ("dsinfer.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("dsinfer.models.deepseek", "DeepseekV3ForCausalLM"),
+    "DeepseekV4ForCausalLM": ("dsinfer.models.deepseek_v4", "DeepseekV4ForCausalLM"),
 }
 
 
