@@ -1,0 +1,133 @@
+"""DeepSeek-V4 in the engine against transformers' ``generate`` on a tiny random checkpoint it wrote.
+
+Every attention layer type (sliding, CSA rate 4 with the indexer's top-3, HCA rate 16), hash and top-k MoE and two
+hyper-connection streams (``v4_fixture``); prompts of 3 to 70 tokens, so past the window (8), several CSA windows
+and several HCA windows. fp32 on CPU: greedy continuations identical (``min_tokens`` as ``min_new_tokens``) and
+prompt logprobs within 1e-4, in one batch of mixed lengths, through chunked prefill and through preemption; with
+prefix caching asked for the output is the same (V4's state is in no block, so its prefix hits are off). The
+published checkpoint's tensor names (and its MTP tensors) load to the same model, from bf16 safetensors too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dsinfer import LLM, SamplingParams
+from dsinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+from dsinfer.models.weights import iterate_safetensors
+
+from .v4_fixture import write_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 12
+LENGTHS = (3, 11, 23, 40, 70)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("deepseek-v4")
+    hf = write_checkpoint(transformers, path)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(2, 128, (n,), generator=gen).tolist() for n in LENGTHS]
+    with torch.no_grad():
+        greedy = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                              pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        logprobs = [hf(torch.tensor([p])).logits[0].log_softmax(-1)[:-1].gather(1, torch.tensor(p[1:])[:, None])[:, 0]
+                    for p in prompts]
+    return path, hf, prompts, greedy, logprobs
+
+
+def _generate(llm: LLM, prompts: list[list[int]], prompt_logprobs: bool = True):
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS,
+                            prompt_logprobs=0 if prompt_logprobs else None)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def _assert_matches_hf(outputs, ckpt, mode: str) -> None:
+    _, _, prompts, greedy, logprobs = ckpt
+    for i, out in enumerate(outputs):
+        assert out.outputs[0].token_ids == greedy[i], f"{mode}: prompt {i} ({len(prompts[i])} tokens) diverged"
+        if out.prompt_logprobs is not None:
+            ids = prompts[i]
+            ours = torch.tensor([out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))])
+            worst = float((ours - logprobs[i]).abs().max())
+            assert worst < 1e-4, f"{mode}: prompt {i} logprobs differ by {worst:.3g}"
+
+
+def test_mixed_batch_matches_hf(ckpt):
+    _assert_matches_hf(_generate(LLM(str(ckpt[0])), ckpt[2]), ckpt, "batch")
+
+
+def test_chunked_prefill_matches_hf(ckpt):
+    """16-token chunks: prompts split mid-window, beside other requests' decode rows."""
+    llm = LLM(str(ckpt[0]), max_num_batched_tokens=16, max_num_seqs=4)
+    _assert_matches_hf(_generate(llm, ckpt[2]), ckpt, "chunked")
+
+
+def test_preemption_matches_hf(ckpt):
+    """Blocks of 16 tokens (4 CSA / 1 HCA entry each), 9 of them: the batch cannot all fit, requests are
+    preempted (blocks and state slot freed) and recomputed from their first token."""
+    llm = LLM(str(ckpt[0]), block_size=16, num_kv_blocks=9)
+    scheduler, preempted = llm.engine.scheduler, []
+    original = scheduler._preempt
+    scheduler._preempt = lambda request: (preempted.append(request), original(request))
+    _assert_matches_hf(_generate(llm, ckpt[2]), ckpt, "preempt")
+    assert preempted, "the KV cache was large enough: nothing was preempted"
+
+
+def test_prefix_caching_on_gives_the_output_of_off(ckpt):
+    """Prompts sharing a 48-token stem, run twice with prefix caching asked for: the same tokens as without it,
+    and no prefix hit (a hit could not restore the window ring and the compressors' rows)."""
+    stem = ckpt[2][4][:48]
+    prompts = [stem + [5, 9, 11], stem + [17, 3]]
+    off = [o.outputs[0].token_ids for o in _generate(LLM(str(ckpt[0]), enable_prefix_caching=False), prompts,
+                                                     prompt_logprobs=False)]
+    llm = LLM(str(ckpt[0]), enable_prefix_caching=True, block_size=16)
+    for _ in range(2):
+        on = [o.outputs[0].token_ids for o in _generate(llm, prompts, prompt_logprobs=False)]
+        assert on == off
+    assert llm.engine.get_stats()["prefix_cache_hits"] == 0
+
+
+PUBLISHED = {"model.embed_tokens.weight": "embed.weight", "model.hc_head.hc_fn": "hc_head_fn",
+             "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
+
+
+def _published(src: Path, dst: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The checkpoint as DeepSeek publishes it (no ``model.`` prefix, ``embed`` / ``hc_head_fn``..., an MTP
+    layer's tensors under ``mtp.0``) in ``dtype``; -> the MTP tensors written."""
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    out = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        name = PUBLISHED.get(name, name).removeprefix("model.")
+        out[name] = t.to(dtype) if t.is_floating_point() else t
+        if name.startswith("layers.3."):  # the MTP layer's block: a copy of the last layer's
+            out["mtp.0." + name.removeprefix("layers.3.")] = out[name].clone()
+    out["mtp.0.eh_proj.weight"] = torch.randn(32, 64).to(dtype)
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    return {k: v for k, v in out.items() if k.startswith("mtp.")}
+
+
+def test_published_names_and_bf16_load_the_same_model(ckpt, tmp_path):
+    path, hf = ckpt[0], ckpt[1]
+    cfg = json.loads((path / "config.json").read_text())
+    saved = DeepseekV4ForCausalLM(cfg)
+    saved.load_weights(iterate_safetensors(path))
+    for dtype in (torch.float32, torch.bfloat16):
+        mtp = _published(path, tmp_path / str(dtype), dtype)
+        model = DeepseekV4ForCausalLM(cfg)
+        model.load_weights(iterate_safetensors(tmp_path / str(dtype)))
+        assert sorted(model.mtp_weights) == sorted(mtp) and len(mtp) > 20
+        for (name, ours), (_, ref) in zip(model.state_dict().items(), saved.state_dict().items()):
+            expected = ref.to(dtype).to(ref.dtype) if ref.is_floating_point() else ref
+            assert torch.equal(ours, expected), name
+    experts = saved.layers[1].ffn.experts
+    torch.testing.assert_close(experts.w13, hf.model.layers[1].mlp.experts.gate_up_proj, rtol=0, atol=0)
