@@ -21,6 +21,7 @@ from dsinfer import LLM, SamplingParams
 from dsinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from dsinfer.models.weights import iterate_safetensors
 
+from ..engine.test_multi_token_steps import KnownTokensDrafter, with_drafter
 from .v4_fixture import write_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -80,6 +81,16 @@ def test_preemption_matches_hf(ckpt):
     scheduler._preempt = lambda request: (preempted.append(request), original(request))
     _assert_matches_hf(_generate(llm, ckpt[2]), ckpt, "preempt")
     assert preempted, "the KV cache was large enough: nothing was preempted"
+
+
+def test_draft_verification_matches_hf(ckpt):
+    """Steps of 1 + 3 tokens verifying drafts (every third one spoiled): the rings hold window + 3 rows, so the rows
+    a rejected draft overwrote were never needed, and entries a rejected draft closed are pooled again."""
+    path, _, prompts, greedy, _ = ckpt
+    drafter = KnownTokensDrafter({tuple(p): g for p, g in zip(prompts, greedy)}, spoil_every=3, vocab=128)
+    llm = with_drafter(LLM(str(path)), drafter, k=3)
+    _assert_matches_hf(_generate(llm, prompts, prompt_logprobs=False), ckpt, "drafts")
+    assert drafter.proposed > 20
 
 
 def test_prefix_caching_on_gives_the_output_of_off(ckpt):
