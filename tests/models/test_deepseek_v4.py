@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from dsinfer import LLM, SamplingParams
 from dsinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+from dsinfer.models.deepseek_v4.quant import unpack_fp4
 from dsinfer.models.weights import iterate_safetensors
 
 from ..engine.test_multi_token_steps import KnownTokensDrafter, with_drafter
@@ -142,3 +143,64 @@ def test_published_names_and_bf16_load_the_same_model(ckpt, tmp_path):
             assert torch.equal(ours, expected), name
     experts = saved.layers[1].ffn.experts
     torch.testing.assert_close(experts.w13, hf.model.layers[1].mlp.experts.gate_up_proj, rtol=0, atol=0)
+
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _fp8(weight: torch.Tensor, block: tuple[int, int], ue8m0: bool = False
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, scale per block: float32, or a power of two as float8_e8m0fnu; what they dequantize to)."""
+    rows, cols = weight.shape
+    grid = weight.reshape(rows // block[0], block[0], cols // block[1], block[1])
+    scale = grid.abs().amax(dim=(1, 3)) / 448.0
+    if ue8m0:
+        scale = scale.log2().ceil().exp2()
+    q = (grid / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    stored = scale.to(torch.float8_e8m0fnu) if ue8m0 else scale
+    return q.reshape(rows, cols), stored, (q.float() * scale[:, None, :, None]).reshape(rows, cols)
+
+
+def _fp4(shape: tuple[int, int], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed e2m1 int8 [N, K / 2], ue8m0 scale per row and 16 or 32 columns, what they dequantize to)."""
+    rows, cols = shape
+    group = min(32, cols)
+    codes = torch.randint(0, 16, shape, generator=gen)
+    exponents = torch.randint(120, 130, (rows, cols // group), generator=gen)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    expected = E2M1[codes] * (exponents.float() - 127).exp2().repeat_interleave(group, dim=1)
+    return packed, exponents.to(torch.uint8), expected
+
+
+def test_fp8_linears_and_fp4_experts_dequantize_on_load(ckpt, tmp_path):
+    """The published format: FP8 e4m3 linears with a float32 scale per 8 x 8 block under ``.scale``, FP4 routed
+    experts (two e2m1 a byte, low nibble first) with ue8m0 exponent bytes per 32 (16) columns; wo_b's scales as
+    float8_e8m0fnu; the
+    compressor / indexer projections stay unquantized, as published."""
+    path = ckpt[0]
+    _published(path, tmp_path / "plain", torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    out, expected = {}, {}
+    for name, t in load_file(tmp_path / "plain" / "model.safetensors").items():
+        prefix = name.removesuffix(".weight")
+        if ".experts." in name and not name.startswith("mtp."):
+            out[name], out[prefix + ".scale"], expected[name] = _fp4(tuple(t.shape), gen)
+        elif name.endswith(("wq_a.weight", "wq_b.weight", "wo_b.weight", "shared_experts.w1.weight")) \
+                and ".indexer." not in name:
+            out[name], out[prefix + ".scale"], expected[name] = _fp8(t, (8, 8), ue8m0="wo_b" in name)
+        else:
+            out[name] = t
+    (tmp_path / "quantized").mkdir()
+    (tmp_path / "quantized" / "config.json").write_text((path / "config.json").read_text())
+    save_file(out, tmp_path / "quantized" / "model.safetensors", metadata={"format": "pt"})
+    model = DeepseekV4ForCausalLM(json.loads((path / "config.json").read_text()))
+    model.load_weights(iterate_safetensors(tmp_path / "quantized"))
+    experts = model.layers[2].ffn.experts
+    assert torch.equal(experts.target(3, "w2"), expected["layers.2.ffn.experts.3.w2.weight"])
+    assert torch.equal(experts.target(1, "w3"), expected["layers.2.ffn.experts.1.w3.weight"])
+    assert torch.equal(model.layers[1].attn.wq_b.weight, expected["layers.1.attn.wq_b.weight"])
+    assert torch.equal(model.layers[0].ffn.shared_experts.w1.weight, expected["layers.0.ffn.shared_experts.w1.weight"])
+    assert torch.equal(model.layers[3].attn.wo_b.weight, expected["layers.3.attn.wo_b.weight"])
+    byte = int(out["layers.0.ffn.experts.0.w1.weight"][0, 0])  # low nibble first
+    unpacked = unpack_fp4(torch.tensor([[byte]], dtype=torch.int8))
+    assert torch.equal(unpacked, E2M1[[byte & 0xF, (byte >> 4) & 0xF]][None])

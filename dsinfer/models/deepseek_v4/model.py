@@ -2,7 +2,8 @@
 
 Parameters are named as the published checkpoint names its tensors (``embed``, ``layers.N.attn.wq_a``,
 ``layers.N.ffn.experts.E.w1``, ``hc_head_fn``...); ``checkpoint_name`` also reads what transformers'
-``save_pretrained`` writes (a ``model.`` prefix and a few of transformers' own names). The MTP layers' tensors
+``save_pretrained`` writes (a ``model.`` prefix and a few of transformers' own names). FP8 / FP4 weights are
+dequantized as they load (``quant``). The MTP layers' tensors
 (``mtp.*``) are kept as loaded, for the speculative-decoding drafter; they do not run.
 """
 
@@ -23,6 +24,7 @@ from dsinfer.models.deepseek_v4.attention import V4Attention
 from dsinfer.models.deepseek_v4.config import V4Config
 from dsinfer.models.deepseek_v4.hyper import HyperConnection, HyperHead
 from dsinfer.models.deepseek_v4.moe import V4Experts, V4MoE
+from dsinfer.models.deepseek_v4.quant import dequantized
 
 # transformers' save_pretrained names -> the published ones (after the "model." prefix is dropped)
 _SAVED_NAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
@@ -100,13 +102,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         return name, None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Fill every parameter and buffer from the checkpoint (bf16 / fp32 safetensors); all must be filled."""
+        """Fill every parameter and buffer from the checkpoint (bf16 / fp32 safetensors, FP8 / FP4 weights
+        dequantized: ``quant``); all must be filled."""
         targets = dict(self.named_parameters()) | dict(self.named_buffers())
         modules = dict(self.named_modules())
         loaded: set[str] = set()
-        for ckpt_name, tensor in weights:
+        for ckpt_name, tensor in dequantized(weights):
             if ckpt_name.removeprefix("model.").startswith("mtp."):
-                self.mtp_weights[ckpt_name.removeprefix("model.")] = tensor
+                dtype = self.embed.weight.dtype  # dequantized FP8 arrives as float32: keep the model's dtype
+                self.mtp_weights[ckpt_name.removeprefix("model.")] = tensor.to(dtype) if tensor.is_floating_point() \
+                    else tensor
                 continue
             routed = self.checkpoint_name(ckpt_name)
             if routed is None:
