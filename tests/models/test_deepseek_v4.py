@@ -204,3 +204,16 @@ def test_fp8_linears_and_fp4_experts_dequantize_on_load(ckpt, tmp_path):
     byte = int(out["layers.0.ffn.experts.0.w1.weight"][0, 0])  # low nibble first
     unpacked = unpack_fp4(torch.tensor([[byte]], dtype=torch.int8))
     assert torch.equal(unpacked, E2M1[[byte & 0xF, (byte >> 4) & 0xF]][None])
+
+
+def test_dummy_weights_in_bf16_spread_hash_routing(ckpt):
+    """Dummy weights at the checkpoint's shapes, in bf16: the hash table sends each token to k distinct experts,
+    spread over all of them (an all-zero table would send every token to expert 0), and generation runs."""
+    llm = LLM(str(ckpt[0]), load_format="dummy", dtype="bfloat16")
+    model = llm.engine.executor.runner.model
+    table = model.layers[0].ffn.gate.tid2eid
+    assert all(len(set(row)) == table.shape[1] for row in table.tolist())
+    assert torch.bincount(table.flatten(), minlength=4).min() > table.numel() // 8
+    assert model.layers[1].hc_attn.scale.dtype == torch.float32
+    (out,) = _generate(llm, [ckpt[2][4]], prompt_logprobs=False)
+    assert len(out.outputs[0].token_ids) == NEW_TOKENS

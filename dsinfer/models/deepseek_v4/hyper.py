@@ -13,6 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _init_like_transformers(base: nn.Parameter, scale: nn.Parameter) -> None:
+    """Dummy weights as transformers initialises them: biases 0, scales 1 (``fn`` takes the normal init)."""
+    base.dummy_init = lambda std, gen: base.data.zero_()
+    scale.dummy_init = lambda std, gen: scale.data.fill_(1.0)
+
+
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
@@ -27,6 +33,7 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.empty(width, hc_mult * hidden_size, dtype=torch.float32), requires_grad=False)
         self.base = nn.Parameter(torch.empty(width, dtype=torch.float32), requires_grad=False)
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32), requires_grad=False)
+        _init_like_transformers(self.base, self.scale)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hc = self.hc
@@ -69,6 +76,7 @@ class HyperHead(nn.Module):
         self.fn = nn.Parameter(torch.empty(hc_mult, hc_mult * hidden_size, dtype=torch.float32), requires_grad=False)
         self.base = nn.Parameter(torch.empty(hc_mult, dtype=torch.float32), requires_grad=False)
         self.scale = nn.Parameter(torch.empty(1, dtype=torch.float32), requires_grad=False)
+        _init_like_transformers(self.base, self.scale)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps), self.fn.float())

@@ -58,10 +58,18 @@ class V4Router(nn.Module):
         super().__init__()
         self.top_k, self.hashed, self.scoring_func, self.scaling = top_k, hashed, scoring_func, scaling
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
-        if hashed:
-            self.register_buffer("tid2eid", torch.zeros(vocab_size, top_k, dtype=torch.int64))
+        if hashed:  # a parameter, not a buffer, so dummy weights fill it too (``dummy_init``)
+            self.tid2eid = nn.Parameter(torch.zeros(vocab_size, top_k, dtype=torch.int64), requires_grad=False)
+            self.tid2eid.dummy_init = self._dummy_hash
         else:
             self.register_buffer("bias", torch.zeros(num_experts, dtype=torch.float32))  # e_score_correction_bias
+
+    def _dummy_hash(self, std: float, generator: torch.Generator) -> None:
+        """Dummy weights: k distinct random experts per token id, as a trained table spreads tokens (an all-zero
+        table would send every token to expert 0 and fake the MoE's speed)."""
+        num_experts = self.weight.shape[0]
+        keys = torch.rand(self.tid2eid.shape[0], num_experts, generator=generator, device=self.tid2eid.device)
+        self.tid2eid.data.copy_(keys.argsort(dim=-1)[:, :self.top_k])
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = expert_scores(F.linear(x, self.weight), self.scoring_func)
