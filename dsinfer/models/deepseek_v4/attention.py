@@ -55,6 +55,9 @@ class V4Attention(nn.Module):
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> CompressedSpec | None:
         """The paged part (None for a sliding layer: it pages nothing)."""
+        if dtype.itemsize == 1:
+            raise ValueError("kv_cache_dtype='fp8' is not supported for DeepSeek-V4 (its compressed entries and "
+                             "window keys are stored unscaled); use 'auto'")
         if self.compressor is None:
             return None
         widths = (self.head_dim,) if self.indexer is None else (self.head_dim, self.indexer.head_dim)
