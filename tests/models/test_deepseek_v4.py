@@ -84,6 +84,24 @@ def test_preemption_matches_hf(ckpt):
     assert preempted, "the KV cache was large enough: nothing was preempted"
 
 
+def test_deterministic_mode_gives_a_request_the_same_bits_alone_batched_and_chunked(ckpt):
+    """Deterministic mode: the 40-token prompt's tokens and logprobs are identical alone, beside the 23-token one
+    and in 16-token chunks beside it (its window and entries read in a layout fixed by each query's position), and
+    still transformers' greedy tokens."""
+    path, _, prompts, greedy, _ = ckpt
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6, logprobs=2)
+
+    def run(llm: LLM, batch: list[list[int]]):
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                for o in outs]
+
+    alone = run(LLM(str(path), deterministic=True), [prompts[3]])[0]
+    assert alone[0] == greedy[3][:6]
+    assert run(LLM(str(path), deterministic=True), prompts[2:4])[1] == alone
+    assert run(LLM(str(path), deterministic=True, max_num_batched_tokens=16), prompts[2:4])[1] == alone
+
+
 def test_draft_verification_matches_hf(ckpt):
     """Steps of 1 + 3 tokens verifying drafts (every third one spoiled): the rings hold window + 3 rows, so the rows
     a rejected draft overwrote were never needed, and entries a rejected draft closed are pooled again."""

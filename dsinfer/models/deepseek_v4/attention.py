@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsinfer import batch_invariant
 from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.core.kv_cache_spec import CompressedSpec, StateSlotSpec
 from dsinfer.layers.linear import Linear
@@ -24,6 +25,7 @@ from dsinfer.models.deepseek_v4.compressor import Compressor
 from dsinfer.models.deepseek_v4.config import CSA, SLIDING, V4Config
 from dsinfer.models.deepseek_v4.hyper import unweighted_rms_norm
 from dsinfer.models.deepseek_v4.indexer import Indexer
+from dsinfer.models.deepseek_v4.invariant import attend_invariant
 from dsinfer.models.deepseek_v4.rope import V4Rope, apply_rope
 from dsinfer.models.deepseek_v4.step import SeqStep, V4Step, read_ring, write_ring
 
@@ -97,9 +99,9 @@ class V4Attention(nn.Module):
                     index_q: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """One sequence's queries [n, heads, dim] over its window and its compressed entries -> [n, heads, dim]."""
         first = max(0, seq.num_computed - self.window + 1)
-        keys = [read_ring(self.state["window"], seq.slot, range(first, seq.num_computed)).to(kv.dtype), kv[seq.rows]]
-        key_pos = torch.arange(first, seq.end, device=q.device)
-        visible = (key_pos <= positions.unsqueeze(-1)) & (key_pos > positions.unsqueeze(-1) - self.window)
+        context = torch.cat((read_ring(self.state["window"], seq.slot, range(first, seq.num_computed)).to(kv.dtype),
+                             kv[seq.rows]))  # positions first .. end - 1
+        entries, chosen = context.new_zeros(0, context.shape[1]), torch.zeros(len(positions), 0, dtype=torch.bool)
         if self.compressor is not None:
             entries = self.compressor.gather(step, seq, self.kv_cache[0]).to(kv.dtype)
             if self.indexer is not None:
@@ -107,9 +109,15 @@ class V4Attention(nn.Module):
                 chosen = self.indexer.select(index_q[0][seq.rows], index_q[1][seq.rows], index_keys, positions)
             else:
                 chosen = torch.arange(entries.shape[0], device=q.device) < ((positions + 1) // self.rate).unsqueeze(-1)
-            keys.append(entries)
-            visible = torch.cat((visible, chosen), dim=1)
-        keys = torch.cat(keys)
+        if batch_invariant.is_enabled():
+            by_offset = positions.unsqueeze(-1) - torch.arange(self.window, device=q.device)  # key j: position t - j
+            window = context[(by_offset - first).clamp(min=0)]
+            return attend_invariant(q, window, by_offset >= 0, entries, chosen.to(q.device), self.attn_sink,
+                                    self.head_dim ** -0.5).to(q.dtype)
+        key_pos = torch.arange(first, seq.end, device=q.device)
+        visible = (key_pos <= positions.unsqueeze(-1)) & (key_pos > positions.unsqueeze(-1) - self.window)
+        visible = torch.cat((visible, chosen.to(q.device)), dim=1)
+        keys = torch.cat((context, entries))
         scores = torch.einsum("nhd,ld->hnl", q, keys) * self.head_dim ** -0.5
         scores = scores.masked_fill(~visible, float("-inf"))
         sink = self.attn_sink.to(scores.dtype).view(-1, 1, 1).expand(-1, scores.shape[1], 1)
