@@ -5,12 +5,14 @@ model's logits through our paged entries and state-slot rings, in one step and i
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+from dsinfer.models.deepseek_v4.config import CSA, HCA, V4Config
 from dsinfer.models.weights import iterate_safetensors
 
 from .v4_fixture import write_checkpoint
@@ -115,3 +117,37 @@ def test_model_logits_match_through_the_engine_caches(pair, chunks):
         got.append(_run_chunk(ours, ids, start, start + n, [3, 1, 5], slot=1))  # blocks out of order
         start += n
     torch.testing.assert_close(torch.cat(got), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_published_flat_config_reads_as_transformers_nested_one(pair, tmp_path):
+    """The published config.json spells the layout flat (compress_ratios, num_hash_layers, qk_rope_head_dim,
+    rope_theta / compress_rope_theta / rope_scaling): it reads as the config transformers wrote."""
+    hf, ours = pair
+    cfg = hf.config.to_dict()
+    flat = {k: v for k, v in cfg.items() if k not in ("layer_types", "mlp_layer_types", "rope_parameters",
+                                                        "partial_rotary_factor", "compress_rates")}
+    compress = cfg["rope_parameters"]["compress"]
+    flat.update(compress_ratios=[0, 4, 128, 4], num_hash_layers=1, qk_rope_head_dim=8,
+                rope_scaling={k: v for k, v in compress.items() if k not in ("rope_theta", "partial_rotary_factor",
+                                                                             "attention_factor")})
+    got = V4Config.of(flat)
+    assert got.layer_types == ours.v4.layer_types and got.mlp_layer_types == ours.v4.mlp_layer_types
+    assert got.rope_parameters == ours.v4.rope_parameters and got.rope_dim == 8
+    assert got.compress_rates == {CSA: 4, HCA: 128}  # the ratios name the layer types; the rates are V4's
+    assert V4Config.of(dict(flat, compress_rate_hca=16)).compress_rates == ours.v4.compress_rates
+
+
+def test_v4_flash_pages_6_4_kb_a_token_and_a_12_mib_state_slot():
+    """V4-Flash's real config (43 layers, built on the meta device): 2,048-token blocks, 6,584 bytes of cache a
+    token of context in bf16 (V3: 70 KB), and a 12 MiB state slot a running sequence."""
+    cfg = json.loads((Path("/work/shared/model-configs/deepseek-v4-flash/config.json")).read_text()) \
+        if Path("/work/shared/model-configs/deepseek-v4-flash/config.json").exists() else None
+    if cfg is None:
+        pytest.skip("shared/model-configs/deepseek-v4-flash is not here")
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(cfg)
+    block = 16 * model.v4.max_rate
+    specs = [layer.kv_cache_spec(block, torch.bfloat16) for layer in model.attention_layers()]
+    assert block == 2048 and sum(s.bytes_per_block for s in specs if s is not None) / block == 6584
+    slot = sum(layer.state_spec(0, torch.bfloat16).bytes_per_slot for layer in model.attention_layers())
+    assert round(slot / 2**20, 1) == 11.9

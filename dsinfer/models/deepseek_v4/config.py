@@ -1,9 +1,10 @@
 """DeepSeek-V4's config.json read once into a frozen view, with the legacy spellings folded in as transformers does.
 
 Published checkpoints and transformers' ``save_pretrained`` write the same model two ways: per-layer
-``compress_ratios`` (0 / 4 / 128) or ``layer_types``; ``num_hash_layers`` or ``mlp_layer_types``;
-``qk_rope_head_dim`` or ``partial_rotary_factor``; flat ``rope_theta`` / ``compress_rope_theta`` / ``rope_scaling``
-or ``rope_parameters`` nested by rope type (``main`` for sliding layers, ``compress`` for the compressed ones).
+``compress_ratios`` (0 / 4 / 128) or ``layer_types``; ``compress_rate_csa`` / ``_hca`` or ``compress_rates``;
+``num_hash_layers`` or ``mlp_layer_types``; ``qk_rope_head_dim`` or ``partial_rotary_factor``; flat
+``rope_theta`` / ``compress_rope_theta`` / ``rope_scaling`` or ``rope_parameters`` nested by rope type (``main``
+for sliding layers, ``compress`` for the compressed ones).
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class V4Config:
         if layer_types is None:  # transformers' default: two HCA layers, then CSA / HCA interleaved
             layer_types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
         rates = {**DEFAULT_RATES, **(cfg.get("compress_rates") or {})}
+        for kind, legacy in ((CSA, "compress_rate_csa"), (HCA, "compress_rate_hca")):
+            if cfg.get(legacy) is not None:
+                rates[kind] = cfg[legacy]
         mlp_types = cfg.get("mlp_layer_types")
         if mlp_types is None:
             n_hash = cfg.get("num_hash_layers", 3)
