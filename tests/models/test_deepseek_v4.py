@@ -113,6 +113,12 @@ def test_draft_verification_matches_hf(ckpt):
     assert drafter.proposed > 20
 
 
+def test_worker_process_matches_hf(ckpt):
+    """The model in a worker process: each request's state slot crosses the pipe in its NewRequestData."""
+    llm = LLM(str(ckpt[0]), distributed_executor_backend="mp")
+    _assert_matches_hf(_generate(llm, ckpt[2][2:], prompt_logprobs=False), ckpt, "mp", [2, 3, 4])
+
+
 def test_prefix_caching_on_gives_the_output_of_off(ckpt):
     """Prompts sharing a 48-token stem, run twice with prefix caching asked for: the same tokens as without it,
     and no prefix hit (a hit could not restore the window ring and the compressors' rows)."""
