@@ -121,7 +121,10 @@ class ModelRunner:
         self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] | None = None  # benchmarks
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
-        if self.device.type == "cuda" and not config.device.enforce_eager:
+        # a model whose forward reads its batch on the host (DeepSeek-V4's torch path) is neither captured nor
+        # warmed up with dummy batches (those carry no state slots)
+        eager_only = getattr(self.model, "eager_only", False)
+        if self.device.type == "cuda" and not config.device.enforce_eager and not eager_only:
             max_len = config.model.max_model_len
             # steps that verify k drafts get graphs of 1 + k tokens a sequence where the model's attention can be
             # captured at that length (``multi_token_decode_graphs``); otherwise they run eagerly
@@ -141,7 +144,7 @@ class ModelRunner:
                     self.prefill_graphs.capture(pool, stream)
                 if multi:  # last: a capture that fails leaves the pool unusable for the captures after it
                     self.graphs.capture(pool, stream, multi)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not eager_only:
             with batch_invariant(config.device.deterministic):
                 warm_up_prefill(self.model, config.scheduler.max_num_batched_tokens, config.model.max_model_len,
                                 self.block_size, self.device)

@@ -55,7 +55,10 @@ class V4DecoderLayer(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    multi_token_decode_graphs = False  # the torch attention path reads each sequence's bounds on the host
+    # the torch attention path reads each sequence's bounds on the host (one sync a step): no CUDA graphs, no
+    # warm-up on dummy batches (they carry no state slots)
+    eager_only = True
+    multi_token_decode_graphs = False
 
     def __init__(self, cfg: dict[str, Any], kernel: KernelConfig | None = None):
         """``kernel``: unused (V4 runs its torch path); taken for the loader's common signature."""
