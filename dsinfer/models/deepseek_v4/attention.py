@@ -101,7 +101,8 @@ class V4Attention(nn.Module):
         first = max(0, seq.num_computed - self.window + 1)
         context = torch.cat((read_ring(self.state["window"], seq.slot, range(first, seq.num_computed)).to(kv.dtype),
                              kv[seq.rows]))  # positions first .. end - 1
-        entries, chosen = context.new_zeros(0, context.shape[1]), torch.zeros(len(positions), 0, dtype=torch.bool)
+        entries = context.new_zeros(0, context.shape[1])
+        chosen = torch.zeros(len(positions), 0, dtype=torch.bool, device=q.device)
         if self.compressor is not None:
             entries = self.compressor.gather(step, seq, self.kv_cache[0]).to(kv.dtype)
             if self.indexer is not None:
@@ -112,11 +113,11 @@ class V4Attention(nn.Module):
         if batch_invariant.is_enabled():
             by_offset = positions.unsqueeze(-1) - torch.arange(self.window, device=q.device)  # key j: position t - j
             window = context[(by_offset - first).clamp(min=0)]
-            return attend_invariant(q, window, by_offset >= 0, entries, chosen.to(q.device), self.attn_sink,
+            return attend_invariant(q, window, by_offset >= 0, entries, chosen, self.attn_sink,
                                     self.head_dim ** -0.5).to(q.dtype)
         key_pos = torch.arange(first, seq.end, device=q.device)
         visible = (key_pos <= positions.unsqueeze(-1)) & (key_pos > positions.unsqueeze(-1) - self.window)
-        visible = torch.cat((visible, chosen.to(q.device)), dim=1)
+        visible = torch.cat((visible, chosen), dim=1)
         keys = torch.cat((context, entries))
         scores = torch.einsum("nhd,ld->hnl", q, keys) * self.head_dim ** -0.5
         scores = scores.masked_fill(~visible, float("-inf"))
