@@ -119,6 +119,13 @@ def test_worker_process_matches_hf(ckpt):
     _assert_matches_hf(_generate(llm, ckpt[2][2:], prompt_logprobs=False), ckpt, "mp", [2, 3, 4])
 
 
+def test_async_scheduling_matches_hf(ckpt):
+    """Overlapped steps: a decode row's input id is the previous step's sample, filled in on the device before the
+    forward (the hash router reads it)."""
+    llm = LLM(str(ckpt[0]), async_scheduling=True)
+    _assert_matches_hf(_generate(llm, ckpt[2], prompt_logprobs=False), ckpt, "async")
+
+
 def test_prefix_caching_on_gives_the_output_of_off(ckpt):
     """Prompts sharing a 48-token stem, run twice with prefix caching asked for: the same tokens as without it,
     and no prefix hit (a hit could not restore the window ring and the compressors' rows)."""
