@@ -88,6 +88,27 @@ def test_moe_matches(pair, layer):
     torch.testing.assert_close(ours.layers[layer].ffn(x[0], ids), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layer", [0, 1, 2])  # sliding, CSA, HCA
+def test_attention_layer_matches(pair, layer):
+    """Shared-KV MQA with sinks, partial RoPE (main / compress + YaRN), the window, the compressed entries (and
+    the indexer's choice) and the grouped output projection, over 37 tokens in one step."""
+    hf, ours = pair
+    x = torch.randn(1, 37, 32)
+    positions = torch.arange(37)
+    rotary = hf.model.rotary_emb
+    angles = {kind: rotary(x, positions.unsqueeze(0), layer_type=kind) for kind in ("main", "compress")}
+    offset = positions.view(-1, 1) - positions.view(1, -1)
+    mask = torch.zeros(37, 37).masked_fill((offset < 0) | (offset >= 8), float("-inf"))[None, None]
+    ref = hf.model.layers[layer].self_attn(x, angles, positions.unsqueeze(0), mask)[0][0]
+    _engine_caches(ours, block_size=32, num_blocks=3)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(37).long(), positions=positions, slot_mapping=torch.zeros(37).long(),
+        block_tables=torch.tensor([[2, 1]], dtype=torch.int32), query_start_loc=torch.tensor([0, 37]),
+        seq_lens=torch.tensor([37]), logits_indices=torch.arange(37), max_query_len=37, max_seq_len=37,
+        state_slots=torch.tensor([0]))
+    torch.testing.assert_close(ours.layers[layer].attn(x[0], positions, batch), ref, rtol=1e-5, atol=1e-5)
+
+
 def _engine_caches(model: DeepseekV4ForCausalLM, block_size: int, num_blocks: int) -> None:
     for layer in model.attention_layers():
         spec = layer.kv_cache_spec(block_size, torch.float32)
