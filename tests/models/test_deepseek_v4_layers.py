@@ -1,6 +1,7 @@
 """DeepSeek-V4's pieces against transformers' modules, same random weights, fp32: hyper-connections and the HC
-head, both compressors, the lightning indexer's choice, the MoE block (hash and top-k routing), and the whole
-model's logits through our paged entries and state-slot rings, in one step and in chunks."""
+head, both compressors, the lightning indexer's choice, the MoE block (hash and top-k routing), each attention
+layer type, and the whole model's logits through our paged entries and state-slot rings, in one step and in
+chunks; the config's published spellings; V4-Flash's cache sizes."""
 
 from __future__ import annotations
 
