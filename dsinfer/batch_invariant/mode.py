@@ -1,5 +1,5 @@
 """The batch-invariant context: a flag read by ``ops.paged_attention`` and a dispatch mode for the matmuls (and, on
-CPU, sigmoid and SiLU)."""
+CPU, sigmoid, SiLU and softplus)."""
 
 from __future__ import annotations
 
@@ -22,13 +22,15 @@ def is_enabled() -> bool:
 
 
 class _InvariantOps(TorchDispatchMode):
-    """Routes aten matmuls to ``matmul.py``, and on CPU sigmoid and SiLU to ``elementwise.py`` (torch's CPU kernels
-    give an element other bits in a vectorized loop's scalar tail); every other op runs unchanged."""
+    """Routes aten matmuls to ``matmul.py``, and on CPU sigmoid, SiLU and softplus to ``elementwise.py`` (torch's
+    CPU kernels give an element other bits in a vectorized loop's scalar tail); every other op runs unchanged."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _ELEMENTWISE and not args[0].is_cuda:
             return _ELEMENTWISE[func](args[0])
+        if func is aten.softplus.default and not args[0].is_cuda and (args[1:] or (1,))[0] == 1:
+            return elementwise.softplus(args[0])
         if func is aten.linear.default:
             return matmul.linear_invariant(*args, **kwargs)
         if func is aten.mm.default:

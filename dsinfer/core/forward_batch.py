@@ -29,6 +29,8 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [S] int64: token rows whose logits are computed
     max_query_len: int  # host-side, known when the batch is built
     max_seq_len: int
+    # [B] int64: each sequence's state slot (models whose layers keep per-sequence state: ``StateSlotSpec``)
+    state_slots: torch.Tensor | None = None
     # this forward is captured into a CUDA graph or warms such a capture up: layers take the paths the capture
     # will (the side stream, ``layers.streams``); set by whoever captures
     graphed: bool = False

@@ -2,6 +2,11 @@
 
 All layers share one block table (a block id indexes every layer's cache), so the block count is the KV budget
 divided by the sum of ``bytes_per_block`` over layers.
+
+Layers that compress their context (DeepSeek-V4) page their compressed entries (``CompressedSpec``: a block of
+``block_size`` tokens holds ``block_size / rate`` entries, so one block id covers the same tokens in every layer)
+and keep what is not paged in a fixed-size state slot per sequence (``StateSlotSpec``: the sliding-window ring, the
+compressors' unpooled source rows). A sequence holds one slot while it runs; the slot count is fixed at start.
 """
 
 from __future__ import annotations
@@ -102,3 +107,51 @@ class IndexedMLASpec(MLASpec):
 
 
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLASpec | IndexedMLASpec
+
+
+@dataclass(frozen=True)
+class CompressedSpec:
+    """Compressed entries, one per ``rate`` tokens: per entry a row of each width in ``widths`` (e.g. the KV entry
+    and the indexer's key). Layout per width ``[num_blocks, block_size // rate, width]``."""
+
+    block_size: int  # tokens a block covers (a multiple of rate)
+    rate: int
+    widths: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self):
+        if self.block_size % self.rate:
+            raise ValueError(f"block_size ({self.block_size} tokens) must be a multiple of the compression rate "
+                             f"({self.rate})")
+
+    @property
+    def entries_per_block(self) -> int:
+        return self.block_size // self.rate
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.entries_per_block * sum(self.widths) * self.dtype.itemsize
+
+    def allocate(self, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
+        return [torch.zeros(num_blocks, self.entries_per_block, w, dtype=self.dtype, device=device)
+                for w in self.widths]
+
+
+@dataclass(frozen=True)
+class StateSlotSpec:
+    """Per-sequence state of fixed size: named rings of ``rows`` x ``width`` values, ``[num_slots, rows, width]``
+    each (position p of a sequence at row p % rows)."""
+
+    rings: tuple[tuple[str, int, int], ...]  # (name, rows, width)
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return sum(rows * width for _, rows, width in self.rings) * self.dtype.itemsize
+
+    def allocate(self, num_slots: int, device: torch.device) -> dict[str, torch.Tensor]:
+        return {name: torch.zeros(num_slots, rows, width, dtype=self.dtype, device=device)
+                for name, rows, width in self.rings}
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLASpec | CompressedSpec

@@ -90,6 +90,7 @@ class NewRequestData:
     block_ids: list[list[int]]  # per KV cache group, in token order
     num_computed_tokens: int  # tokens whose KV is already cached (a prefix-cache hit), before this step
     num_prompt_logprobs_done: int = 0  # prompt positions already scored (a resumed request's)
+    state_slot: int = -1  # its state slot, held until it finishes or is preempted (-1: the model keeps no state)
 
 
 @dataclass

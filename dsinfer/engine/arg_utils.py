@@ -225,15 +225,35 @@ def default_batched_tokens(device: torch.device, max_num_seqs: int, usage: str =
 def _resolve_block_size(block_size: int | None, hf_config: dict[str, Any], device: torch.device) -> int:
     """The KV block size: the one asked for, else 64 tokens for MLA models on CUDA (the MLA decode kernel
     fetches whole 32-row key tiles of one block by TMA, ``ops.triton.mla_tma``; FlashMLA needs 64 too), else 16."""
+    if hf_config.get("model_type") == "deepseek_v4" or "DeepseekV4ForCausalLM" in (hf_config.get("architectures")
+                                                                                  or ()):
+        return _v4_block_size(block_size, hf_config)
     if block_size is not None:
         return block_size
     return 64 if device.type == "cuda" and hf_config.get("kv_lora_rank") else 16
 
 
+def _v4_block_size(block_size: int | None, hf_config: dict[str, Any]) -> int:
+    """DeepSeek-V4 pages compressed entries only: a block of B tokens holds B / rate entries of every compressed
+    layer, so B must be a multiple of each rate; by default 16 entries of the most compressed layers (16 x 128 =
+    2,048 tokens for V4-Flash, 512 entries of its CSA layers)."""
+    from dsinfer.models.deepseek_v4.config import V4Config
+
+    v4 = V4Config.of(hf_config)
+    rates = sorted({v4.rate(i) for i in range(v4.num_layers)} - {0})
+    if block_size is None:
+        return 16 * v4.max_rate
+    if any(block_size % rate for rate in rates):
+        raise ValueError(f"block_size={block_size} must be a multiple of every compression rate of the model "
+                         f"({rates}): a block holds block_size / rate compressed entries")
+    return block_size
+
+
 # config.json's model_type -> architecture, for configs written without "architectures" (as transformers infers)
 _ARCHITECTURE_OF_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                          "mistral": "MistralForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-                         "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
+                         "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
+                         "deepseek_v4": "DeepseekV4ForCausalLM"}
 
 
 def _architectures(hf_config: dict[str, Any], path: Path) -> list[str]:

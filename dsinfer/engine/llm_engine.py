@@ -66,7 +66,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.executor = make_executor(config)
         num_blocks = self.executor.num_kv_blocks
-        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                         self.executor.num_state_slots)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.model.max_model_len)
         self.inputs = InputProcessor(config, tokenizer, num_blocks)
         self.eos_token_ids, self.extra_eos_token_ids = self.inputs.eos_token_ids, self.inputs.extra_eos_token_ids

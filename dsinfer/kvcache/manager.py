@@ -5,18 +5,26 @@
 blocks that the step will fill completely with known tokens (never a draft's); ``trim`` gives back the blocks
 past a length (rejected drafts); ``free`` returns a request's blocks, tail first, so the least useful blocks are
 evicted first.
+
+Models with per-sequence state (``StateSlotSpec``, DeepSeek-V4's windows and compressor rows) also need a state
+slot per running request: ``allocate_slots`` gives a request without one its slot together with its blocks, or
+neither (a request is admitted only if both fit), and ``free`` returns both. Their prefix hits are off: the state
+at the end of a cached prefix is in no block, so a hit could not restore it exactly.
 """
 
 from __future__ import annotations
 
 from dsinfer.core.request import Request
 from dsinfer.kvcache.block_pool import NONE_HASH, BlockPool, KVCacheBlock, hash_block
+from dsinfer.kvcache.state_slots import StateSlotPool
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, num_state_slots: int = 0):
+        """``num_state_slots``: per-sequence state slots the worker holds (0: the model keeps no such state)."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.slots = StateSlotPool(num_state_slots) if num_state_slots else None
         self.enable_caching = enable_caching
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # tokens found there
@@ -29,7 +37,7 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Cached blocks covering a prefix of the request, and how many tokens they hold."""
-        if not self.enable_caching or request.needs_prompt_logprobs:
+        if not self.enable_caching or request.needs_prompt_logprobs or self.slots is not None:
             return [], 0
         self._update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -51,18 +59,24 @@ class KVCacheManager:
         # Free-but-cached hits are counted as free blocks; touching them removes them from the free list.
         revived = sum(1 for b in computed if b.ref_cnt == 0)
         needed = self.num_blocks_needed(request, num_new_tokens, len(computed))
+        if self.slots is not None and request.state_slot < 0 and not self.slots.num_free:
+            return False
         return needed + revived <= self.pool.num_free_blocks
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed: list[KVCacheBlock] = ()) -> bool:
-        """Give the request room for ``num_new_tokens`` more tokens; False (and no change) if blocks run out."""
+        """Give the request room for ``num_new_tokens`` more tokens (and its state slot, if it has none yet);
+        False (and no change) if blocks or slots run out."""
         end = request.num_computed_tokens + num_new_tokens
-        if not computed and end <= len(request.blocks) * self.block_size:
+        has_slot = self.slots is None or request.state_slot >= 0
+        if not computed and has_slot and end <= len(request.blocks) * self.block_size:
             # most decode steps: the tokens fit the last block; only a block filled by them is offered
             if self.enable_caching and end // self.block_size > request.num_offered_blocks:
                 self._cache_full_blocks(request, end)
             return True
         if not self.can_allocate(request, num_new_tokens, computed):
             return False
+        if self.slots is not None and request.state_slot < 0:
+            request.state_slot = self.slots.allocate()
         if computed:
             self.pool.touch(list(computed))
             request.blocks.extend(computed)
@@ -94,6 +108,9 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         self.pool.release(list(reversed(request.blocks)))
         request.blocks = []
+        if request.state_slot >= 0:
+            self.slots.release(request.state_slot)
+            request.state_slot = -1
         request.num_offered_blocks = 0
 
     def reset_prefix_cache(self) -> bool:

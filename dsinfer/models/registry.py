@@ -14,6 +14,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV2ForCausalLM": ("dsinfer.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("dsinfer.models.deepseek", "DeepseekV3ForCausalLM"),
     "DeepseekV32ForCausalLM": ("dsinfer.models.deepseek", "DeepseekV32ForCausalLM"),
+    "DeepseekV4ForCausalLM": ("dsinfer.models.deepseek_v4", "DeepseekV4ForCausalLM"),
 }
 
 

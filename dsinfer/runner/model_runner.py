@@ -24,7 +24,7 @@ import torch
 from dsinfer import envs
 from dsinfer.batch_invariant import batch_invariant
 from dsinfer.config import EngineConfig
-from dsinfer.core.kv_cache_spec import KVCacheSpec
+from dsinfer.core.kv_cache_spec import KVCacheSpec, StateSlotSpec
 from dsinfer.core.outputs import RunnerOutput, TokenLogprobs
 from dsinfer.core.plan import StepPlan
 from dsinfer.models.loader.model_loader import _default_dtype_and_device, load_model
@@ -99,10 +99,19 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         layers = self.model.attention_layers()
         cache_dtype = config.cache.cache_dtype or config.model.dtype
-        self.kv_specs: list[KVCacheSpec] = [layer.kv_cache_spec(self.block_size, cache_dtype) for layer in layers]
+        # a layer may page nothing (None: DeepSeek-V4's sliding layers) and keep per-sequence state (``state_spec``)
+        specs = [layer.kv_cache_spec(self.block_size, cache_dtype) for layer in layers]
+        self.kv_specs: list[KVCacheSpec] = [spec for spec in specs if spec is not None]
+        max_drafts = config.speculative.num_speculative_tokens
+        self.state_specs: list[StateSlotSpec] = [layer.state_spec(max_drafts, cache_dtype) for layer in layers
+                                                 if hasattr(layer, "state_spec")]
+        # every running request holds one slot: as many as the scheduler runs at once
+        self.num_state_slots = config.scheduler.max_num_seqs if self.state_specs else 0
         self.num_blocks = self._num_kv_blocks()
-        for layer, spec in zip(layers, self.kv_specs):
-            layer.kv_cache = spec.allocate(self.num_blocks, self.device)
+        for layer, spec in zip(layers, specs):
+            layer.kv_cache = None if spec is None else spec.allocate(self.num_blocks, self.device)
+            if hasattr(layer, "state_spec"):
+                layer.state = layer.state_spec(max_drafts, cache_dtype).allocate(self.num_state_slots, self.device)
         self.sampler = Sampler()
         self.requests = RequestTable()
         # the last launched step's sampled tokens (device) and each request's row in them: async scheduling
@@ -112,7 +121,10 @@ class ModelRunner:
         self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] | None = None  # benchmarks
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
-        if self.device.type == "cuda" and not config.device.enforce_eager:
+        # a model whose forward reads its batch on the host (DeepSeek-V4's torch path) is neither captured nor
+        # warmed up with dummy batches (those carry no state slots)
+        eager_only = getattr(self.model, "eager_only", False)
+        if self.device.type == "cuda" and not config.device.enforce_eager and not eager_only:
             max_len = config.model.max_model_len
             # steps that verify k drafts get graphs of 1 + k tokens a sequence where the model's attention can be
             # captured at that length (``multi_token_decode_graphs``); otherwise they run eagerly
@@ -132,7 +144,7 @@ class ModelRunner:
                     self.prefill_graphs.capture(pool, stream)
                 if multi:  # last: a capture that fails leaves the pool unusable for the captures after it
                     self.graphs.capture(pool, stream, multi)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not eager_only:
             with batch_invariant(config.device.deterministic):
                 warm_up_prefill(self.model, config.scheduler.max_num_batched_tokens, config.model.max_model_len,
                                 self.block_size, self.device)
@@ -147,17 +159,18 @@ class ModelRunner:
         blocks_per_seq = -(-self.config.model.max_model_len // self.block_size)
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        budget = self._kv_budget_bytes()
+        state_bytes = self.num_state_slots * sum(spec.bytes_per_slot for spec in self.state_specs)
+        budget = self._kv_budget_bytes() - state_bytes  # the slots are taken first: every running request holds one
         wanted = self.config.scheduler.max_num_seqs * blocks_per_seq + 1  # more could never be used
-        num_blocks = min(budget // per_block, wanted)
+        num_blocks = min(budget // per_block, wanted) if per_block else wanted  # blocks that hold nothing
         if num_blocks < blocks_per_seq + 1:
             need = (blocks_per_seq + 1) * per_block / GiB
             raise ValueError(
                 f"the KV cache budget ({budget / GiB:.2f} GiB) holds {num_blocks} blocks, fewer than one "
                 f"max_model_len={self.config.model.max_model_len} sequence needs ({need:.2f} GiB): raise the "
                 "KV memory (kv_cache_memory_gb / gpu_memory_utilization) or lower max_model_len")
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
-                    num_blocks * per_block / GiB)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), %d state slots (%.2f GiB)", num_blocks,
+                    self.block_size, num_blocks * per_block / GiB, self.num_state_slots, state_bytes / GiB)
         return int(num_blocks)
 
     def _kv_budget_bytes(self) -> int:

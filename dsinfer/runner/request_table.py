@@ -21,6 +21,7 @@ class RequestState:
     block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int  # before the step being built
     num_prompt_logprobs_done: int  # prompt positions already scored (each prompt position is scored once)
+    state_slot: int = -1  # its state slot (models with per-sequence state)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -47,7 +48,8 @@ class RequestTable:
         for new in plan.new_requests:
             self.requests[new.request_id] = RequestState(
                 new.request_id, list(new.token_ids), new.num_prompt_tokens, new.sampling,
-                [list(ids) for ids in new.block_ids], new.num_computed_tokens, new.num_prompt_logprobs_done)
+                [list(ids) for ids in new.block_ids], new.num_computed_tokens, new.num_prompt_logprobs_done,
+                new.state_slot)
         for cached in plan.cached_requests:
             state = self.requests.get(cached.request_id)
             if state is None:

@@ -239,7 +239,7 @@ class PlanWriter:
                 plan.new_requests.append(NewRequestData(
                     request.request_id, list(request.all_token_ids), request.num_prompt_tokens, request.sampling,
                     [[block.block_id for block in blocks]], item.num_computed_tokens,
-                    max(len(request.prompt_logprobs) - 1, 0)))
+                    max(len(request.prompt_logprobs) - 1, 0), request.state_slot))
             else:  # only the change: a decode step's costs no walk over the request's blocks
                 kept = min(self._blocks_sent[request.request_id], len(blocks))
                 new_blocks = [block.block_id for block in blocks[kept:]] if kept < len(blocks) else []

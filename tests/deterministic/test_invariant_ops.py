@@ -63,6 +63,22 @@ def test_sigmoid_and_silu_bits_do_not_depend_on_position():
     assert elementwise.silu(torch.ones(3, dtype=torch.bfloat16)).dtype == torch.bfloat16
 
 
+def test_softplus_bits_do_not_depend_on_position():
+    """DeepSeek-V4's router scores sqrt(softplus(logit)): the invariant softplus gives one value wherever the
+    element sits, correctly rounded on these samples, and the mode routes F.softplus there."""
+    gen = torch.Generator().manual_seed(6)
+    probe = torch.tensor([0.3711, -2.5, 7.25, -95.0, 30.0])
+    seen = {tuple(elementwise.softplus(torch.cat((torch.randn(n, generator=gen), probe)))[-5:].tolist())
+            for n in range(70)}
+    assert len(seen) == 1
+    x = torch.randn(20000, generator=gen) * 12
+    assert torch.equal(elementwise.softplus(x), F.softplus(x.double()).float())
+    edges = elementwise.softplus(torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0]))
+    assert edges[0].isnan() and torch.equal(edges[1:], torch.tensor([float("inf"), 0.0, 0.6931471824645996]))
+    with batch_invariant():
+        assert torch.equal(F.softplus(x), elementwise.softplus(x))
+
+
 def test_sigmoid_router_weights_same_alone_and_in_batch():
     """A DeepSeek-V3 router over 8 experts (8 sigmoids per token: shorter than one AVX512 loop step)."""
     gen = torch.Generator().manual_seed(6)
