@@ -64,6 +64,8 @@ def test_drafter_follows_a_growing_request_and_calibrates_by_position():
     c0, c1, c2 = second.confidence
     assert c0 > 0.8 and c1 < 0.2 and c2 == pytest.approx(0.5)  # position 2 was never reached
     assert confident_prefix(second, 0.2).token_ids == [1]
+    assert confident_prefix(second, 0.99).token_ids == [1]  # one draft at least: calibration keeps learning
+    assert confident_prefix(second, 0.99, min_drafts=0).token_ids == []
 
 
 def test_acceptance_counts_reach_only_up_to_the_first_rejection():

@@ -163,3 +163,17 @@ def test_abort_mid_run_leaves_the_others_untouched(plain, spec):
     assert done["0"].token_ids == want[0] and done["2"].token_ids == want[2]
     assert done["1"].finish_reason == "abort" and done["1"].token_ids == want[1][:len(done["1"].token_ids)]
     assert accepted(spec) > 0 and all_blocks_free(spec)
+
+
+def test_confidence_scheduling_verifies_fewer_drafts_and_changes_no_token(tiny_llama_dir, plain):
+    prompts = repetitive_prompts(4, seed=8)
+    params = [SamplingParams(max_tokens=20, seed=70 + i, allowed_token_ids=ALLOWED, logit_bias=BIAS,
+                             **SAMPLED["filters"]) for i in range(len(prompts))]
+    scheduled = LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=4,
+                    speculative_config={**SPEC, "confidence_scheduling": True})
+    assert run(scheduled, prompts, params) == run(plain, prompts, params)
+    stats = scheduled.engine.get_stats()["spec_decode"]
+    # a fresh drafter's confidence is 0.5 a position: the 3rd and 4th drafts (survival 1/8, 1/16) are not verified
+    # until the requests' own rates say they pay
+    assert 0 < stats["num_draft_tokens"] < stats["num_proposed_tokens"]
+    assert stats["num_accepted_tokens"] > 0
