@@ -51,13 +51,18 @@ def two_sample_p(a: torch.Tensor, b: torch.Tensor, min_expected: float = 5.0) ->
     return float(torch.special.gammaincc(torch.tensor((len(pooled) - 1) / 2.0), stat / 2)), int(keep.sum())
 
 
-def sample(llm: LLM, trials: int, seed0: int, args) -> list[tuple[int, ...]]:
+def constraints(args) -> dict:
     allowed = list(range(20, 20 + args.allowed))
-    bias = {t: 2.0 - 0.4 * i for i, t in enumerate(allowed[:6])}
-    params = [SamplingParams(max_tokens=3, temperature=args.temperature, top_p=args.top_p, seed=seed0 + i,
-                             ignore_eos=True, allowed_token_ids=allowed, logit_bias=bias) for i in range(trials)]
+    return {"allowed_token_ids": allowed, "logit_bias": {t: 2.0 - 0.4 * i for i, t in enumerate(allowed[:6])}}
+
+
+def sample(llm: LLM, trials: int, seed0: int, args) -> list[tuple[int, ...]]:
+    """The first 3 tokens of each trial (one more is generated, so that the step after the first token verifies
+    two drafts: a step never verifies more drafts than the outputs a request may still give, less one)."""
+    params = [SamplingParams(max_tokens=args.k + 2, temperature=args.temperature, top_p=args.top_p, seed=seed0 + i,
+                             ignore_eos=True, **constraints(args)) for i in range(trials)]
     outs = llm.generate([{"prompt_token_ids": PROMPT}] * trials, params, use_tqdm=False)
-    return [tuple(o.outputs[0].token_ids) for o in outs]
+    return [tuple(o.outputs[0].token_ids[:3]) for o in outs]
 
 
 def make_llm(path: str, trials: int, spec: dict | None, drafter=None) -> LLM:
@@ -83,9 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).save_pretrained(path)
     started = time.perf_counter()
     plain = make_llm(path, args.trials, None)
-    allowed = list(range(20, 20 + args.allowed))
     (greedy,) = plain.generate({"prompt_token_ids": PROMPT}, SamplingParams(
-        max_tokens=args.k + 1, temperature=0.0, allowed_token_ids=allowed), use_tqdm=False)
+        max_tokens=args.k + 1, temperature=0.0, **constraints(args)), use_tqdm=False)
     drafter = GreedyContinuation(list(greedy.outputs[0].token_ids[1:]))
     ok = True
     for mode in ("rejection", "exact"):
