@@ -177,3 +177,34 @@ def test_confidence_scheduling_verifies_fewer_drafts_and_changes_no_token(tiny_l
     # until the requests' own rates say they pay
     assert 0 < stats["num_draft_tokens"] < stats["num_proposed_tokens"]
     assert stats["num_accepted_tokens"] > 0
+
+
+def test_deterministic_mode_same_tokens_alone_batched_and_speculation_on_or_off(tiny_llama_dir):
+    """Batch-invariant kernels: a seeded request's tokens are one sequence whether it runs alone or among others,
+    without speculation, with it, and with confidence scheduling choosing how many drafts to verify."""
+    prompts = repetitive_prompts(4, seed=9)
+    params = [SamplingParams(max_tokens=16, seed=90 + i, allowed_token_ids=ALLOWED, logit_bias=BIAS,
+                             **SAMPLED["filters"]) for i in range(len(prompts))]
+    outputs = []
+    for spec in (None, SPEC, {**SPEC, "confidence_scheduling": True}):
+        llm = LLM(str(tiny_llama_dir), dtype="float32", deterministic=True, block_size=4, num_kv_blocks=256,
+                  speculative_config=spec)
+        outputs.append(run(llm, prompts, params))
+        outputs.append(run(llm, prompts[:1], params[:1]) + run(llm, prompts[1:], params[1:]))
+        if spec is not None:
+            assert accepted(llm) > 0
+    assert all(out == outputs[0] for out in outputs)
+
+
+def test_a_worker_process_verifies_drafts_as_the_engine_process(tiny_llama_dir, plain):
+    """distributed_executor_backend="mp": drafts travel in the msgpack plan, the worker verifies them with the
+    config's acceptance rule (rejection here: a greedy request keeps a draft only where it is the argmax)."""
+    prompts = repetitive_prompts(3, seed=10)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=4, distributed_executor_backend="mp",
+              speculative_config={**SPEC, "acceptance": "rejection"})
+    try:
+        assert run(llm, prompts, params) == run(plain, prompts, params)
+        assert accepted(llm) > 0
+    finally:
+        llm.engine.shutdown()
