@@ -213,8 +213,8 @@ class LLMEngine:
         return sched
 
     def _grammar_bitmask(self, scheduled: list[ScheduledRequest]) -> np.ndarray | None:
-        """One row per sampled position: the grammar manager's row per sampling request, repeated for a
-        request's draft positions (grammar requests get no drafts, so those rows allow everything)."""
+        """One row per sampled position: a grammar request's mask after each prefix of its drafts (the grammar
+        manager's), -1 rows for requests without a grammar."""
         mask = self._structured.bitmask(scheduled)
         return None if mask is None else mask.numpy()
 
@@ -222,9 +222,9 @@ class LLMEngine:
         """Ask the drafter for each decoding request's drafts. A grammar request's are cut at the first one its
         grammar forbids (checked without advancing the matcher); with confidence scheduling, at the first whose
         survival probability falls below ``MIN_DRAFT_SURVIVAL``."""
-        spec = self.config.speculative
         if self.spec_stats is None:
             return
+        spec = self.config.speculative
         for request in self.scheduler.running:
             if request.num_computed_tokens + 1 != request.num_tokens:
                 continue
