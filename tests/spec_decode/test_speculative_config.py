@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -68,7 +69,6 @@ def test_serve_exits_2_naming_the_flag(capsys, value, message):
 def test_serve_refuses_mtp_for_a_checkpoint_without_mtp_layers(capsys, tiny_llama_dir):
     pytest.importorskip("fastapi")
     from dsinfer.server.cli import add_serve_args, build_engine
-    import argparse
 
     args = add_serve_args(argparse.ArgumentParser()).parse_args(
         [str(tiny_llama_dir), "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'])
