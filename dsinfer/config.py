@@ -109,10 +109,90 @@ class ParallelConfig:
     distributed_executor_backend: str = "uni"  # uni (in process) | mp (a worker process): dsinfer/executor/
 
 
+SPEC_METHODS = ("ngram", "mtp")  # vLLM's names: n-gram prompt lookup, the checkpoint's multi-token prediction layers
+SPEC_ACCEPTANCE = ("rejection", "exact")
+MAX_SPECULATIVE_TOKENS = 16
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config``): who drafts, how many tokens, how drafts are verified.
+
+    ``from_dict`` reads the user's dict (validated: a ValueError naming the field); ``num_speculative_tokens == 0``
+    is speculation off. Greedy requests keep a draft while it equals the target's argmax in either acceptance mode.
+    """
+
     # draft tokens a step may verify per request (0: one-token steps); sizes the multi-token decode CUDA graphs
     num_speculative_tokens: int = 0
+    method: str = "ngram"  # one of SPEC_METHODS
+    prompt_lookup_min: int = 2  # n-gram: the shortest suffix of the tokens matched in prompt + output
+    prompt_lookup_max: int = 4  # n-gram: the longest (tried first)
+    # sampled requests: "exact" keeps d only when it equals the target's own seeded sample there, so a seeded
+    # request's tokens are those of decoding without speculation; "rejection" keeps draft d with probability p(d)
+    # (q one-hot) and otherwise resamples from p without d: the target's distribution, not its tokens. For one-hot
+    # drafts (n-gram) both keep d with probability p(d), so "exact" is the default
+    acceptance: str = "exact"
+    # verify only the draft prefix whose predicted acceptance pays for its cost (drafts carry a confidence)
+    confidence_scheduling: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_speculative_tokens > 0
+
+    @classmethod
+    def from_dict(cls, value: Any) -> SpeculativeConfig:
+        """A user's ``speculative_config`` (None or {}: off). Unknown keys, an unknown method or acceptance,
+        k outside [1, MAX_SPECULATIVE_TOKENS] and prompt_lookup_min > prompt_lookup_max are ValueErrors naming the
+        field. One of the two lookup bounds given alone sets the other too (vLLM's rule)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value or cls()
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        if not value:
+            return cls()
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "acceptance",
+                 "confidence_scheduling"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        method = value.get("method", "ngram")
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {method!r}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config.num_speculative_tokens is required (the draft tokens a step "
+                             f"verifies, 1 to {MAX_SPECULATIVE_TOKENS})")
+        k = _spec_int("num_speculative_tokens", value["num_speculative_tokens"], 1, MAX_SPECULATIVE_TOKENS)
+        low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if low is None and high is None:
+            low, high = cls.prompt_lookup_min, cls.prompt_lookup_max
+        low = _spec_int("prompt_lookup_min", high if low is None else low, 1, 1 << 10)
+        high = _spec_int("prompt_lookup_max", low if high is None else high, 1, 1 << 10)
+        if low > high:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
+        acceptance = value.get("acceptance", cls.acceptance)
+        if acceptance not in SPEC_ACCEPTANCE:
+            raise ValueError(f"speculative_config.acceptance must be one of {SPEC_ACCEPTANCE}, got {acceptance!r}")
+        confidence = value.get("confidence_scheduling", False)
+        if not isinstance(confidence, bool):
+            raise ValueError(f"speculative_config.confidence_scheduling must be true or false, got {confidence!r}")
+        return cls(k, method, low, high, acceptance, confidence)
+
+    def check_model(self, hf_config: dict[str, Any]) -> None:
+        """A ValueError when the method cannot draft for this checkpoint (MTP without MTP layers)."""
+        if self.enabled and self.method == "mtp":
+            layers = int(hf_config.get("num_nextn_predict_layers") or 0)
+            if layers < 1:
+                raise ValueError("speculative_config.method='mtp' needs a checkpoint with MTP layers "
+                                 f"(num_nextn_predict_layers >= 1); {hf_config.get('architectures')} has {layers}: "
+                                 "use method='ngram'")
+            raise ValueError("speculative_config.method='mtp': MTP drafting is not available yet (the MTP layer's "
+                             "weights load, nothing runs it); use method='ngram'")
+
+
+def _spec_int(name: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"speculative_config.{name} must be an integer in [{low}, {high}], got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("executor",),                  # one interface over the runner (uni / mp)
     ("runner",),                    # ModelRunner, input batches, CUDA graphs
     ("sampling", "structured"),     # the sampler; grammars and token bitmasks
+    ("spec_decode",),               # drafters (n-gram), draft confidence, spec-decode counters: core + config only
     ("models",),                    # registry, loaders, llama, deepseek, mtp
     ("layers",),                    # nn.Modules over ops
     ("ops",),                       # one public function per op: torch reference + dispatch to a kernel
@@ -153,6 +154,13 @@ def test_core_imports_only_config_envs_torch_numpy_msgpack():
                 third_party.add((stmt.module or "").partition(".")[0])
     third_party -= set(sys.stdlib_module_names) | {"__future__", "dsinfer"}
     assert third_party <= {"torch", "numpy", "msgpack"}, sorted(third_party)
+
+
+def test_spec_decode_imports_only_core_and_config():
+    """The drafters run on the engine's side (the n-gram one) or, later, beside the model (MTP): they see plain
+    requests and the config, never the engine, the scheduler or the runner."""
+    spec = {t for m, t in module_edges() if node_of(f"dsinfer.{m}") == "spec_decode"}
+    assert spec <= {"core", "config"}, sorted(spec)
 
 
 def test_config_imports_nothing_of_engine_models_runner_scheduler():

@@ -30,6 +30,7 @@ from dsinfer.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from dsinfer.engine.sampling_params import SamplingParams, generation_config_sampling_defaults
 from dsinfer.models.loader.resolve import resolve_model_dir
@@ -75,6 +76,9 @@ class EngineArgs:
     max_logprobs: int = 20
     # vLLM's distributed_executor_backend: "uni" (in process, the default) or "mp" (the model in a worker process)
     distributed_executor_backend: str | None = None
+    # vLLM's speculative_config: {"method": "ngram" | "mtp", "num_speculative_tokens": k, "prompt_lookup_min",
+    # "prompt_lookup_max", "acceptance": "rejection" | "exact", "confidence_scheduling"} (``SpeculativeConfig``)
+    speculative_config: dict[str, Any] | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -85,6 +89,7 @@ class EngineArgs:
         (``default_batched_tokens``)."""
         envs.validate_all()
         self._validate()
+        speculative = SpeculativeConfig.from_dict(self.speculative_config)
         device = _resolve_device(self.device)
         model_dir, load_format = resolve_model_dir(self.model, self.load_format)
         config_path = model_dir / "config.json"
@@ -96,6 +101,7 @@ class EngineArgs:
             raise ValueError(f"{config_path} must hold a JSON object, got {type(hf_config).__name__}")
         hf_config.update(self.hf_overrides or {})
         hf_config["architectures"] = _architectures(hf_config, config_path)
+        speculative.check_model(hf_config)
         generation_config = _read_json(model_dir / "generation_config.json")
         sampling_defaults, max_tokens_limit = self._sampling_defaults(generation_config)
         model = ModelConfig(
@@ -128,6 +134,7 @@ class EngineArgs:
             device=DeviceConfig(device, bool(deterministic), bool(async_sched), self.enforce_eager,
                                 self.max_prefill_graph_tokens),
             parallel=ParallelConfig(self.distributed_executor_backend or "uni"),
+            speculative=speculative,
             kernel=KernelConfig.from_envs(),
         )
 

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -37,16 +37,18 @@ from dsinfer.engine.sampling_params import SamplingParams
 from dsinfer.executor.base import Executor, StepResult
 from dsinfer.kvcache.manager import KVCacheManager
 from dsinfer.scheduler.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from dsinfer.spec_decode import make_drafter
+from dsinfer.spec_decode.base import Drafter, as_draft, confident_prefix
+from dsinfer.spec_decode.metrics import SpecDecodeStats
 from dsinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger("dsinfer")
 
 
-class Drafter(Protocol):
-    """Proposes draft tokens for a running request, verified by its next step (speculative decoding)."""
-
-    def propose(self, request: Request, num_tokens: int) -> list[int]:
-        """Up to ``num_tokens`` tokens likely to follow ``request.all_token_ids``."""
+__all__ = ["Drafter", "LLMEngine"]
+# confidence scheduling: a draft is verified while the probability that it and every draft before it are kept
+# stays at or above this (the fixed-threshold stand-in for the latency-curve rule of issue 36)
+MIN_DRAFT_SURVIVAL = 0.2
 
 
 def make_executor(config: EngineConfig) -> Executor:
@@ -71,8 +73,11 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.model.max_model_len)
         self.inputs = InputProcessor(config, tokenizer, num_blocks)
         self.eos_token_ids, self.extra_eos_token_ids = self.inputs.eos_token_ids, self.inputs.extra_eos_token_ids
-        # proposes drafts for each running request (config.speculative.num_speculative_tokens at most a step)
-        self.drafter = drafter
+        # proposes drafts for each running request (config.speculative.num_speculative_tokens at most a step);
+        # None: the one of config.speculative (none when speculation is off)
+        self.drafter = drafter if drafter is not None else make_drafter(config)
+        k = config.speculative.num_speculative_tokens
+        self.spec_stats = SpecDecodeStats(k) if self.drafter is not None and k > 0 else None
         self._parents: dict[str, ParentRequest] = {}
         self._children: dict[str, tuple[ParentRequest, ChildState]] = {}
         self._pending_outputs: list[RequestOutput] = []
@@ -209,24 +214,28 @@ class LLMEngine:
         return sched
 
     def _grammar_bitmask(self, scheduled: list[ScheduledRequest]) -> np.ndarray | None:
-        """One row per sampled position: the grammar manager's row per sampling request, repeated for a
-        request's draft positions (grammar requests get no drafts, so those rows allow everything)."""
+        """One row per sampled position: a grammar request's mask after each prefix of its drafts (the grammar
+        manager's), -1 rows for requests without a grammar."""
         mask = self._structured.bitmask(scheduled)
-        if mask is None:
-            return None
-        rows = mask.numpy()
-        repeats = [1 + len(item.draft_token_ids) for item in scheduled if item.samples]
-        return rows if all(r == 1 for r in repeats) else np.repeat(rows, repeats, axis=0)
+        return None if mask is None else mask.numpy()
 
     def _propose_drafts(self) -> None:
-        """Ask the drafter for each running request's drafts (none for grammar requests: a grammar's state would
-        have to roll back with rejected drafts)."""
-        k = self.config.speculative.num_speculative_tokens
-        if self.drafter is None or k <= 0:
+        """Ask the drafter for each decoding request's drafts. A grammar request's are cut at the first one its
+        grammar forbids (checked without advancing the matcher); with confidence scheduling, at the first whose
+        survival probability falls below ``MIN_DRAFT_SURVIVAL``."""
+        if self.spec_stats is None:
             return
+        spec = self.config.speculative
         for request in self.scheduler.running:
-            if request.grammar is None and request.num_computed_tokens + 1 == request.num_tokens:
-                request.draft_token_ids = list(self.drafter.propose(request, k))[:k]
+            if request.num_computed_tokens + 1 != request.num_tokens:
+                continue
+            draft = as_draft(self.drafter.propose(request, spec.num_speculative_tokens), spec.num_speculative_tokens)
+            self.spec_stats.num_proposed_tokens += len(draft.token_ids)
+            if request.grammar is not None and draft.token_ids:
+                draft = draft.truncated(self._structured.valid_drafts(request, draft.token_ids))
+            if spec.confidence_scheduling:
+                draft = confident_prefix(draft, MIN_DRAFT_SURVIVAL)
+            request.draft_token_ids = draft.token_ids
 
     def _finish_step(self, step: tuple[SchedulerOutput, list[ScheduledRequest], StepResult] | None
                      ) -> list[RequestOutput]:
@@ -266,12 +275,19 @@ class LLMEngine:
             return
         if item.draft_token_ids:
             self.scheduler.rollback(request, len(item.draft_token_ids) + 1 - len(tokens))
+            self._observe_drafts(request, len(item.draft_token_ids), len(tokens) - 1)
         logprobs = result.logprobs.get(rid) if result.logprobs else None
         for i, token in enumerate(tokens):
             status = self._append(child, token, logprobs[i] if logprobs else None)
             if status is not None:  # the first stop ends the run: later tokens are dropped
                 self.scheduler.finish(request, status)
                 return
+
+    def _observe_drafts(self, request: Request, num_verified: int, num_accepted: int) -> None:
+        self.spec_stats.observe(num_verified, num_accepted)
+        observe = getattr(self.drafter, "observe", None)
+        if observe is not None:
+            observe(request, num_verified, num_accepted)
 
     def _append(self, child: ChildState, token: int, logprobs: Any) -> RequestStatus | None:
         """Append one sampled token; -> the status it finishes the request with (None: it goes on)."""
@@ -341,4 +357,5 @@ class LLMEngine:
             "prefix_cache_hits": self.kv_manager.prefix_hits,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
+            "spec_decode": self.spec_stats.as_dict() if self.spec_stats is not None else None,
         }

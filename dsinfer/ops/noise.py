@@ -8,6 +8,8 @@ sampler reproduces bit for bit, so a seeded request samples the same tokens alon
     u                   = ((bits >> 9) + 0.5) / 2**23            # in (0, 1), exact in float32
     gumbel              = -log(-log(u))
 
+    accept(seed, pos)   = ((h(h(key) ^ 0x2545F491) >> 9) + 0.5) / 2**23   # speculative rejection's coin
+
 with h the "lowbias32" integer hash (x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15; x *= 0x846CA68B; x ^= x >> 16).
 Sampling is then ``argmax(logits / T + gumbel)`` over the allowed tokens (the Gumbel-max trick).
 """
@@ -45,3 +47,10 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
 
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return -torch.log(-torch.log(uniform_noise(seeds, positions, vocab_size)))
+
+
+def acceptance_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[B] float32 uniforms in (0, 1) keyed by (seed, position), independent of the token noise of that position
+    (a different composition of the hash): the coin that keeps or rejects a draft token in rejection sampling."""
+    bits = hash32(hash32(row_keys(seeds, positions)) ^ 0x2545F491)
+    return ((bits >> 9).float() + 0.5) * (1.0 / 2**23)

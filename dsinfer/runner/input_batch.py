@@ -193,7 +193,9 @@ def _prompt_logprob_rows(states: list[RequestState], cu: np.ndarray) -> tuple[li
 
 
 def build_sampling_batch(rows: list[SampleRow], vocab_size: int, device: torch.device,
-                         token_bitmask: np.ndarray | None = None) -> SamplingBatch:
+                         token_bitmask: np.ndarray | None = None, rejection: bool = False) -> SamplingBatch:
+    """``rejection``: rows that verify a draft do so by rejection sampling (``SamplingBatch.draft_ids``) rather
+    than by comparing it with their own sample."""
     params = [r.state.sampling for r in rows]
     temperature = [0.0 if p.greedy else p.temperature for p in params]
     top_k = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
@@ -207,9 +209,14 @@ def build_sampling_batch(rows: list[SampleRow], vocab_size: int, device: torch.d
               np.fromiter((p.seed for p in params), i64, len(rows)),
               # the sampled token's position: after the known tokens and any still in flight (async scheduling)
               np.fromiter((r.position for r in rows), i64, len(rows))]
+    rejection = rejection and not greedy_all and any(r.draft is not None for r in rows)
+    if rejection:
+        arrays.append(np.fromiter((-1 if r.draft is None else r.draft for r in rows), i64, len(rows)))
     if token_bitmask is not None:
         arrays.append(token_bitmask)
-    temperature_d, top_k_d, top_p_d, min_p_d, seeds_d, positions_d, *bitmask_d = to_device_packed(arrays, device)
+    temperature_d, top_k_d, top_p_d, min_p_d, seeds_d, positions_d, *rest = to_device_packed(arrays, device)
+    drafts_d = rest.pop(0) if rejection else None
+    bitmask_d = rest
     return SamplingBatch(
         temperature=temperature_d, top_k=top_k_d, top_p=top_p_d, min_p=min_p_d, seeds=seeds_d, positions=positions_d,
         all_greedy=greedy_all,
@@ -222,6 +229,7 @@ def build_sampling_batch(rows: list[SampleRow], vocab_size: int, device: torch.d
         banned=_banned(rows, vocab_size, device),
         num_logprobs=max(logprobs) if logprobs else None,
         token_bitmask=bitmask_d[0] if bitmask_d else None,
+        draft_ids=drafts_d,
     )
 
 

@@ -6,9 +6,12 @@ for decode (``cuda_graphs``, per batch size and tokens per request), piecewise o
 (``prefill_graphs``). ``launch`` queues a step and returns a ``StepHandle`` without waiting for the GPU;
 ``execute`` is ``launch(...).result()``.
 
-Draft tokens are verified exactly: every position of a request samples as if it were the request's only one
-(noise keyed by its own position), and a draft is kept while it equals the token sampled before it, so the
-tokens a request gets are the ones one-token steps would have given it.
+Draft tokens: every position of a request samples with the sampling rules of its own place (penalties and bans
+see the drafts before it; noise keyed by its own position), and a draft is kept while it equals the token
+sampled before it. With ``acceptance="exact"`` (and for greedy requests in either mode) that token is the one a
+one-token step would have sampled, so the tokens a request gets are the ones one-token steps would have given
+it; with ``"rejection"`` a sampled position keeps its draft by rejection sampling (``Sampler``): the same
+distribution, not the same tokens. With a one-hot draft (n-gram) both keep draft d with probability p(d).
 """
 
 from __future__ import annotations
@@ -280,7 +283,8 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow], copies: dict[str, torch.Tensor],
                 token_bitmask: np.ndarray | None = None) -> torch.Tensor:
-        sbatch = build_sampling_batch(rows, self.vocab_size, self.device, token_bitmask)
+        rejection = self.config.speculative.acceptance == "rejection"
+        sbatch = build_sampling_batch(rows, self.vocab_size, self.device, token_bitmask, rejection)
         result = self.sampler(logits, sbatch)
         copies["tokens"] = _to_host(result.token_ids)
         if result.logprobs is not None:

@@ -5,6 +5,11 @@ bans (min_tokens, allowed_token_ids, bad words; ``_ban`` says how they yield to 
 argmax; the others are scaled by temperature, filtered by top-k / top-p / min-p and sampled with the Gumbel-max
 trick using noise keyed by (seed, position) (``ops/noise.py``), so a seeded request draws the same tokens
 whatever batch it runs in.
+
+Rows that verify a draft token: by default each samples as if it were its request's only row, and the runner
+keeps the draft while it equals that sample ("exact" acceptance). With ``draft_ids`` set ("rejection"
+acceptance, q one-hot on the draft d) a sampled row keeps d with probability p(d), p its final distribution
+(after every rule above), and otherwise draws from p with d removed: the row's token is distributed as p.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from dsinfer import ops
+from dsinfer.ops.noise import acceptance_uniform
 
 
 @dataclass
@@ -36,6 +42,7 @@ class SamplingBatch:
     banned: torch.Tensor | None = None  # [S, V] bool: must not be sampled (min_tokens, allowed_token_ids, bad words)
     token_bitmask: torch.Tensor | None = None  # [S, ceil(V/32)] int32 packed grammar mask (ops.apply_token_bitmask)
     num_logprobs: int | None = None  # top-k logprobs to return (None: none)
+    draft_ids: torch.Tensor | None = None  # [S] int64: the draft a row verifies (-1: none), rejection acceptance
 
 
 @dataclass
@@ -115,6 +122,22 @@ def _ban(logits: torch.Tensor, banned: torch.Tensor, grammar: bool) -> torch.Ten
     return torch.where(emptied, logits, kept)
 
 
+def verify_by_rejection(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Rejection sampling against a one-hot draft: row r with draft d keeps d when u < p(d) (u the row's
+    acceptance coin, p = softmax(logits / T) of the filtered logits), else samples p with d masked out; rows
+    without a draft, and greedy rows (whose draft the runner checks against the argmax), sample as usual."""
+    drafts = batch.draft_ids
+    verifying = (drafts >= 0) & (batch.temperature > 0)
+    index = drafts.clamp(min=0).unsqueeze(1)
+    temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0).unsqueeze(1)
+    p_draft = (logits / temperature).log_softmax(dim=-1).gather(1, index).squeeze(1).exp()
+    keep = verifying & (acceptance_uniform(batch.seeds, batch.positions) < p_draft)
+    without = logits.scatter(1, index, float("-inf"))
+    residual = torch.where(verifying.unsqueeze(1), without, logits)
+    resampled = ops.gumbel_argmax(residual, batch.seeds, batch.positions, batch.temperature)
+    return torch.where(keep, drafts, resampled)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """``logits`` [S, V]: float32, or 16-bit (the decode graphs' output), which a plain greedy batch takes the
@@ -139,7 +162,10 @@ class Sampler:
             if batch.use_top_k or batch.use_top_p or batch.use_min_p:
                 dropped = filter_logits(scaled, batch).isneginf() & ~greedy.unsqueeze(1)
                 logits = logits.masked_fill(dropped, float("-inf"))
-            sampled = ops.gumbel_argmax(logits, batch.seeds, batch.positions, batch.temperature)
+            if batch.draft_ids is not None:
+                sampled = verify_by_rejection(logits, batch)
+            else:
+                sampled = ops.gumbel_argmax(logits, batch.seeds, batch.positions, batch.temperature)
         out = SamplerOutput(sampled)
         if batch.num_logprobs is not None:
             out.logprob_token_ids, out.logprobs, out.sampled_ranks = _logprobs(raw, sampled, batch.num_logprobs)

@@ -16,6 +16,7 @@ from dsinfer.config import (
     KV_CACHE_DTYPES,
     PARALLEL_SIZES,
     SCHEDULING_POLICIES,
+    SpeculativeConfig,
     check_parallel_size,
 )
 from dsinfer.engine.sampling_params import DEFAULT_MAX_LOGPROBS
@@ -45,6 +46,7 @@ _ENGINE_ARGS = (
     "kv_cache_dtype",
     "scheduling_policy",
     "distributed_executor_backend",
+    "speculative_config",
 )
 
 logger = logging.getLogger("dsinfer.server")
@@ -110,6 +112,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     eng.add_argument("--override-generation-config", type=_json_object, default=None,
                      help='JSON sampling values over the generation config\'s, e.g. \'{"temperature": 0.5}\' '
                           "(temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps max_tokens)")
+    eng.add_argument("--speculative-config", type=_json_object, default=None,
+                     help='speculative decoding as vLLM\'s, e.g. \'{"method": "ngram", "num_speculative_tokens": '
+                          '3, "prompt_lookup_max": 4}\' (also prompt_lookup_min, "acceptance": "exact" | '
+                          '"rejection", "confidence_scheduling": true)')
     srv = parser.add_argument_group("server")
     srv.add_argument("--max-waiting-requests", type=int, default=256,
                      help="queued requests before 429 (529 on Anthropic routes)")
@@ -252,6 +258,11 @@ def check_serve_args(args: argparse.Namespace) -> None:
     if args.kv_cache_dtype not in (None, *KV_CACHE_DTYPES):
         raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: dsinfer's KV cache dtypes are "
                          f"{', '.join(KV_CACHE_DTYPES)}")
+    if args.speculative_config is not None:
+        try:
+            SpeculativeConfig.from_dict(args.speculative_config)
+        except ValueError as exc:
+            raise ValueError(f"--speculative-config {json.dumps(args.speculative_config)}: {exc}") from None
     if args.max_logprobs is not None and args.max_logprobs < -1:
         raise ValueError(f"--max-logprobs {args.max_logprobs}: must be >= 0, or -1 (up to the vocabulary size)")
     if args.swap_space is not None and args.swap_space < 0:
@@ -312,6 +323,13 @@ def build_engine(args: argparse.Namespace) -> Any:
     from dsinfer.engine.llm_engine import LLMEngine
 
     eargs = engine_args(args)
+    if eargs.speculative_config:  # the checkpoint decides whether its method can draft (MTP layers)
+        try:
+            eargs.create_engine_config("server")
+        except ValueError as exc:
+            if not str(exc).startswith("speculative_config"):
+                raise
+            raise ValueError(f"--speculative-config {json.dumps(eargs.speculative_config)}: {exc}") from None
     if getattr(args, "quantization", None) == "fp8":
         # the checkpoint's config.json decides, before any weights load
         _check_quantization("fp8", eargs.create_engine_config().model.hf_config)

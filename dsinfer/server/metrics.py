@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -33,6 +33,10 @@ VLLM_NAMES = {
     "dsinfer_num_preemptions": "vllm:num_preemptions",
     "dsinfer_prefix_cache_queries": "vllm:prefix_cache_queries",
     "dsinfer_prefix_cache_hits": "vllm:prefix_cache_hits",
+    "dsinfer_spec_decode_num_drafts": "vllm:spec_decode_num_drafts",
+    "dsinfer_spec_decode_num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "dsinfer_spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+    "dsinfer_spec_decode_num_accepted_tokens_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
 }
 KNOWN_PATHS = frozenset(
     {
@@ -139,9 +143,32 @@ class _EngineCounters:
     def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics
 
+    # speculative decoding (engine stats["spec_decode"], present when speculation is on); vLLM's names for the
+    # first three and the per-position counts; "proposed" counts drafts before the budget / confidence cut them
+    _SPEC_FIELDS = (
+        ("dsinfer_spec_decode_num_drafts", "num_drafts", "Request-steps that verified draft tokens"),
+        ("dsinfer_spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens verified"),
+        ("dsinfer_spec_decode_num_accepted_tokens", "num_accepted_tokens", "Draft tokens accepted"),
+        ("dsinfer_spec_decode_num_proposed_tokens", "num_proposed_tokens", "Draft tokens the drafter proposed"),
+    )
+
     def collect(self) -> Iterator[Metric]:
         for name, key, doc in self._FIELDS:
             yield CounterMetricFamily(name, doc, value=self.metrics.engine_stats.get(key, 0))
+        spec = self.metrics.engine_stats.get("spec_decode")
+        if not spec:
+            return
+        for name, key, doc in self._SPEC_FIELDS:
+            yield CounterMetricFamily(name, doc, value=spec[key])
+        per_pos = CounterMetricFamily("dsinfer_spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by draft position (0: the first draft)",
+                                      labels=["position"])
+        for position, count in enumerate(spec["accepted_per_position"]):
+            per_pos.add_metric([str(position)], count)
+        yield per_pos
+        yield GaugeMetricFamily("dsinfer_spec_decode_mean_acceptance_length",
+                                "Tokens a verifying step gives a request: 1 + accepted / drafts",
+                                value=spec["mean_acceptance_length"])
 
 
 class _VllmNames:

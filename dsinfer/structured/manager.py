@@ -86,20 +86,37 @@ class StructuredOutputManager:
 
     # ---- each step ----------
     def bitmask(self, scheduled: list[Any]) -> torch.Tensor | None:
-        rows = [s.request for s in scheduled if s.samples]
-        if not any(r.grammar is not None for r in rows):
+        """One row per sampled position in batch order: a sampling request's 1 + (its drafts) rows, row i the
+        grammar's mask after its drafts[:i] (the matcher is left at the request's outputs); -1 rows: no grammar."""
+        items = [s for s in scheduled if s.samples]
+        if not any(s.request.grammar is not None for s in items):
             return None
-        mask = torch.full((len(rows), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
-        for i, request in enumerate(rows):
-            grammar = request.grammar
-            if grammar is None:
-                continue
-            try:
-                grammar.sync(request.output_token_ids)
-                grammar.fill_bitmask(mask, i)
-            except GrammarRejected:
-                logger.warning("request %s: output left its grammar; unconstrained from here", request.request_id)
+        num_rows = sum(1 + len(s.draft_token_ids) for s in items)
+        mask = torch.full((num_rows, bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
+        row = 0
+        for item in items:
+            request, drafts = item.request, item.draft_token_ids
+            if request.grammar is not None:
+                try:
+                    request.grammar.sync(request.output_token_ids)
+                    request.grammar.fill_draft_bitmasks(mask, row, drafts)
+                except GrammarRejected:
+                    logger.warning("request %s: output left its grammar; unconstrained from here",
+                                   request.request_id)
+            row += 1 + len(drafts)
         return mask
+
+    def valid_drafts(self, request: Any, draft_token_ids: list[int]) -> int:
+        """How many leading drafts the request's grammar accepts after its outputs (the matcher is unchanged);
+        0 while it compiles or after its output left it."""
+        grammar: RequestGrammar = request.grammar
+        if not grammar.ready or grammar.error is not None:
+            return 0
+        try:
+            grammar.sync(request.output_token_ids)
+            return grammar.check_drafts(draft_token_ids)
+        except GrammarRejected:
+            return 0
 
     def advance(self, request: Any) -> str:
         grammar: RequestGrammar = request.grammar

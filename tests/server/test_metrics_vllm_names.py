@@ -7,7 +7,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from dsinfer.server.metrics import VLLM_NAMES, ServerMetrics
 
 STATS = {"num_running": 3, "num_waiting": 2, "kv_cache_usage": 0.25, "num_preemptions": 4,
-         "prefix_cache_queries": 100, "prefix_cache_hits": 40}
+         "prefix_cache_queries": 100, "prefix_cache_hits": 40,
+         "spec_decode": {"num_drafts": 5, "num_proposed_tokens": 16, "num_draft_tokens": 15,
+                         "num_accepted_tokens": 9, "accepted_per_position": [5, 3, 1], "acceptance_rate": 0.6,
+                         "mean_acceptance_length": 2.8}}
 
 
 def _samples(metrics: ServerMetrics, stats: dict) -> dict[tuple[str, tuple], float]:
@@ -49,6 +52,19 @@ def test_every_dsinfer_metric_has_its_vllm_twin_with_the_same_values():
     assert samples[("vllm:e2e_request_latency_seconds_count", model)] == 2
     assert samples[("vllm:time_to_first_token_seconds_sum", model)] == 0.03
     assert samples[("vllm:request_time_per_output_token_seconds_count", model)] == 2
+    assert samples[("vllm:spec_decode_num_drafts_total", model)] == 5
+    assert samples[("vllm:spec_decode_num_draft_tokens_total", model)] == 15
+    assert samples[("vllm:spec_decode_num_accepted_tokens_total", model)] == 9
+    per_pos = {dict(labels)["position"]: value for (name, labels), value in samples.items()
+               if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_pos == {"0": 5, "1": 3, "2": 1}
+    assert samples[("dsinfer_spec_decode_num_proposed_tokens_total", ())] == 16
+    assert samples[("dsinfer_spec_decode_mean_acceptance_length", ())] == 2.8
+
+
+def test_spec_decode_metrics_are_absent_without_speculation():
+    samples = _samples(ServerMetrics(), {k: v for k, v in STATS.items() if k != "spec_decode"})
+    assert not any("spec_decode" in name for name, _ in samples)
 
 
 def test_the_engine_counters_follow_the_latest_stats():
