@@ -50,14 +50,20 @@ class RequestTable:
                 new.request_id, list(new.token_ids), new.num_prompt_tokens, new.sampling,
                 [list(ids) for ids in new.block_ids], new.num_computed_tokens, new.num_prompt_logprobs_done,
                 new.state_slot)
-        for cached in plan.cached_requests:
-            state = self.requests.get(cached.request_id)
+        cached = plan.cached_requests
+        requests = self.requests
+        for i, (rid, tokens, computed) in enumerate(zip(cached.request_ids, cached.new_token_ids,
+                                                        cached.num_computed_tokens)):
+            state = requests.get(rid)
             if state is None:
-                raise ValueError(f"the plan updates request {cached.request_id!r}, which this worker has no entry "
-                                 "for (it was never sent, or was dropped)")
-            state.token_ids.extend(cached.new_token_ids)
+                raise ValueError(f"the plan updates request {rid!r}, which this worker has no entry for (it was "
+                                 "never sent, or was dropped)")
+            if tokens:
+                state.token_ids += tokens
             for blocks, kept, new_ids in zip(state.block_ids, cached.num_kept_blocks, cached.new_block_ids):
-                del blocks[kept:]
-                blocks.extend(new_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+                if kept[i] < len(blocks):
+                    del blocks[kept[i]:]
+                if new_ids[i]:
+                    blocks += new_ids[i]
+            state.num_computed_tokens = computed
         return [self.requests[rid] for rid in plan.num_scheduled_tokens]

@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dsinfer.config import SchedulerConfig
-from dsinfer.core.plan import CachedRequestData, NewRequestData, StepPlan
+from dsinfer.core.plan import NewRequestData, StepPlan
 from dsinfer.core.request import Request, RequestStatus
 from dsinfer.kvcache.manager import KVCacheManager
 
@@ -232,6 +232,8 @@ class PlanWriter:
     def write(self, scheduled: list[ScheduledRequest], preempted: list[Request]) -> StepPlan:
         plan = StepPlan(finished_req_ids=self._finished, preempted_req_ids=self._preempted)
         self._finished, self._preempted = [], []
+        cached = plan.cached_requests  # one KV cache group: its columns filled directly (``append`` is per row)
+        new_block_ids, num_kept_blocks = cached.new_block_ids[0], cached.num_kept_blocks[0]
         for item in scheduled:
             request = item.request
             blocks = request.blocks
@@ -242,10 +244,11 @@ class PlanWriter:
                     max(len(request.prompt_logprobs) - 1, 0), request.state_slot))
             else:  # only the change: a decode step's costs no walk over the request's blocks
                 kept = min(self._blocks_sent[request.request_id], len(blocks))
-                new_blocks = [block.block_id for block in blocks[kept:]] if kept < len(blocks) else []
-                plan.cached_requests.append(CachedRequestData(
-                    request.request_id, request.all_token_ids[request.num_tokens_sent:], [new_blocks], [kept],
-                    item.num_computed_tokens))
+                cached.request_ids.append(request.request_id)
+                cached.new_token_ids.append(request.all_token_ids[request.num_tokens_sent:])
+                new_block_ids.append([block.block_id for block in blocks[kept:]] if kept < len(blocks) else [])
+                num_kept_blocks.append(kept)
+                cached.num_computed_tokens.append(item.num_computed_tokens)
             request.num_tokens_sent = request.num_tokens
             self._blocks_sent[request.request_id] = len(blocks)
             plan.num_scheduled_tokens[request.request_id] = item.num_new_tokens
@@ -277,7 +280,6 @@ def standalone_output(items: list[ScheduledRequest], resend: bool = True) -> Sch
     plan = StepPlan()
     for item in items:
         request = item.request
-        plan.cached_requests.append(CachedRequestData(request.request_id, [], [[]], [len(request.blocks)],
-                                                      item.num_computed_tokens))
+        plan.cached_requests.append(request.request_id, [], [[]], [len(request.blocks)], item.num_computed_tokens)
         plan.num_scheduled_tokens[request.request_id] = item.num_new_tokens
     return SchedulerOutput(items, [], plan)

@@ -84,7 +84,7 @@ def test_unknown_backend_is_refused(tiny_llama_dir):
 def test_plans_and_outputs_round_trip_as_msgpack():
     sampling = RequestSampling(0.7, 5, 0.9, 0.0, seed=-3, logprobs=2, logit_bias=[[4, 1.5]], bad_word_ids=[[1, 2]])
     plan = StepPlan(new_requests=[NewRequestData("a", [1, 2, 3], 3, sampling, [[4, 5]], 0)],
-                    cached_requests=[CachedRequestData("b", [9], [[7]], [2], 11)],
+                    cached_requests=CachedRequestData(["b"], [[9]], [[[7]]], [[2]], [11]),
                     num_scheduled_tokens={"a": 3, "b": 4}, draft_token_ids={"b": [5, 6, 7]},
                     finished_req_ids=["c"], grammar_bitmask=np.array([[-1, 3]], np.int32))
     back = wire.decode(wire.encode(plan))
