@@ -30,10 +30,11 @@ def main(argv=None) -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--gap-us", type=float, default=200.0)
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (no GPU timeline)")
     args = p.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="dsinfer-timeline-"))
     shutil.copy(args.model / "config.json", workdir / "config.json")
-    llm = LLM(str(workdir), load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=4096,
+    llm = LLM(str(workdir), load_format="dummy", dtype="bfloat16", device=args.device, max_model_len=4096,
               max_num_seqs=args.batch, enable_prefix_caching=False)
     engine = llm.engine
     gen = torch.Generator().manual_seed(1)
@@ -48,11 +49,12 @@ def main(argv=None) -> None:
         engine.step()
     for _ in range(10):  # decoding steadily
         engine.step()
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             engine.step()
-        torch.cuda.synchronize()
+        sync()
     engine.abort_all()
     events = list(prof.events())
     runtime = sorted((e for e in events if e.name.startswith("cuda") and e.device_type.name == "CPU"),
