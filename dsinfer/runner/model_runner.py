@@ -263,6 +263,8 @@ class ModelRunner:
         draft = None
         if self.mtp is not None and inputs.sample_rows:
             draft = functools.partial(self._draft, inputs, hidden)
+        elif self.mtp is not None:  # prompt chunks only: nothing to draft, but their MTP KV is written now
+            self._draft(inputs, hidden, [])
         return StepHandle(inputs.sample_rows, copies, prompt_logprobs, done, draft)
 
     @torch.inference_mode()

@@ -50,14 +50,16 @@ class MTPProposer:
     def propose(self, inputs: StepInputs, hidden: torch.Tensor, tokens: list[int]
                 ) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
         """``hidden``: the target's last hidden states of every row [T, D]; ``tokens``: the step's sampled tokens
-        (one per sample row, host) -> (draft ids, confidences) per request that sampled. One host sync."""
+        (one per sample row, host) -> (draft ids, confidences) per request that sampled. One host sync. A step of
+        prompt chunks only (no sampled row) still runs depth 0: its positions' MTP KV."""
         next_ids, picked = self._depth0_inputs(inputs, tokens)
-        if not picked.request_ids:
-            return {}, {}
         batch = inputs.batch
         next_d, rows_d = to_device_packed([next_ids, picked.rows], self.device)
         layer = self.mtp.layers[0]
-        out = layer(hidden, next_d, batch.positions, batch)[rows_d]
+        out = layer(hidden, next_d, batch.positions, batch)  # every row: the MTP KV of the step's positions
+        if not picked.request_ids:  # prompt chunks only
+            return {}, {}
+        out = out[rows_d]
         conf, ids = layer.shared_head(out).softmax(-1).max(-1)
         alive = np.arange(len(picked.request_ids))
         depths = [(alive, ids, conf)]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dsinfer import LLM, SamplingParams
-from tests.models.test_deepseek import _mtp_reference, append_tensors, mtp_tensors, v3_config
+from tests.models.test_deepseek import _mtp_reference, append_tensors, mtp_tensors, randomize, v3_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,6 +46,21 @@ def v3_mtp(tmp_path_factory) -> _Ckpt:
     tensors["model.layers.2.embed_tokens.weight"] = hf.model.embed_tokens.weight.detach().clone()
     append_tensors(path, tensors)
     assert json.loads((path / "config.json").read_text())["num_nextn_predict_layers"] >= 1
+    return _Ckpt(path, hf, donor)
+
+
+@pytest.fixture(scope="module")
+def v3_random(tmp_path_factory) -> _Ckpt:
+    """Every weight re-drawn at unit scale (``randomize``), the MTP layer's too: attention visibly shapes its
+    output, so a wrong MTP KV entry shows in its draft's probability."""
+    torch.manual_seed(0)
+    donor = transformers.DeepseekV3ForCausalLM(v3_config(num_hidden_layers=3)).eval()
+    randomize(donor, seed=2)
+    hf = transformers.DeepseekV3ForCausalLM(v3_config()).eval()
+    hf.load_state_dict({k: v for k, v in donor.state_dict().items() if not k.startswith("model.layers.2.")})
+    path = tmp_path_factory.mktemp("deepseek-v3-mtp-random")
+    hf.save_pretrained(path)
+    append_tensors(path, mtp_tensors(donor, donor_layer=2, index=2, seed=3))
     return _Ckpt(path, hf, donor)
 
 
@@ -104,24 +119,28 @@ def test_mixed_batch_of_greedy_and_seeded_requests_is_unchanged(v3_mtp):
     assert run(LLM(str(v3_mtp.path), speculative_config=spec), ids, params) == plain
 
 
-def test_first_draft_is_the_checkpoints_mtp_module(v3_mtp):
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_first_draft_is_the_checkpoints_mtp_module(v3_random, chunk):
     """The draft after a prompt's prefill: argmax of the MTP module at the prompt's last position (the target's
-    hidden state there, the first sampled token), confidence its softmax probability, in plain torch."""
-    llm = LLM(str(v3_mtp.path), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    hidden state there, the first sampled token), confidence its softmax probability, in plain torch; also when
+    the prompt is prefilled in chunks of 8 (the MTP KV of each chunk's last position reads the next chunk's
+    first token)."""
+    kwargs = {} if chunk is None else {"max_num_batched_tokens": chunk}
+    llm = LLM(str(v3_random.path), speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **kwargs)
     received = []
     original = llm.engine.drafter.receive
     llm.engine.drafter.receive = lambda request, ids, conf: (
         received.append((list(request.all_token_ids), ids, conf)), original(request, ids, conf))
-    prompt = prompts(1, seed=5)[0]
+    prompt = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(5)).tolist()
     run(llm, [prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     tokens, ids, conf = received[0]
-    assert tokens[:len(prompt)] == prompt and len(tokens) == len(prompt) + 1
+    assert tokens[:len(prompt)] == prompt and len(tokens) == len(prompt) + 1 and len(prompt) > 16
     with torch.no_grad():
-        hidden = v3_mtp.hf.model(torch.tensor([prompt])).last_hidden_state[0]
-    logits = _mtp_reference(v3_mtp, hidden, torch.tensor(tokens[1:]))[-1]
+        hidden = v3_random.hf.model(torch.tensor([prompt])).last_hidden_state[0]
+    logits = _mtp_reference(v3_random, hidden, torch.tensor(tokens[1:]))[-1]
     probs = logits.softmax(-1)
     assert ids == [int(probs.argmax())]
-    assert conf == pytest.approx([float(probs.max())], abs=1e-4)
+    assert conf == pytest.approx([float(probs.max())], rel=1e-4)
 
 
 def test_mp_worker_drafts_with_mtp(v3_mtp, baseline):
