@@ -17,6 +17,7 @@ import torch
 
 from dsinfer import LLM, SamplingParams
 from tests.models.test_deepseek import _mtp_reference, append_tensors, mtp_tensors, randomize, v3_config
+from tests.models.test_deepseek_v32 import v32_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,15 +29,16 @@ class _Ckpt:
         self.path, self.hf, self.donor = path, hf, donor
 
 
-@pytest.fixture(scope="module")
-def v3_mtp(tmp_path_factory) -> _Ckpt:
-    """Layers 0-1 of a 3-layer donor are the model; the donor's layer 2 is the MTP layer's block."""
+def write_predictive_mtp(path, cls, config) -> _Ckpt:
+    """Layers 0-1 of a 3-layer donor (transformers' init) are the model; the donor's layer 2 is the MTP layer's
+    block, its eh_proj / enorm / head those that predict the target (see the module doc)."""
     torch.manual_seed(0)
-    donor = transformers.DeepseekV3ForCausalLM(v3_config(num_hidden_layers=3)).eval()
-    hf = transformers.DeepseekV3ForCausalLM(v3_config()).eval()
+    donor = cls(config(num_hidden_layers=3)).eval()
+    hf = cls(config()).eval()
     hf.load_state_dict({k: v for k, v in donor.state_dict().items() if not k.startswith("model.layers.2.")})
-    path = tmp_path_factory.mktemp("deepseek-v3-mtp")
     hf.save_pretrained(path)
+    cfg = json.loads((path / "config.json").read_text())  # transformers' V3.2 config has none; DeepSeek's has 1
+    (path / "config.json").write_text(json.dumps(cfg | {"num_nextn_predict_layers": 1}))
     tensors = mtp_tensors(donor, donor_layer=2, index=2, seed=3)
     hidden = hf.config.hidden_size
     tensors["model.layers.2.eh_proj.weight"] = torch.cat((torch.eye(hidden), torch.zeros(hidden, hidden)), 1)
@@ -45,8 +47,13 @@ def v3_mtp(tmp_path_factory) -> _Ckpt:
     tensors["model.layers.2.shared_head.head.weight"] = hf.lm_head.weight.detach().clone()
     tensors["model.layers.2.embed_tokens.weight"] = hf.model.embed_tokens.weight.detach().clone()
     append_tensors(path, tensors)
-    assert json.loads((path / "config.json").read_text())["num_nextn_predict_layers"] >= 1
     return _Ckpt(path, hf, donor)
+
+
+@pytest.fixture(scope="module")
+def v3_mtp(tmp_path_factory) -> _Ckpt:
+    return write_predictive_mtp(tmp_path_factory.mktemp("deepseek-v3-mtp"), transformers.DeepseekV3ForCausalLM,
+                                v3_config)
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +148,19 @@ def test_first_draft_is_the_checkpoints_mtp_module(v3_random, chunk):
     probs = logits.softmax(-1)
     assert ids == [int(probs.argmax())]
     assert conf == pytest.approx([float(probs.max())], rel=1e-4)
+
+
+def test_v32_greedy_with_mtp_equals_greedy_without(tmp_path):
+    """V3.2: the MTP block's attention is indexed sparse MLA (top 8 tokens of up to 40), its indexer keys in the
+    MTP layer's own pages; prompts of up to 29 tokens, chunked prefill of 8 tokens."""
+    ckpt = write_predictive_mtp(tmp_path, transformers.DeepseekV32ForCausalLM, v32_config)
+    ids = prompts(4, seed=3)
+    expected = run(LLM(str(ckpt.path), enable_prefix_caching=False), ids, GREEDY)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    for kwargs in ({}, {"max_num_batched_tokens": 8}):
+        llm = LLM(str(ckpt.path), speculative_config=spec, enable_prefix_caching=False, **kwargs)
+        assert run(llm, ids, GREEDY) == expected
+        assert llm.engine.get_stats()["spec_decode"]["num_accepted_tokens"] > 0
 
 
 def test_mp_worker_drafts_with_mtp(v3_mtp, baseline):
