@@ -17,7 +17,14 @@ Depth j >= 1 chains the first MTP layer on its own output: position p + j, the h
 p + j - 1, the draft of depth j - 1 as the next token. Its KV writes go to positions past the request's last
 computed one, overwritten by the next step's depth 0 before they are read. A chained position must lie in a
 block the request holds this step; where it does not the request's drafts stop there (fewer drafts, never a write
-outside its blocks). Checkpoints with more than one MTP layer draft with the first one only: a later layer at
+outside its blocks).
+
+A prefix-cache hit reads the MTP KV the cached blocks were written with: exact, except at a block's last
+position, whose entry read the next token of the request that wrote it (a later request may go on differently);
+that changes a draft's quality, never the output (verification keeps only the target's tokens).
+
+Steps with MTP run synchronously (the engine drains the pipeline while a drafter is on), so every input id of
+the step is on the host. Checkpoints with more than one MTP layer draft with the first one only: a later layer at
 position i needs t_{i+1+k}, which this step-aligned schedule does not keep.
 """
 
@@ -93,6 +100,8 @@ class MTPProposer:
     def _depth0_inputs(self, inputs: StepInputs, tokens: list[int]) -> tuple[np.ndarray, _Picked]:
         """The next token of every row (see the module doc) and, per sampling request, its last kept row."""
         host, rows = inputs.host, inputs.sample_rows
+        if inputs.placeholder_rows:
+            raise RuntimeError("MTP drafting needs every input id on the host: its steps must run synchronously")
         qsl = host.query_start_loc
         next_ids = np.zeros_like(host.input_ids)
         next_ids[:-1] = host.input_ids[1:]

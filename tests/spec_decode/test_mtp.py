@@ -117,6 +117,17 @@ def test_chunked_prefill_and_preemption_keep_greedy_outputs(v3_mtp, baseline):
     assert tight.engine.get_stats()["spec_decode"]["num_accepted_tokens"] > 0
 
 
+def test_prefix_cache_hits_keep_greedy_outputs(v3_mtp):
+    gen = torch.Generator().manual_seed(4)
+    stem = torch.randint(0, 256, (20,), generator=gen).tolist()
+    ids = [stem + torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 7, 12)]
+    expected = run(LLM(str(v3_mtp.path), enable_prefix_caching=False), ids, GREEDY)
+    llm = LLM(str(v3_mtp.path), speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert run(llm, ids[:1], GREEDY) == expected[:1]
+    assert run(llm, ids, GREEDY) == expected
+    assert llm.engine.get_stats()["prefix_cache_hits"] > 0
+
+
 def test_mixed_batch_of_greedy_and_seeded_requests_is_unchanged(v3_mtp):
     ids = prompts(4, seed=2)
     params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True),
