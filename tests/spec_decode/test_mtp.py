@@ -135,6 +135,10 @@ def test_mixed_batch_of_greedy_and_seeded_requests_is_unchanged(v3_mtp):
     plain = run(LLM(str(v3_mtp.path)), ids, params)
     spec = {"method": "mtp", "num_speculative_tokens": 2, "acceptance": "exact"}
     assert run(LLM(str(v3_mtp.path), speculative_config=spec), ids, params) == plain
+    # rejection sampling keeps the distribution, not the tokens: its greedy requests are still unchanged
+    rejection = run(LLM(str(v3_mtp.path), speculative_config=dict(spec, acceptance="rejection")), ids, params)
+    assert [rejection[0], rejection[2]] == [plain[0], plain[2]]
+    assert [len(out) for out in rejection] == [len(out) for out in plain]
 
 
 @pytest.mark.parametrize("chunk", [None, 8])
