@@ -239,7 +239,7 @@ class ModelRunner:
         if start is not None:  # after the host built the inputs: a GPU waiting on the host shows as idle
             start.record()
         with batch_invariant(self.config.device.deterministic):
-            logits, hidden = self._forward(inputs)
+            logits, hidden = self._forward_with_hidden(inputs)
         copies: dict[str, torch.Tensor] = {}
         if inputs.sample_rows:
             # without prompt-logprob rows the logits rows are exactly the sampling rows
@@ -279,7 +279,11 @@ class ModelRunner:
             self._last_rows.pop(rid, None)
         return build_step_inputs(states, plan, self.block_size, self.device) if states else None
 
-    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits of the step's logits rows (``_forward_with_hidden``'s first half)."""
+        return self._forward_with_hidden(inputs)[0]
+
+    def _forward_with_hidden(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of the step's logits rows: a decode graph's replay when one fits, else the prefill graphs of the
         step's token count when they fit, else the eager model; and the last hidden states of every row (None
         from a graph)."""
