@@ -185,8 +185,6 @@ class SpeculativeConfig:
                 raise ValueError("speculative_config.method='mtp' needs a checkpoint with MTP layers "
                                  f"(num_nextn_predict_layers >= 1); {hf_config.get('architectures')} has {layers}: "
                                  "use method='ngram'")
-            raise ValueError("speculative_config.method='mtp': MTP drafting is not available yet (the MTP layer's "
-                             "weights load, nothing runs it); use method='ngram'")
 
 
 def _spec_int(name: str, value: Any, low: int, high: int) -> int:

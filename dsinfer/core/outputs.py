@@ -4,6 +4,8 @@ Invariants: ``sampled_token_ids[r]`` holds 1 + (accepted drafts) tokens for a re
 in order (the last one is the model's own token after the accepted drafts); a request that did not reach its last
 known token this step (a prompt chunk) is absent. ``logprobs[r]``, when asked for, has one entry per sampled token.
 ``prompt_logprobs[r]`` has one entry per prompt position scored this step, in order.
+``draft_token_ids[r]`` (MTP drafting) are the drafts the worker proposes to follow the request's tokens after this
+step's ``sampled_token_ids[r]``, ``draft_confidence[r]`` the drafter's probability of each (same length).
 """
 
 from __future__ import annotations
@@ -25,3 +27,5 @@ class RunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_confidence: dict[str, list[float]] = field(default_factory=dict)

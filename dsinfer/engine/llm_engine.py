@@ -282,6 +282,8 @@ class LLMEngine:
             if status is not None:  # the first stop ends the run: later tokens are dropped
                 self.scheduler.finish(request, status)
                 return
+        if rid in result.draft_token_ids:  # drafts the worker computed (MTP): they follow the tokens just appended
+            self.drafter.receive(request, result.draft_token_ids[rid], result.draft_confidence[rid])
 
     def _observe_drafts(self, request: Request, num_verified: int, num_accepted: int) -> None:
         self.spec_stats.observe(num_verified, num_accepted)

@@ -72,6 +72,7 @@ class StepInputs:
     # request each belongs to; the runner copies them from that step's sampled-token tensor on the device.
     placeholder_rows: list[int] = field(default_factory=list)
     placeholder_requests: list[str] = field(default_factory=list)
+    states: list[RequestState] = field(default_factory=list)  # the scheduled requests, in batch order
 
 
 _ALIGN = 16  # bytes: every packed array starts aligned for any element type
@@ -170,7 +171,8 @@ def build_step_inputs(states: list[RequestState], plan: StepPlan, block_size: in
         seq_lens=lens_d, logits_indices=logits_d, max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()),
         state_slots=state_d if state_slots.size and state_slots[0] >= 0 else None,
     )
-    return StepInputs(batch, sample_rows, sample_d, prompt_rows, host, placeholder_rows, placeholder_requests)
+    return StepInputs(batch, sample_rows, sample_d, prompt_rows, host, placeholder_rows, placeholder_requests,
+                      states)
 
 
 def _prompt_logprob_rows(states: list[RequestState], cu: np.ndarray) -> tuple[list[PromptLogprobRows], list[int]]:

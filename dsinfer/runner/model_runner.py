@@ -6,6 +6,11 @@ for decode (``cuda_graphs``, per batch size and tokens per request), piecewise o
 (``prefill_graphs``). ``launch`` queues a step and returns a ``StepHandle`` without waiting for the GPU;
 ``execute`` is ``launch(...).result()``.
 
+MTP drafting (``speculative_config.method="mtp"``): the model's MTP layer keeps its own latent cache, one more
+layer of the KV spec paged by the same block ids; once a step's tokens are on the host, ``result()`` runs it on
+the step's hidden states (``mtp_proposer``) and the RunnerOutput carries each sampling request's next drafts.
+Its steps run eagerly (the MTP layer reads the target's hidden states, which the CUDA graphs do not return).
+
 Draft tokens: every position of a request samples with the sampling rules of its own place (penalties and bans
 see the drafts before it; noise keyed by its own position), and a draft is kept while it equals the token
 sampled before it. With ``acceptance="exact"`` (and for greedy requests in either mode) that token is the one a
@@ -17,9 +22,10 @@ distribution, not the same tokens. With a one-hot draft (n-gram) both keep draft
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -34,6 +40,7 @@ from dsinfer.models.loader.model_loader import _default_dtype_and_device, load_m
 from dsinfer.models.registry import model_class
 from dsinfer.runner.cuda_graphs import DecodeGraphs
 from dsinfer.runner.input_batch import SampleRow, StepInputs, build_sampling_batch, build_step_inputs, to_device_packed
+from dsinfer.runner.mtp_proposer import MTPProposer
 from dsinfer.runner.prefill_graphs import PrefillGraphs
 from dsinfer.runner.request_table import RequestTable
 from dsinfer.runner.warmup import warm_up_prefill
@@ -52,11 +59,14 @@ class StepHandle:
     """
 
     def __init__(self, rows: list[SampleRow], copies: dict[str, torch.Tensor],
-                 prompt_logprobs: dict[str, list[TokenLogprobs]], done: torch.cuda.Event | None):
+                 prompt_logprobs: dict[str, list[TokenLogprobs]], done: torch.cuda.Event | None,
+                 draft: Callable[[list[int]], tuple[dict, dict]] | None = None):
+        """``draft``: the step's sampled tokens -> the next drafts and their confidences (MTP drafting)."""
         self.rows = rows
         self._copies = copies
         self._prompt_logprobs = prompt_logprobs
         self._done = done
+        self._draft = draft
 
     def result(self) -> RunnerOutput:
         if self._done is not None:
@@ -75,6 +85,8 @@ class StepHandle:
             if logprobs is not None and row.state.sampling.logprobs is not None:
                 out.logprobs.setdefault(rid, []).append(logprobs[i])
             rejected = rid if row.draft is not None and token != row.draft else None
+        if self._draft is not None:
+            out.draft_token_ids, out.draft_confidence = self._draft(tokens)
         return out
 
     def _logprobs(self) -> list[TokenLogprobs] | None:
@@ -101,6 +113,15 @@ class ModelRunner:
         self.vocab_size = config.model.vocab_size
         self.block_size = config.cache.block_size
         layers = self.model.attention_layers()
+        self.mtp: MTPProposer | None = None
+        spec = config.speculative
+        if spec.enabled and spec.method == "mtp":
+            mtp = getattr(self.model, "mtp", None)
+            if mtp is None:
+                raise ValueError("speculative_config.method='mtp': the checkpoint has no MTP layer weights to draft "
+                                 "with; use method='ngram'")
+            layers = layers + mtp.attention_layers()[:1]  # the first MTP layer drafts (``mtp_proposer``)
+            self.mtp = MTPProposer(mtp, spec.num_speculative_tokens, config.cache.block_size, self.device)
         cache_dtype = config.cache.cache_dtype or config.model.dtype
         # a layer may page nothing (None: DeepSeek-V4's sliding layers) and keep per-sequence state (``state_spec``)
         specs = [layer.kv_cache_spec(self.block_size, cache_dtype) for layer in layers]
@@ -126,7 +147,7 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         # a model whose forward reads its batch on the host (DeepSeek-V4's torch path) is neither captured nor
         # warmed up with dummy batches (those carry no state slots)
-        eager_only = getattr(self.model, "eager_only", False)
+        eager_only = getattr(self.model, "eager_only", False) or self.mtp is not None
         if self.device.type == "cuda" and not config.device.enforce_eager and not eager_only:
             max_len = config.model.max_model_len
             # steps that verify k drafts get graphs of 1 + k tokens a sequence where the model's attention can be
@@ -218,7 +239,7 @@ class ModelRunner:
         if start is not None:  # after the host built the inputs: a GPU waiting on the host shows as idle
             start.record()
         with batch_invariant(self.config.device.deterministic):
-            logits = self._forward(inputs)
+            logits, hidden = self._forward_with_hidden(inputs)
         copies: dict[str, torch.Tensor] = {}
         if inputs.sample_rows:
             # without prompt-logprob rows the logits rows are exactly the sampling rows
@@ -239,7 +260,17 @@ class ModelRunner:
             done.record()
             if start is not None:
                 self.step_events.append((start, done, inputs.batch.num_seqs if inputs.batch.is_decode_only else -1))
-        return StepHandle(inputs.sample_rows, copies, prompt_logprobs, done)
+        draft = None
+        if self.mtp is not None and inputs.sample_rows:
+            draft = functools.partial(self._draft, inputs, hidden)
+        elif self.mtp is not None:  # prompt chunks only: nothing to draft, but their MTP KV is written now
+            self._draft(inputs, hidden, [])
+        return StepHandle(inputs.sample_rows, copies, prompt_logprobs, done, draft)
+
+    @torch.inference_mode()
+    def _draft(self, inputs: StepInputs, hidden: torch.Tensor, tokens: list[int]) -> tuple[dict, dict]:
+        with batch_invariant(self.config.device.deterministic):
+            return self.mtp.propose(inputs, hidden, tokens)
 
     def prepare(self, plan: StepPlan) -> StepInputs | None:
         """Apply the plan to the request table and build the step's inputs (None: nothing is scheduled)."""
@@ -249,8 +280,13 @@ class ModelRunner:
         return build_step_inputs(states, plan, self.block_size, self.device) if states else None
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits of the step's logits rows (``_forward_with_hidden``'s first half)."""
+        return self._forward_with_hidden(inputs)[0]
+
+    def _forward_with_hidden(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of the step's logits rows: a decode graph's replay when one fits, else the prefill graphs of the
-        step's token count when they fit, else the eager model."""
+        step's token count when they fit, else the eager model; and the last hidden states of every row (None
+        from a graph)."""
         batch = inputs.batch
         size, q = None, batch.max_query_len
         # a decode step: every sequence has q tokens (1, or its last token and its drafts)
@@ -261,16 +297,15 @@ class ModelRunner:
             graphs = self.prefill_graphs
             padded = None if graphs is None else graphs.padded_size(batch.num_tokens)
             if padded is not None:
-                hidden = graphs.run(padded, batch)
-            else:
-                hidden = self.model(batch.input_ids, batch.positions, batch)
-            return self.model.compute_logits(hidden[batch.logits_indices])
+                return self.model.compute_logits(graphs.run(padded, batch)[batch.logits_indices]), None
+            hidden = self.model(batch.input_ids, batch.positions, batch)
+            return self.model.compute_logits(hidden[batch.logits_indices]), hidden
         self.graphs.load_inputs(inputs.host, size, q)
         self._fill_placeholders(self.graphs.input_ids, inputs)
         logits = self.graphs.replay(size, q)
         if len(inputs.sample_rows) == batch.num_tokens:  # every token samples: logits rows are rows 0..T-1
-            return logits[:batch.num_tokens]
-        return logits[batch.logits_indices]
+            return logits[:batch.num_tokens], None
+        return logits[batch.logits_indices], None
 
     def _fill_placeholders(self, input_ids: torch.Tensor, inputs: StepInputs) -> None:
         """Async scheduling: copy tokens sampled by the previous step into this step's input ids, on device."""

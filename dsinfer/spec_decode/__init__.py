@@ -19,4 +19,8 @@ def make_drafter(config: Any) -> Any:
         from dsinfer.spec_decode.ngram import NgramDrafter
 
         return NgramDrafter(spec)
+    if spec.method == "mtp":
+        from dsinfer.spec_decode.mtp import MTPDrafter
+
+        return MTPDrafter()
     raise ValueError(f"speculative_config.method={spec.method!r}: no drafter for it yet")

@@ -2,7 +2,9 @@
 
 ``Drafter.propose`` may return a plain list of ids (a stand-in with no confidence: every draft is taken as
 certain) or a ``Draft``. ``observe`` (optional) hears how many of the verified drafts the target kept, which is
-what a drafter calibrates its confidence from.
+what a drafter calibrates its confidence from. ``receive`` (optional) takes the drafts a worker computed for a
+request during its step (``RunnerOutput.draft_token_ids``: the MTP layer runs beside the target), once the step's
+tokens are appended.
 """
 
 from __future__ import annotations
