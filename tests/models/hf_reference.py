@@ -25,3 +25,12 @@ def hf_greedy(model, ids: list[int], num_tokens: int) -> list[int]:
         out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
         past = out.past_key_values
     return tokens
+
+
+def record_preemptions(llm) -> list:
+    """The requests ``llm``'s scheduler preempts from now on, in order (a test asserts the list is not empty, so
+    a cache that turned out large enough fails it rather than passing without a preemption)."""
+    scheduler, preempted = llm.engine.scheduler, []
+    original = scheduler._preempt
+    scheduler._preempt = lambda request: (preempted.append(request), original(request))
+    return preempted

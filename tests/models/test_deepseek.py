@@ -26,6 +26,7 @@ from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.models.deepseek import DeepseekV3ForCausalLM
 from dsinfer.models.weights import iterate_safetensors
 from dsinfer.ops.fp8 import FP8_DTYPE, block_dequantize, block_quantize
+from tests.models.hf_reference import record_preemptions
 
 transformers = pytest.importorskip("transformers")
 
@@ -310,9 +311,7 @@ def test_chunked_prefill_matches_hf(ckpt):
 
 def test_preemption_matches_hf(ckpt):
     llm = LLM(str(ckpt.path), num_kv_blocks=10, enable_prefix_caching=False)
-    scheduler, preempted = llm.engine.scheduler, []
-    original = scheduler._preempt
-    scheduler._preempt = lambda request: (preempted.append(request), original(request))
+    preempted = record_preemptions(llm)
     _assert_matches_hf(_run(llm, ckpt, ALL), ckpt, ALL, "preempt")
     assert preempted, "the KV cache was large enough: nothing was preempted"
 

@@ -22,6 +22,7 @@ from dsinfer.config import KV_CACHE_DTYPES
 from dsinfer.core.kv_cache_spec import IndexedMLASpec
 from dsinfer.layers.indexer import IndexedMLAAttention
 from dsinfer.ops.fp8 import FP8_DTYPE, block_dequantize, block_quantize
+from tests.models.hf_reference import record_preemptions
 from tests.models.test_deepseek import (
     COMMON,
     QUANTIZED,
@@ -139,9 +140,7 @@ def test_chunked_prefill_matches_hf(v32):
 
 def test_preemption_matches_hf(v32):
     llm = LLM(str(v32.path), num_kv_blocks=10, enable_prefix_caching=False)
-    scheduler, preempted = llm.engine.scheduler, []
-    original = scheduler._preempt
-    scheduler._preempt = lambda request: (preempted.append(request), original(request))
+    preempted = record_preemptions(llm)
     _assert_matches_hf(_run(llm, v32, ALL), v32, ALL, "preempt")
     assert preempted, "the KV cache was large enough: nothing was preempted"
 

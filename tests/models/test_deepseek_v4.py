@@ -21,6 +21,7 @@ from dsinfer import LLM, SamplingParams
 from dsinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from dsinfer.models.deepseek_v4.quant import unpack_fp4
 from dsinfer.models.weights import iterate_safetensors
+from tests.models.hf_reference import record_preemptions
 
 from ..engine.test_multi_token_steps import KnownTokensDrafter, with_drafter
 from .v4_fixture import write_checkpoint
@@ -78,9 +79,7 @@ def test_preemption_matches_hf(ckpt):
     into 7, so one is preempted (blocks and state slot freed) and recomputed from its first token; the 70-token
     one waits for room."""
     llm = LLM(str(ckpt[0]), block_size=16, num_kv_blocks=7)
-    scheduler, preempted = llm.engine.scheduler, []
-    original = scheduler._preempt
-    scheduler._preempt = lambda request: (preempted.append(request), original(request))
+    preempted = record_preemptions(llm)
     _assert_matches_hf(_generate(llm, ckpt[2][2:]), ckpt, "preempt", [2, 3, 4])
     assert preempted, "the KV cache was large enough: nothing was preempted"
 
