@@ -14,10 +14,9 @@ def test_copy_rows_where_matches_the_masked_copy(keep):
     gen = torch.Generator().manual_seed(0)
     dst = torch.randn(12, 3, generator=gen)
     rows = torch.randn(5, 3, generator=gen)
-    index = torch.tensor([4, -1, 9, 30, 4])  # dropped rows may point anywhere, even at a kept row's index
     keep = torch.tensor(keep)
-    if keep.all():
-        index = torch.tensor([4, 0, 9, 11, 2])
+    # kept rows at distinct indices; dropped ones anywhere: out of range, or at a kept row's index
+    index = torch.where(keep, torch.tensor([4, 0, 9, 11, 2]), torch.tensor([0, -1, 4, 30, 9]))
     want = dst.clone()
     copy_rows_where_ref(want, index, rows, keep)
     copy_rows_where(dst, index, rows, keep)
