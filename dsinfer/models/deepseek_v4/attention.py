@@ -21,6 +21,7 @@ from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.core.kv_cache_spec import CompressedSpec, StateSlotSpec
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.norm import RMSNorm
+from dsinfer.models.deepseek_v4 import decode
 from dsinfer.models.deepseek_v4.compressor import Compressor
 from dsinfer.models.deepseek_v4.config import CSA, SLIDING, V4Config
 from dsinfer.models.deepseek_v4.hyper import unweighted_rms_norm
@@ -74,12 +75,48 @@ class V4Attention(nn.Module):
         return StateSlotSpec(tuple(rings), dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        step = V4Step.of(batch)
         q_lora = self.q_norm(self.wq_a(x))
         q = unweighted_rms_norm(self.wq_b(q_lora).view(-1, self.num_heads, self.head_dim), self.eps)
         cos, sin = self.rope.angles(positions)
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.norm(self.wkv(x)), cos, sin)
+        if self.batched(batch):
+            out = self._forward_decode(x, q, kv, q_lora, positions, decode.DecodeStep.of(batch))
+        else:
+            out = self._forward_seqs(x, q, kv, q_lora, positions, V4Step.of(batch))
+        out = apply_rope(out, cos, -sin)
+        return self.wo_b(self._grouped_o(out))
+
+    def batched(self, batch: ForwardBatch) -> bool:
+        """Whether the step takes the batched, host-read-free path (``decode``): every sequence has the same q
+        tokens, within the rings' draft allowance (the deterministic mode keeps the per-sequence path)."""
+        return not batch_invariant.is_enabled() and decode.uniform_q(batch, self.state["window"].shape[1],
+                                                                        self.window)
+
+    def _forward_decode(self, x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, q_lora: torch.Tensor,
+                        positions: torch.Tensor, step: decode.DecodeStep) -> torch.Tensor:
+        b, n = step.num_seqs, step.q
+        keys, visible = decode.window_keys(self.state["window"], step, kv.view(b, n, -1), self.window)
+        if self.compressor is not None:
+            decode.compress(self.compressor, self.compressor.project(x), step, self.state["compressor"],
+                            self.kv_cache[0])
+            entries, seen = decode.gather_entries(self.kv_cache[0], step, self.rate)
+            if self.indexer is not None:
+                decode.compress(self.indexer.compressor, self.indexer.compressor.project(x), step,
+                                self.state["indexer"], self.kv_cache[1])
+                index_keys, _ = decode.gather_entries(self.kv_cache[1], step, self.rate)
+                index_q, weights = self.indexer.queries(q_lora, x, positions)
+                seen = decode.select(self.indexer, index_q.view(b, n, *index_q.shape[1:]), weights.view(b, n, -1),
+                                     index_keys, seen)
+            keys = torch.cat((keys, entries.to(keys.dtype)), dim=1)
+            visible = torch.cat((visible, seen), dim=-1)
+        out = decode.attend(q.view(b, n, *q.shape[1:]), keys, visible, self.attn_sink, self.head_dim ** -0.5)
+        decode.write_rows(self.state["window"], step, kv.view(b, n, -1))
+        return out.flatten(0, 1)
+
+    def _forward_seqs(self, x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, q_lora: torch.Tensor,
+                      positions: torch.Tensor, step: V4Step) -> torch.Tensor:
+        """The per-sequence path (prefill, mixed steps, the deterministic mode): bounds read on the host."""
         if self.compressor is not None:
             self.compressor.step(self.compressor.project(x), step, self.state["compressor"], self.kv_cache[0])
         index_q = None
@@ -92,8 +129,7 @@ class V4Attention(nn.Module):
             out[seq.rows] = self._attend_seq(q[seq.rows], kv, positions[seq.rows], step, seq, index_q)
         for seq in step.seqs:  # after every read: a long chunk's own rows may wrap over rows read above
             write_ring(self.state["window"], seq.slot, seq, kv[seq.rows])
-        out = apply_rope(out, cos, -sin)
-        return self.wo_b(self._grouped_o(out))
+        return out
 
     def _attend_seq(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, step: V4Step, seq: SeqStep,
                     index_q: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

@@ -55,8 +55,9 @@ class V4DecoderLayer(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    # the torch attention path reads each sequence's bounds on the host (one sync a step): no CUDA graphs, no
-    # warm-up on dummy batches (they carry no state slots)
+    # attention's decode steps (same q per sequence) read nothing on the host (``decode``), but the MoE's torch
+    # path reads its per-expert counts (``clamped_experts``) and the decode graphs' buffers carry no state slots:
+    # no CUDA graphs yet, no warm-up on dummy batches
     eager_only = True
     multi_token_decode_graphs = False
 

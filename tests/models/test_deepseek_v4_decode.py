@@ -1,0 +1,162 @@
+"""V4's batched decode path (``deepseek_v4.decode``) against the per-sequence path, and free of host reads."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dsinfer.core.forward_batch import ForwardBatch
+from dsinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+from dsinfer.models.deepseek_v4.attention import V4Attention
+from dsinfer.models.weights import iterate_safetensors
+
+from .v4_fixture import write_checkpoint
+
+transformers = pytest.importorskip("transformers")
+torch.set_grad_enabled(False)
+
+BLOCK, BLOCKS_PER_SEQ, MAX_DRAFTS = 32, 3, 3
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("v4")
+    write_checkpoint(transformers, path)
+    ours = DeepseekV4ForCausalLM(json.loads((path / "config.json").read_text()))
+    ours.load_weights(iterate_safetensors(path))
+    return ours
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(2, 128, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _batch(ids: list[torch.Tensor], starts: list[int], slots: list[int], pad: int = 0) -> ForwardBatch:
+    """One step: sequence b computes ids[b] at positions starts[b]..; ``pad`` padding rows of len(ids[0]) tokens
+    each (seq_len 0, slot -1, zero block row), as a padded graph batch has."""
+    n, q = len(ids), len(ids[0])
+    lens = [s + len(i) for s, i in zip(starts, ids)]
+    positions = torch.cat([torch.arange(s, s + len(i)) for s, i in zip(starts, ids)] + [torch.zeros(pad * q)]).long()
+    qsl = torch.tensor([0] + [sum(len(i) for i in ids[:b + 1]) for b in range(n)] + [n * q] * pad, dtype=torch.int32)
+    tables = [[1 + BLOCKS_PER_SEQ * s + j for j in range(BLOCKS_PER_SEQ)] for s in slots] + [[0] * BLOCKS_PER_SEQ] * pad
+    return ForwardBatch(
+        input_ids=torch.cat(ids + [torch.zeros(pad * q, dtype=torch.int64)]), positions=positions,
+        slot_mapping=torch.zeros(len(positions)).long(), block_tables=torch.tensor(tables, dtype=torch.int32),
+        query_start_loc=qsl, seq_lens=torch.tensor(lens + [0] * pad, dtype=torch.int32),
+        logits_indices=torch.arange(len(positions)), max_query_len=max(len(i) for i in ids),
+        max_seq_len=BLOCK * BLOCKS_PER_SEQ, state_slots=torch.tensor(slots + [-1] * pad))
+
+
+def _prefilled(model: DeepseekV4ForCausalLM, lens: list[int]) -> DeepseekV4ForCausalLM:
+    """A copy of the model whose caches hold one prefilled sequence per length (slot b, its own blocks)."""
+    model = copy.deepcopy(model)
+    for layer in model.attention_layers():
+        spec = layer.kv_cache_spec(BLOCK, torch.float32)
+        num_blocks = 1 + BLOCKS_PER_SEQ * (len(lens) + 1)
+        layer.kv_cache = None if spec is None else spec.allocate(num_blocks, torch.device("cpu"))
+        layer.state = layer.state_spec(MAX_DRAFTS, torch.float32).allocate(len(lens) + 1, torch.device("cpu"))
+    for b, n in enumerate(lens):
+        batch = _batch([_ids(n, seed=b)], [0], [b])
+        model(batch.input_ids, batch.positions, batch)
+    return model
+
+
+def _caches(model: DeepseekV4ForCausalLM) -> list[torch.Tensor]:
+    out = []
+    for layer in model.attention_layers():
+        out += list(layer.kv_cache or []) + list(layer.state.values())
+    return out
+
+
+def _per_sequence(monkeypatch):
+    monkeypatch.setattr(V4Attention, "batched", lambda self, batch: False)
+
+
+@pytest.mark.parametrize("q", [1, 3, 4], ids=["decode", "two_drafts", "three_drafts"])
+def test_batched_decode_equals_the_per_sequence_path(model, monkeypatch, q):
+    """Mixed lengths whose steps close CSA windows (rate 4), HCA windows (rate 16: 15 -> 16, 63 -> 64) or none,
+    past the window (8) and the indexer's top-3; outputs and every cache row after the step agree."""
+    lens = [15, 23, 40, 63]
+    ids = [_ids(q, seed=10 + b) for b in range(len(lens))]
+    batched = _prefilled(model, lens)
+    reference = copy.deepcopy(batched)
+    batch = _batch(ids, lens, list(range(len(lens))))
+    assert all(layer.batched(batch) for layer in batched.attention_layers())
+    got = batched(batch.input_ids, batch.positions, batch)
+    _per_sequence(monkeypatch)
+    ref_batch = _batch(ids, lens, list(range(len(lens))))
+    want = reference(ref_batch.input_ids, ref_batch.positions, ref_batch)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(_caches(batched), _caches(reference)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("q", [1, 4])
+def test_padding_rows_are_finite_and_write_nothing(model, monkeypatch, q):
+    lens = [15, 40]
+    ids = [_ids(q, seed=20 + b) for b in range(len(lens))]
+    batched = _prefilled(model, lens)
+    reference = copy.deepcopy(batched)
+    batch = _batch(ids, lens, [0, 1], pad=3)
+    got = batched(batch.input_ids, batch.positions, batch)
+    assert torch.isfinite(got).all()
+    _per_sequence(monkeypatch)
+    ref_batch = _batch(ids, lens, [0, 1])
+    want = reference(ref_batch.input_ids, ref_batch.positions, ref_batch)
+    torch.testing.assert_close(got[:len(lens) * q], want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(_caches(batched), _caches(reference)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_an_all_padding_batch_writes_nothing(model):
+    """What a graph capture runs: every row padding."""
+    batched = _prefilled(model, [15, 40])
+    before = [t.clone() for t in _caches(batched)]
+    batch = _batch([torch.zeros(1, dtype=torch.int64)], [0], [0], pad=3)
+    batch = ForwardBatch(**{**batch.__dict__, "seq_lens": torch.zeros(4, dtype=torch.int32),
+                            "state_slots": torch.full((4,), -1), "derived": {}})
+    assert torch.isfinite(batched(batch.input_ids, batch.positions, batch)).all()
+    for a, b in zip(_caches(batched), before):
+        assert torch.equal(a, b)
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the aten ops a forward runs; fails on any that reads a device value on the host."""
+
+    HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+                  torch.ops.aten.masked_select.default, torch.ops.aten.bincount.default}
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.HOST_READS:
+            raise AssertionError(f"host read in the decode path: {func}")
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _attention_ops(model: DeepseekV4ForCausalLM, num_seqs: int, q: int) -> list[str]:
+    """The aten ops of every attention layer's forward on one decode step of num_seqs sequences (half padding)."""
+    lens = [15 + 9 * b for b in range(num_seqs // 2)]
+    batched = _prefilled(model, lens)
+    batch = _batch([_ids(q, seed=b) for b in range(len(lens))], lens, list(range(len(lens))),
+                   pad=num_seqs - len(lens))
+    x = torch.randn(batch.num_tokens, model.v4.hidden_size)
+    mode = _HostReads()
+    with mode:
+        for layer in batched.attention_layers():
+            layer(x, batch.positions, batch)
+    return mode.ops
+
+
+@pytest.mark.parametrize("q", [1, 3])
+def test_decode_attention_reads_nothing_on_the_host_and_runs_the_same_ops_at_any_batch(model, q):
+    small, large = _attention_ops(model, 2, q), _attention_ops(model, 8, q)
+    assert small == large
+    assert len(small) > 100  # the mode saw the layers' ops
