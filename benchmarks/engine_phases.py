@@ -1,7 +1,6 @@
-"""Where the host's time goes in the offline engine's steps on the GPU: the mean wall time per step of each phase
-(schedule, build inputs, load the graph's inputs, replay, sample, wait for the result, process the outputs) over the
-decode steps, for B
-prompts of a given context decoding 128 tokens each (dummy weights). A phase that waits for the GPU where it
+"""Where the host's time goes in the offline engine's steps on the GPU: the mean wall time per decode step of each
+phase (schedule, build inputs, load the graph's inputs, replay, sample, wait for the result, process the outputs),
+for B prompts of a given context decoding 128 tokens each (dummy weights). A phase that waits for the GPU where it
 should not shows up as time the others do not explain; run it on two trees to compare.
 
     python benchmarks/engine_phases.py --model benchmarks/configs/llama-3.1-8b --batch 256

@@ -67,8 +67,6 @@ class ParentRequest:
 
     @property
     def finished(self) -> bool:
-        if len(self.children) == 1:
-            return self.children[0].request.status in FINISHED_STATUSES
         return all(c.request.status in FINISHED_STATUSES for c in self.children)
 
     def make_output(self, finished: bool | None = None) -> RequestOutput | None:
