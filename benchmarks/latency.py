@@ -375,15 +375,20 @@ def measure_idle(llm, batch: int, context: int, profile: int = 0) -> dict:
     events, runner.step_events = runner.step_events, None
     torch.cuda.synchronize()
     busy = gaps = 0.0
+    gap_ms = []
     for (s0, e0, n0), (s1, _e1, n1) in zip(events, events[1:]):
         if n0 == batch and n1 == batch:
             busy += s0.elapsed_time(e0)
-            gaps += e0.elapsed_time(s1)
+            gap_ms.append(e0.elapsed_time(s1))
+    gaps = sum(gap_ms)
     span = busy + gaps
     # the decode batches the steps had (a figure of nan: no two consecutive steps ran all ``batch`` requests)
     sizes = collections.Counter(n for *_, n in events)
     return dict(batch=batch, context=context, steps=len(events), wall_s=wall, step_sizes=dict(sizes.most_common(4)),
                 idle_pct=100 * gaps / span if span else float("nan"),
+                # spread out (host slower than the GPU every step) or a few long stalls (a sync, a GC pass)
+                gap_max_ms=max(gap_ms, default=float("nan")), gaps_over_1ms=sum(g > 1 for g in gap_ms),
+                gap_median_ms=statistics.median(gap_ms) if gap_ms else float("nan"),
                 mean_step_ms=span / max(1, sum(1 for *_, n in events if n == batch) - 1))
 
 
@@ -444,7 +449,9 @@ def main(argv=None) -> int:
         idle = report["idle"]
         print(f"engine decode B={idle['batch']}: GPU idle between steps {idle['idle_pct']:.2f}% "
               f"(mean step {idle['mean_step_ms']:.2f} ms over {idle['steps']} steps; "
-              f"most common decode batches {idle['step_sizes']}, -1: a step with prompt tokens)", flush=True)
+              f"most common decode batches {idle['step_sizes']}, -1: a step with prompt tokens; gaps: median "
+              f"{idle['gap_median_ms']:.3f} ms, max {idle['gap_max_ms']:.2f} ms, {idle['gaps_over_1ms']} over 1 ms)",
+              flush=True)
     if args.json_out:
         args.json_out.write_text(json.dumps(report, indent=2))
     return 0

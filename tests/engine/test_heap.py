@@ -1,5 +1,5 @@
-"""The step loops' frozen start-up heap: frozen while a loop runs, given back after (an exception included), and
-an existing freeze left alone."""
+"""The step loops' frozen start-up heap: frozen while a loop runs, given back after (an exception included); a
+small earlier freeze neither keeps the rest of the heap in the walks nor is undone."""
 
 import gc
 
@@ -31,12 +31,16 @@ def test_the_heap_is_given_back_when_the_loop_raises():
     assert gc.get_freeze_count() == 0
 
 
-def test_an_existing_freeze_is_left_as_it_is():
-    gc.freeze()
+def test_an_earlier_small_freeze_still_freezes_the_rest_and_stays():
+    early = [[] for _ in range(5)]
+    gc.freeze()  # someone froze a few objects at start-up
+    later = [[] for _ in range(1000)]  # the model and its caches, made after
+    frozen_early = gc.get_freeze_count()
     with startup_heap_frozen():
-        pass
-    # still frozen (the count itself may drop: frozen objects are freed when their last reference goes)
-    assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() >= frozen_early + len(later)
+        assert not any(x is later[0] for x in gc.get_objects())
+    # the earlier freeze is not undone (the count may drop: frozen objects are freed when their last reference goes)
+    assert gc.get_freeze_count() > 0 and early
 
 
 def test_generate_runs_its_steps_with_the_heap_frozen(tiny_llama_dir, monkeypatch):
