@@ -6,6 +6,7 @@ This module imports nothing of dsinfer but ``envs``, so every layer can read the
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -193,6 +194,103 @@ def _spec_int(name: str, value: Any, low: int, high: int) -> int:
     return value
 
 
+DEFAULT_RETENTION = "default"  # the traffic class of a request that names none
+DEFAULT_TTL_S = 7 * 86400.0  # that class's TTL unless ``ttl_s`` sets it
+
+
+@dataclass(frozen=True)
+class KVStoreConfig:
+    """The KV cache store beyond GPU memory (``kvstore/``): off unless a host budget or a directory is given.
+
+    ``from_dict`` reads the user's dict (``LLM(kv_store=...)``, ``dsinfer serve --kv-store JSON``) and raises a
+    ValueError naming the field for an unknown key, a negative size, a grain that is not a multiple of the block
+    size, or a directory that is missing or not writable.
+    """
+
+    host_gb: float = 0.0  # host-memory tier budget in GiB (pinned on CUDA); 0: no host tier
+    dir: Path | None = None  # directory tier (local disk or a shared file system); None: none
+    dir_gb: float | None = None  # the directory's budget in GiB (every model's entries); None: the disk's space
+    grain: int = 128  # tokens per stored entry: a multiple of the KV block size
+    # traffic class -> seconds an entry may go unused (a request names its class: ``kv_retention``)
+    ttl_s: tuple[tuple[str, float], ...] = ((DEFAULT_RETENTION, DEFAULT_TTL_S),)
+    save_queue: int = 256  # grains waiting to be written before further saves are dropped
+    high_watermark: float = 0.95  # a tier past this fraction of its budget evicts (LRU) ...
+    low_watermark: float = 0.85  # ... down to this fraction
+    gc_interval_s: float = 60.0  # the background sweep's period (expiries, the directory's watermark)
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_gb > 0 or self.dir is not None
+
+    def ttl_of(self, retention: str | None) -> float:
+        """The TTL of a traffic class (None: the default class); ValueError for a class the config lacks."""
+        classes = dict(self.ttl_s)
+        name = retention or DEFAULT_RETENTION
+        if name not in classes:
+            raise ValueError(f"kv_retention={retention!r} is not a traffic class of kv_store.ttl_s; known: "
+                             f"{sorted(classes)}")
+        return classes[name]
+
+    @classmethod
+    def from_dict(cls, value: Any, block_size: int) -> KVStoreConfig:
+        if value is None or isinstance(value, KVStoreConfig):
+            return value or cls()
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_store must be a dict, got {type(value).__name__}")
+        known = {"host_gb", "dir", "dir_gb", "grain", "ttl_s", "save_queue", "high_watermark", "low_watermark",
+                 "gc_interval_s"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_store: unknown key(s) {unknown}; known: {sorted(known)}")
+        host_gb = _store_number("host_gb", value.get("host_gb", 0.0), 0.0)
+        dir_gb = value.get("dir_gb")
+        dir_gb = None if dir_gb is None else _store_number("dir_gb", dir_gb, 0.0, strict=True)
+        grain = value.get("grain", cls.grain)
+        if isinstance(grain, bool) or not isinstance(grain, int) or grain <= 0 or grain % block_size:
+            raise ValueError(f"kv_store.grain must be a positive multiple of the KV block size ({block_size}), "
+                             f"got {grain!r}")
+        directory = value.get("dir")
+        if directory is not None:
+            directory = _store_dir(directory)
+        elif dir_gb is not None:
+            raise ValueError("kv_store.dir_gb is set but kv_store.dir is not: name the directory")
+        ttl = value.get("ttl_s", {})
+        if not isinstance(ttl, dict):
+            raise ValueError(f"kv_store.ttl_s must map traffic classes to seconds, got {ttl!r}")
+        classes = {DEFAULT_RETENTION: DEFAULT_TTL_S}
+        for name, seconds in ttl.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"kv_store.ttl_s: a traffic class must be a non-empty string, got {name!r}")
+            classes[name] = _store_number(f"ttl_s[{name!r}]", seconds, 0.0, strict=True)
+        queue = value.get("save_queue", cls.save_queue)
+        if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
+            raise ValueError(f"kv_store.save_queue must be an integer >= 1, got {queue!r}")
+        high = _store_number("high_watermark", value.get("high_watermark", cls.high_watermark), 0.0, strict=True)
+        low = _store_number("low_watermark", value.get("low_watermark", cls.low_watermark), 0.0)
+        if not low < high <= 1:
+            raise ValueError(f"kv_store: need 0 <= low_watermark < high_watermark <= 1, got {low} and {high}")
+        interval = _store_number("gc_interval_s", value.get("gc_interval_s", cls.gc_interval_s), 0.0, strict=True)
+        return cls(host_gb, directory, dir_gb, grain, tuple(sorted(classes.items())), queue, high, low, interval)
+
+
+def _store_number(name: str, value: Any, low: float, strict: bool = False) -> float:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and (value > low if strict else value >= low)
+    if not ok:
+        raise ValueError(f"kv_store.{name} must be a number {'>' if strict else '>='} {low:g}, got {value!r}")
+    return float(value)
+
+
+def _store_dir(value: Any) -> Path:
+    if not isinstance(value, (str, Path)) or not str(value):
+        raise ValueError(f"kv_store.dir must be a directory path, got {value!r}")
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"kv_store.dir={str(value)!r} is not an existing directory (create it first)")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"kv_store.dir={str(value)!r} is not writable by this process")
+    return path
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Which kernels and overlaps a forward takes. Read once from the ``DSINFER_*`` variables at start-up
@@ -231,6 +329,7 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     kernel: KernelConfig = field(default_factory=KernelConfig)  # the forward's kernel choices (``from_envs``)
+    kv_store: KVStoreConfig = KVStoreConfig()  # the KV cache store's tiers (off by default)
 
 
 def check_parallel_size(value: Any, spelled: str) -> None:

@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("scheduler", "kvcache"),       # token-budget scheduler and KV block manager: each other's contracts only
     ("executor",),                  # one interface over the runner (uni / mp)
     ("runner",),                    # ModelRunner, input batches, CUDA graphs
+    ("kvstore",),                   # the KV store's tiers, keys, files (worker) and index (engine): core + config
     ("sampling", "structured"),     # the sampler; grammars and token bitmasks
     ("spec_decode",),               # drafters (n-gram), draft confidence, spec-decode counters: core + config only
     ("models",),                    # registry, loaders, llama, deepseek, mtp

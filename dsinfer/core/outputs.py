@@ -6,6 +6,7 @@ known token this step (a prompt chunk) is absent. ``logprobs[r]``, when asked fo
 ``prompt_logprobs[r]`` has one entry per prompt position scored this step, in order.
 ``draft_token_ids[r]`` (MTP drafting) are the drafts the worker proposes to follow the request's tokens after this
 step's ``sampled_token_ids[r]``, ``draft_confidence[r]`` the drafter's probability of each (same length).
+``kv_loads_done[r]``: request ``r``'s store load finished this step (its blocks hold that many tokens' KV).
 """
 
 from __future__ import annotations
@@ -29,3 +30,7 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_confidence: dict[str, list[float]] = field(default_factory=dict)
+    # the KV store: tokens each finished load filled (its leading grains; fewer than asked: recompute the rest)
+    kv_loads_done: dict[str, int] = field(default_factory=dict)
+    kv_host_events: list[list] = field(default_factory=list)  # [key, present] changes of the host tier, in order
+    kv_store_counters: dict[str, float] = field(default_factory=dict)  # the worker's totals (``kvstore.counters``)

@@ -14,7 +14,9 @@ Invariants:
 - token ids the worker is sent are appended to its copy of the request's tokens: a request's copy is always a
   prefix of the engine's ``all_token_ids``;
 - block ids are per KV cache group (one list per group; every model has one group today);
-- ``finished_req_ids`` and ``preempted_req_ids`` name requests whose worker entry is dropped before the step.
+- ``finished_req_ids`` and ``preempted_req_ids`` name requests whose worker entry is dropped before the step;
+- ``kv_loads`` fill blocks of requests that are not scheduled until their load is reported done; ``kv_saves``
+  copy blocks after the step's forward, so they see its KV, and before any later step's writes.
 """
 
 from __future__ import annotations
@@ -122,6 +124,27 @@ class CachedRequestData:
 
 
 @dataclass
+class KVLoad:
+    """Read a request's stored grains into its blocks (``kvstore``): grain ``i`` of ``keys`` fills
+    ``block_ids[i * blocks_per_grain:(i + 1) * blocks_per_grain]``, -1 for a block it already holds (a GPU prefix
+    hit). The worker reports how many leading grains it filled (``RunnerOutput.kv_loads_done``)."""
+
+    request_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass
+class KVSave:
+    """After this step's forward, copy full grains out of their blocks into the store (write-behind): grain
+    ``i`` of ``keys`` is ``block_ids[i * blocks_per_grain:(i + 1) * blocks_per_grain]``."""
+
+    keys: list[bytes]
+    block_ids: list[int]
+    ttl_s: float  # the request's traffic class's TTL
+
+
+@dataclass
 class StepPlan:
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: CachedRequestData = field(default_factory=CachedRequestData)
@@ -132,6 +155,10 @@ class StepPlan:
     # Structured outputs: packed int32 token bitmask [rows, ceil(V / 32)], one row per sampled position of the
     # step in batch order (-1 rows: unconstrained); None when no sampled row is constrained
     grammar_bitmask: np.ndarray | None = None
+    kv_loads: list[KVLoad] = field(default_factory=list)  # started this step (the KV store's loads)
+    kv_saves: list[KVSave] = field(default_factory=list)  # grains this step or an earlier one filled
+    # a step with nothing to compute still runs to report loads done; the worker then waits this long for one
+    kv_poll_s: float = 0.0
 
     @property
     def num_batched_tokens(self) -> int:

@@ -5,7 +5,8 @@ It lives on the engine's side only: the worker never sees a ``Request``, it gets
 - the engine creates it and appends sampled tokens (``append_token``), sets ``status`` on stops and aborts;
 - the scheduler moves ``num_computed_tokens`` and ``status`` (waiting / running / preempted), and
   ``num_tokens_sent`` (how many of ``all_token_ids`` the worker has been sent);
-- the KV cache manager owns ``blocks``, ``block_hashes`` and ``state_slot``.
+- the KV cache manager owns ``blocks``, ``block_hashes`` and ``state_slot``; the scheduler's store side the
+  ``store_*`` fields and ``num_stored_grains``.
 Invariants: ``all_token_ids == prompt_token_ids + output_token_ids``;
 ``num_computed_tokens <= num_tokens + num_pending + len(draft_token_ids)``; ``num_tokens_sent <= num_tokens``.
 """
@@ -22,6 +23,7 @@ from dsinfer.core.plan import RequestSampling
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # admitted with blocks, its KV being read from the KV store; not scheduled until done
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -79,6 +81,12 @@ class Request:
     first_scheduled_time: float | None = None  # time.monotonic(), as every request time
     first_token_time: float | None = None
     grammar: Any = None  # structured outputs: a dsinfer.structured.matcher.RequestGrammar (None: unconstrained)
+    # the KV store (``kvstore``): its traffic class's TTL, its grain keys so far, the grains stored or sent to be
+    # saved, and whether the store is asked at admission (not again after a load came back short)
+    kv_ttl_s: float = 0.0
+    store_keys: list[bytes] = field(default_factory=list)
+    num_stored_grains: int = 0
+    store_lookup: bool = True
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

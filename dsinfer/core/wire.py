@@ -14,10 +14,10 @@ import msgpack
 import numpy as np
 
 from dsinfer.core.outputs import RunnerOutput, TokenLogprobs
-from dsinfer.core.plan import CachedRequestData, NewRequestData, RequestSampling, StepPlan
+from dsinfer.core.plan import CachedRequestData, KVLoad, KVSave, NewRequestData, RequestSampling, StepPlan
 
 _TYPES = {cls.__name__: cls for cls in (StepPlan, NewRequestData, CachedRequestData, RequestSampling,
-                                        RunnerOutput, TokenLogprobs)}
+                                        RunnerOutput, TokenLogprobs, KVLoad, KVSave)}
 _FIELDS = {name: [f.name for f in dataclasses.fields(cls)] for name, cls in _TYPES.items()}
 _DATACLASS, _NDARRAY = 1, 2
 

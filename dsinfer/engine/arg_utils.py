@@ -26,6 +26,7 @@ from dsinfer.config import (
     DeviceConfig,
     EngineConfig,
     KernelConfig,
+    KVStoreConfig,
     LoadConfig,
     ModelConfig,
     ParallelConfig,
@@ -79,6 +80,9 @@ class EngineArgs:
     # vLLM's speculative_config: {"method": "ngram" | "mtp", "num_speculative_tokens": k, "prompt_lookup_min",
     # "prompt_lookup_max", "acceptance": "rejection" | "exact", "confidence_scheduling"} (``SpeculativeConfig``)
     speculative_config: dict[str, Any] | None = None
+    # the KV cache store beyond GPU memory: {"host_gb": .., "dir": .., "dir_gb": .., "grain": 128,
+    # "ttl_s": {class: seconds}} (``KVStoreConfig``); None: GPU prefix cache only
+    kv_store: dict[str, Any] | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -121,9 +125,11 @@ class EngineArgs:
             async_sched = envs.ASYNC_SCHEDULING.get() and device.type == "cuda"
         else:
             async_sched = self.async_scheduling
+        block_size = _resolve_block_size(self.block_size, hf_config, device)
+        kv_store = KVStoreConfig.from_dict(self.kv_store, block_size)
         return EngineConfig(
             model=model,
-            cache=CacheConfig(_resolve_block_size(self.block_size, hf_config, device), self.enable_prefix_caching,
+            cache=CacheConfig(block_size, self.enable_prefix_caching,
                               self.kv_cache_memory_gb, self.gpu_memory_utilization, self.num_kv_blocks,
                               KV_CACHE_DTYPES[self.kv_cache_dtype]),
             scheduler=SchedulerConfig(self.max_num_seqs, batched, self.enable_chunked_prefill,
@@ -136,6 +142,7 @@ class EngineArgs:
             parallel=ParallelConfig(self.distributed_executor_backend or "uni"),
             speculative=speculative,
             kernel=KernelConfig.from_envs(),
+            kv_store=kv_store,
         )
 
     def _sampling_defaults(self, model_generation_config: dict[str, Any]) -> tuple[dict[str, Any], int | None]:

@@ -66,6 +66,7 @@ class InputProcessor:
         grammar = self._prepare_grammar(params)
         bad_word_ids = self._bad_word_ids(params)
         self._check_something_samplable(params, bad_word_ids)
+        kv_ttl_s = self.config.kv_store.ttl_of(params.kv_retention)  # ValueError for a class it lacks
         parent = ParentRequest(request_id, text, token_ids, params, arrival_time or time.monotonic())
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         for index in range(params.n):
@@ -76,6 +77,7 @@ class InputProcessor:
                               sampling=RequestSampling.of(params, seed, self.eos_token_ids, bad_word_ids))
             if params.prompt_logprobs is not None:
                 request.prompt_logprobs = [None]
+            request.kv_ttl_s = kv_ttl_s
             if grammar is not None:
                 request.grammar = self.structured.request_grammar(request, *grammar)
             detok = None

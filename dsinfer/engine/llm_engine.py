@@ -36,6 +36,8 @@ from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.sampling_params import SamplingParams
 from dsinfer.executor.base import Executor, StepResult
 from dsinfer.kvcache.manager import KVCacheManager
+from dsinfer.kvstore.index import StoreIndex
+from dsinfer.kvstore.keys import engine_fingerprint
 from dsinfer.scheduler.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from dsinfer.spec_decode import make_drafter
 from dsinfer.spec_decode.base import Drafter, as_draft, confident_prefix
@@ -49,6 +51,7 @@ __all__ = ["Drafter", "LLMEngine"]
 # confidence scheduling: a draft is verified while the probability that it and every draft before it are kept
 # stays at or above this (the fixed-threshold stand-in for the latency-curve rule of issue 36)
 MIN_DRAFT_SURVIVAL = 0.2
+KV_POLL_S = 0.005  # a step with only KV store loads in flight waits this long for one to finish
 
 
 def make_executor(config: EngineConfig) -> Executor:
@@ -70,7 +73,11 @@ class LLMEngine:
         num_blocks = self.executor.num_kv_blocks
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                          self.executor.num_state_slots)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.model.max_model_len)
+        # the KV store's index (the worker holds the store itself): asked at admission, fed by each step's output
+        self.store_index = (StoreIndex(config.kv_store, engine_fingerprint(config), config.cache.block_size)
+                            if config.kv_store.enabled else None)
+        self.kv_store_counters: dict[str, float] = {}  # the worker's latest totals
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.model.max_model_len, self.store_index)
         self.inputs = InputProcessor(config, tokenizer, num_blocks)
         self.eos_token_ids, self.extra_eos_token_ids = self.inputs.eos_token_ids, self.inputs.extra_eos_token_ids
         # proposes drafts for each running request (config.speculative.num_speculative_tokens at most a step);
@@ -190,15 +197,24 @@ class LLMEngine:
         self._fail_uncompilable()
         self._propose_drafts()
         sched = self._schedule()
-        if sched.is_empty:
+        if sched.is_empty and not self._has_store_work(sched):
             return outputs
         return outputs + self._process(sched, self.executor.execute(sched.plan))
+
+    def _has_store_work(self, sched: SchedulerOutput) -> bool:
+        """A step with nothing to compute still runs when the KV store has work in it, or loads to hear of (the
+        worker then waits a moment for one: ``KV_POLL_S``)."""
+        plan = sched.plan
+        if not (plan.kv_loads or plan.kv_saves or self.scheduler.loading):
+            return False
+        plan.kv_poll_s = KV_POLL_S if self.scheduler.loading else 0.0
+        return True
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """Launch step N+1, then wait for step N (the one host sync) and apply its tokens."""
         sched = self._schedule()
         launched = None
-        if not sched.is_empty:
+        if not sched.is_empty or self._has_store_work(sched):
             handle = self.executor.launch(sched.plan)
             sampling = [item for item in sched.scheduled if item.samples]
             for item in sampling:
@@ -248,6 +264,11 @@ class LLMEngine:
         return self._process(sched, result)
 
     def _process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        if self.store_index is not None:
+            self.store_index.apply([(key, present) for key, present in result.kv_host_events])
+            self.kv_store_counters = result.kv_store_counters or self.kv_store_counters
+            if result.kv_loads_done:
+                self.scheduler.loads_done(result.kv_loads_done)
         outputs: list[RequestOutput] = []
         touched: dict[str, ParentRequest] = {}
         for item in sched.scheduled:
@@ -360,4 +381,13 @@ class LLMEngine:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
             "spec_decode": self.spec_stats.as_dict() if self.spec_stats is not None else None,
+            "kv_store": self.kv_store_stats(),
         }
+
+    def kv_store_stats(self) -> dict[str, float] | None:
+        """The KV store's counters (``kvstore.counters``: the worker's, with the index's lookups); None: no store."""
+        if self.store_index is None:
+            return None
+        stats = dict(self.kv_store_counters)
+        stats["lookups"] = self.store_index.counters.snapshot()["lookups"]
+        return stats

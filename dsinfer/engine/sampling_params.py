@@ -128,6 +128,8 @@ class SamplingParams(SamplingRules):
     structured_outputs: dict[str, Any] | StructuredOutputsParams | None = None  # a dict once made
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra: dict[str, Any] = field(default_factory=dict)
+    # the KV store's traffic class of this request's saved prefix (``kv_store.ttl_s``'s keys); None: "default"
+    kv_retention: str | None = None
 
     def __post_init__(self) -> None:
         self._native_numbers()
@@ -167,6 +169,9 @@ class SamplingParams(SamplingRules):
         self.bad_words = list(self.bad_words) if self.bad_words else None
         if self.top_k == 0:
             self.top_k = -1
+        if self.kv_retention is not None and (not isinstance(self.kv_retention, str) or not self.kv_retention):
+            raise ValueError(f"kv_retention must be a traffic class name (a non-empty string), got "
+                             f"{self.kv_retention!r}")
         self._validate()
 
     def _native_numbers(self) -> None:

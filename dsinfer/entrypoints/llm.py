@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -67,12 +68,14 @@ class LLM:
         use_tqdm: bool | Callable[..., Any] = True,
         lora_request: Any = None,
         priority: Sequence[int] | None = None,
+        kv_retention: str | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts. ``use_tqdm`` may be a
         tqdm class (or a function making one) to draw the progress bar with, as in vLLM.
 
         ``priority``: one integer per prompt, lower first, for an engine made with
-        ``scheduling_policy="priority"`` (vLLM's). ``lora_request``: None (dsinfer serves no LoRA adapters)."""
+        ``scheduling_policy="priority"`` (vLLM's). ``lora_request``: None (dsinfer serves no LoRA adapters).
+        ``kv_retention``: the KV store's traffic class for every prompt (over each SamplingParams' own)."""
         _check_no_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -88,6 +91,8 @@ class LLM:
         try:
             for prompt, params, rank in zip(prompts, params_list, priorities):
                 params = _final_only(params)
+                if kv_retention is not None:
+                    params = dataclasses.replace(params, kv_retention=kv_retention)
                 request_id = str(next(self._ids))
                 self.engine.add_request(request_id, prompt, params, priority=rank)
                 request_ids.append(request_id)

@@ -152,6 +152,7 @@ def run_worker(config: EngineConfig, conn: multiprocessing.connection.Connection
         try:
             message = wire.decode(conn.recv_bytes())
         except (EOFError, OSError):
+            runner.close()
             return  # the engine is gone
         kind = message[0]
         if kind == "step":
@@ -167,4 +168,5 @@ def run_worker(config: EngineConfig, conn: multiprocessing.connection.Connection
                 reply = ["error", traceback.format_exc()]
             conn.send_bytes(wire.encode(reply))
         elif kind == "shutdown":
+            runner.close()
             return

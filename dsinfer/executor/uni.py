@@ -23,4 +23,4 @@ class UniExecutor(Executor):
         return self.runner.execute(plan)
 
     def shutdown(self) -> None:
-        pass
+        self.runner.close()

@@ -29,7 +29,8 @@ class KVCacheManager:
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # tokens found there
 
-    def _update_hashes(self, request: Request) -> None:
+    def update_hashes(self, request: Request) -> None:
+        """Extend the request's block hash chain to its full blocks of known tokens."""
         hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
         while (len(hashes) + 1) * bs <= len(tokens):
             start = len(hashes) * bs
@@ -39,7 +40,7 @@ class KVCacheManager:
         """Cached blocks covering a prefix of the request, and how many tokens they hold."""
         if not self.enable_caching or request.needs_prompt_logprobs or self.slots is not None:
             return [], 0
-        self._update_hashes(request)
+        self.update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
@@ -84,10 +85,25 @@ class KVCacheManager:
         self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)
         return True
 
+    def allocate_for_load(self, request: Request, num_new_tokens: int, computed: list[KVCacheBlock] = ()) -> bool:
+        """Blocks for ``num_new_tokens`` tokens past ``request.num_computed_tokens`` that a KV store load will fill:
+        as ``allocate_slots``, but none joins the prefix cache before its KV is there (``cache_loaded``)."""
+        if self.slots is not None or not self.can_allocate(request, num_new_tokens, computed):
+            return False
+        if computed:
+            self.pool.touch(list(computed))
+            request.blocks.extend(computed)
+        request.blocks.extend(self.pool.allocate(self.num_blocks_needed(request, num_new_tokens)))
+        return True
+
+    def cache_loaded(self, request: Request) -> None:
+        """A load filled the request's blocks up to ``num_computed_tokens``: its full blocks join the prefix cache."""
+        self._cache_full_blocks(request, request.num_computed_tokens)
+
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_caching:
             return
-        self._update_hashes(request)
+        self.update_hashes(request)
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         # from the first block not offered yet: a decode step offers at most its one newly full block, not every
         # block of the request again (18k calls a B=256 step: 20.7 -> 16.8 ms of host time on a 2-core CPU)

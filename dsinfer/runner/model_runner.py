@@ -36,10 +36,12 @@ from dsinfer.config import EngineConfig
 from dsinfer.core.kv_cache_spec import KVCacheSpec, StateSlotSpec
 from dsinfer.core.outputs import RunnerOutput, TokenLogprobs
 from dsinfer.core.plan import StepPlan
+from dsinfer.kvstore.keys import engine_fingerprint
 from dsinfer.models.loader.model_loader import _default_dtype_and_device, load_model
 from dsinfer.models.registry import model_class
 from dsinfer.runner.cuda_graphs import DecodeGraphs
 from dsinfer.runner.input_batch import SampleRow, StepInputs, build_sampling_batch, build_step_inputs, to_device_packed
+from dsinfer.runner.kv_transfer import KVTransfer
 from dsinfer.runner.mtp_proposer import MTPProposer
 from dsinfer.runner.prefill_graphs import PrefillGraphs
 from dsinfer.runner.request_table import RequestTable
@@ -60,18 +62,20 @@ class StepHandle:
 
     def __init__(self, rows: list[SampleRow], copies: dict[str, torch.Tensor],
                  prompt_logprobs: dict[str, list[TokenLogprobs]], done: torch.cuda.Event | None,
-                 draft: Callable[[list[int]], tuple[dict, dict]] | None = None):
-        """``draft``: the step's sampled tokens -> the next drafts and their confidences (MTP drafting)."""
+                 draft: Callable[[list[int]], tuple[dict, dict]] | None = None, kv: dict | None = None):
+        """``draft``: the step's sampled tokens -> the next drafts and their confidences (MTP drafting);
+        ``kv``: the KV store's RunnerOutput fields (``ModelRunner._kv_report``)."""
         self.rows = rows
         self._copies = copies
         self._prompt_logprobs = prompt_logprobs
         self._done = done
         self._draft = draft
+        self._kv = kv or {}
 
     def result(self) -> RunnerOutput:
         if self._done is not None:
             self._done.synchronize()
-        out = RunnerOutput(prompt_logprobs=self._prompt_logprobs)
+        out = RunnerOutput(prompt_logprobs=self._prompt_logprobs, **self._kv)
         if not self.rows:
             return out
         tokens = self._copies["tokens"].tolist()
@@ -136,6 +140,10 @@ class ModelRunner:
             layer.kv_cache = None if spec is None else spec.allocate(self.num_blocks, self.device)
             if hasattr(layer, "state_spec"):
                 layer.state = layer.state_spec(max_drafts, cache_dtype).allocate(self.num_state_slots, self.device)
+        self.kv_transfer: KVTransfer | None = None
+        if config.kv_store.enabled:
+            self.kv_transfer = KVTransfer([layer.kv_cache for layer, spec in zip(layers, specs) if spec is not None],
+                                          self.kv_specs, config, engine_fingerprint(config), bool(self.state_specs))
         self.sampler = Sampler()
         self.requests = RequestTable()
         # the last launched step's sampled tokens (device) and each request's row in them: async scheduling
@@ -233,8 +241,12 @@ class ModelRunner:
         except for prompt logprobs, which are scored at once."""
         cuda = self.device.type == "cuda"
         inputs = self.prepare(plan)
+        if self.kv_transfer is not None and plan.kv_loads:
+            self.kv_transfer.start(plan.kv_loads)
         if inputs is None:
-            return StepHandle([], {}, {}, None)
+            if self.kv_transfer is not None and plan.kv_saves:
+                self.kv_transfer.save(plan.kv_saves)
+            return StepHandle([], {}, {}, None, kv=self._kv_report(plan))
         start = torch.cuda.Event(enable_timing=True) if cuda and self.step_events is not None else None
         if start is not None:  # after the host built the inputs: a GPU waiting on the host shows as idle
             start.record()
@@ -248,6 +260,8 @@ class ModelRunner:
             self._last_sampled = sampled
             # a request's last row holds its newest token (the only one a later step's placeholder stands for)
             self._last_rows = {row.state.request_id: i for i, row in enumerate(inputs.sample_rows)}
+        if self.kv_transfer is not None and plan.kv_saves:  # after the forward: the gathers see its KV
+            self.kv_transfer.save(plan.kv_saves)
         prompt_logprobs = {}
         for rows in inputs.prompt_rows:
             n = len(rows.target_ids)
@@ -265,7 +279,20 @@ class ModelRunner:
             draft = functools.partial(self._draft, inputs, hidden)
         elif self.mtp is not None:  # prompt chunks only: nothing to draft, but their MTP KV is written now
             self._draft(inputs, hidden, [])
-        return StepHandle(inputs.sample_rows, copies, prompt_logprobs, done, draft)
+        return StepHandle(inputs.sample_rows, copies, prompt_logprobs, done, draft, self._kv_report(plan))
+
+    def _kv_report(self, plan: StepPlan) -> dict | None:
+        """The KV store's part of the step's output: loads finished, host-tier changes, counters."""
+        if self.kv_transfer is None:
+            return None
+        done = self.kv_transfer.finished(plan.kv_poll_s if plan.is_empty else 0.0)
+        events, counters = self.kv_transfer.report()
+        return {"kv_loads_done": done, "kv_host_events": events, "kv_store_counters": counters}
+
+    def close(self) -> None:
+        """Write the KV store's queued saves and stop its threads (idempotent)."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
 
     @torch.inference_mode()
     def _draft(self, inputs: StepInputs, hidden: torch.Tensor, tokens: list[int]) -> tuple[dict, dict]:

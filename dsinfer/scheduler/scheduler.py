@@ -5,6 +5,11 @@ tokens; when KV blocks run out a running request is preempted (blocks freed, rec
 requests are admitted while budget, sequence slots and blocks last, starting after their cached prefix. Chunked
 prefill is just a request getting fewer tokens than it lacks. The scheduler never touches a tensor.
 
+The KV store (``store``, a ``kvstore.StoreIndex``): a waiting request whose prefix the store holds beyond the GPU
+hit is admitted LOADING (blocks allocated, a ``KVLoad`` in the plan), not scheduled until the worker reports the
+load (``loads_done``), while the others keep stepping; every step's ``KVSave`` entries name the full grains of
+known tokens its scheduled requests have computed and the store lacks (``num_stored_grains``).
+
 Policies (vLLM's ``scheduling_policy``): "fcfs" admits in arrival order and preempts the most recently admitted
 request; "priority" admits by (``request.priority``, arrival), lower first, and preempts the running request
 last in that order (the lowest priority, the latest of them), which may be one already given tokens this step:
@@ -31,9 +36,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dsinfer.config import SchedulerConfig
-from dsinfer.core.plan import NewRequestData, StepPlan
+from dsinfer.core.plan import KVLoad, KVSave, NewRequestData, StepPlan
 from dsinfer.core.request import Request, RequestStatus
 from dsinfer.kvcache.manager import KVCacheManager
+from dsinfer.kvstore.index import StoreIndex
 
 
 @dataclass
@@ -72,21 +78,26 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int,
+                 store: StoreIndex | None = None):
+        """``store``: the KV store's index (None: no store beyond the GPU prefix cache)."""
         self.config = config
         self.kv = kv_manager
         self.max_model_len = max_model_len
+        self.store = store
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: dict[str, tuple[Request, int]] = {}  # request id -> (request, tokens its load asked for)
         self.num_preemptions = 0  # requests preempted (blocks freed for recompute) since start
         self.by_priority = config.policy == "priority"
         self._arrivals = itertools.count()  # the tie-break among equal priorities: the order requests came in
         self._arrival: dict[int, int] = {}  # id(request) -> its arrival number (priority policy)
         self._plans = PlanWriter()
+        self._loads: list[KVLoad] = []  # loads started this step (into the next plan)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + sum(not r.is_finished for r, _ in self.loading.values())
 
     def add_request(self, request: Request) -> None:
         if self.by_priority:
@@ -111,7 +122,11 @@ class Scheduler:
         for item in out.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
             item.request.draft_token_ids = []
+        loads, self._loads = self._loads, []
         out.plan = self._plans.write(out.scheduled, out.preempted)
+        out.plan.kv_loads = loads
+        if self.store is not None:
+            out.plan.kv_saves = [save for item in out.scheduled if (save := self._save(item.request))]
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -165,7 +180,7 @@ class Scheduler:
         # structured-output grammar not compiled yet: they wait, others proceed; one that failed to compile also
         # waits (it may have failed since the engine's check this step), and the engine aborts it on the next
         compiling: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.waits_for_grammar:
                 compiling.append(self.waiting.popleft())
@@ -173,6 +188,8 @@ class Scheduler:
             if request.num_pending:  # preempted with a token in flight: wait until it lands
                 break
             computed, num_cached = self.kv.get_computed_blocks(request)
+            if self.store is not None and self._start_load(request, computed, num_cached):
+                continue
             num_new = request.num_tokens - num_cached
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
@@ -191,6 +208,67 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
 
+    # ----------------------------------------------------------------- the KV store
+    def _start_load(self, request: Request, computed: list, num_cached: int) -> bool:
+        """Admit the request to load its prefix from the store when the store holds more of it than the GPU
+        cache: its blocks are allocated, a ``KVLoad`` goes into the plan, and it waits (LOADING, not scheduled,
+        holding a sequence slot) until the worker reports the load done (``loads_done``). False: admit as usual."""
+        if not request.store_lookup or request.needs_prompt_logprobs:
+            return False
+        self.kv.update_hashes(request)
+        keys = self.store.keys(request.block_hashes, request.store_keys)
+        grain = self.store.grain
+        max_grains = min((request.num_tokens - 1) // grain, len(keys))  # at least one token is computed
+        stored = self.store.lookup(keys[:max_grains])
+        request.num_stored_grains = max(request.num_stored_grains, stored)
+        if stored * grain <= num_cached:
+            return False
+        request.num_computed_tokens = num_cached
+        if not self.kv.allocate_for_load(request, stored * grain - num_cached, computed):
+            request.num_computed_tokens = 0
+            return False
+        self.waiting.popleft()
+        first, bpg = num_cached // grain, self.store.blocks_per_grain
+        num_held = len(computed)
+        block_ids = [request.blocks[j].block_id if j >= num_held else -1 for j in range(first * bpg, stored * bpg)]
+        self._loads.append(KVLoad(request.request_id, keys[first:stored], block_ids))
+        self.loading[request.request_id] = (request, (stored - first) * grain)
+        request.status = RequestStatus.LOADING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        return True
+
+    def loads_done(self, done: dict[str, int]) -> None:
+        """The worker filled ``done[r]`` tokens of request ``r``'s load: it runs from there (a short load, the rest
+        recomputed, and the store not asked again for it until it is preempted); an aborted one's blocks go back."""
+        for request_id, tokens in done.items():
+            request, asked = self.loading.pop(request_id)
+            if request.is_finished:
+                self.kv.free(request)
+                continue
+            start = request.num_computed_tokens // self.store.grain * self.store.grain
+            request.num_computed_tokens = max(request.num_computed_tokens, start + tokens)
+            if tokens < asked:
+                request.store_lookup = False
+                request.num_stored_grains = request.num_computed_tokens // self.store.grain
+            self.kv.cache_loaded(request)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = request.num_computed_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+
+    def _save(self, request: Request) -> KVSave | None:
+        """The grains of known tokens that the request's computed KV now fills and the store lacks."""
+        self.kv.update_hashes(request)
+        keys = self.store.keys(request.block_hashes, request.store_keys)
+        end = min(request.num_computed_tokens, request.num_tokens) // self.store.grain
+        first = request.num_stored_grains
+        if end <= first:
+            return None
+        bpg = self.store.blocks_per_grain
+        request.num_stored_grains = end
+        return KVSave(keys[first:end], [b.block_id for b in request.blocks[first * bpg:end * bpg]], request.kv_ttl_s)
+
     def _pick_victim(self) -> Request:
         if self.by_priority:
             return max(self.running, key=self._order)
@@ -200,6 +278,7 @@ class Scheduler:
         self.kv.free(request)
         self._plans.dropped(request, preempted=True)
         request.num_computed_tokens = 0
+        request.store_lookup = True
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
@@ -209,7 +288,11 @@ class Scheduler:
             self.waiting.appendleft(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Remove a request (finished or aborted) and free its blocks."""
+        """Remove a request (finished or aborted) and free its blocks (a loading one's when its load is done:
+        the worker writes them until then)."""
+        if request.status == RequestStatus.LOADING:
+            request.status = status
+            return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif not request.status.finished:
