@@ -384,6 +384,16 @@ class LLMEngine:
             "kv_store": self.kv_store_stats(),
         }
 
+    def flush_kv_store(self) -> None:
+        """Wait until the KV store's queued saves are written, and let the index know them now (the in-process
+        runner only: tests and benchmarks that want the next request to hit what the last one saved)."""
+        transfer = self.runner.kv_transfer
+        if transfer is None:
+            return
+        transfer.store.flush()
+        self.store_index.apply(transfer.store.host_events())
+        self.kv_store_counters = transfer.store.counters.snapshot()
+
     def kv_store_stats(self) -> dict[str, float] | None:
         """The KV store's counters (``kvstore.counters``: the worker's, with the index's lookups); None: no store."""
         if self.store_index is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 import time
 
 from dsinfer import envs
@@ -70,6 +71,23 @@ def cmd_env(args) -> int:
     return 0
 
 
+def cmd_kvstore_gc(args) -> int:
+    """One GC sweep of a KV store directory (every model's entries): expired and invalid entries, stale
+    temporary files, then LRU down to the low watermark when ``--max-gb`` is given and passed."""
+    from dsinfer.kvstore.gc import collect
+
+    root = Path(args.dir).expanduser()
+    if not root.is_dir():
+        raise ValueError(f"kvstore gc: {args.dir!r} is not a directory")
+    if args.max_gb is not None and not args.max_gb > 0:
+        raise ValueError(f"kvstore gc: --max-gb must be > 0, got {args.max_gb}")
+    capacity = None if args.max_gb is None else int(args.max_gb * (1 << 30))
+    r = collect(root, capacity, args.high, args.low)
+    print(f"{root}: {r.entries} entries ({r.bytes / (1 << 20):.1f} MiB) kept; expired {r.expired}, evicted "
+          f"{r.evicted}, corrupt {r.corrupt}, stale temporary files {r.temp_removed}")
+    return 0
+
+
 def cmd_serve(args) -> int:
     from dsinfer.server.cli import run_serve
 
@@ -91,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
     env = sub.add_parser("env", help="list every DSINFER_* environment variable")
     env.set_defaults(func=cmd_env)
+    kvstore = sub.add_parser("kvstore", help="KV cache store upkeep").add_subparsers(dest="action", required=True)
+    gc = kvstore.add_parser("gc", help="sweep a store directory (expired, invalid, least recently used entries)")
+    gc.add_argument("dir", help="the directory (kv_store's dir; shared by any number of engines)")
+    gc.add_argument("--max-gb", type=float, default=None, help="the directory's budget in GiB (default: none)")
+    gc.add_argument("--high", type=float, default=0.95, help="evict past this fraction of --max-gb ...")
+    gc.add_argument("--low", type=float, default=0.85, help="... down to this fraction")
+    gc.set_defaults(func=cmd_kvstore_gc)
     serve = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server")
     try:
         from dsinfer.server.cli import add_serve_args
