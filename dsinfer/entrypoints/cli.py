@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 import time
+from pathlib import Path
 
 from dsinfer import envs
 

@@ -85,8 +85,9 @@ def test_directory_tier_bad_files_are_removed_misses(tmp_path):
     assert found is not None and np.array_equal(found[0], data)
     assert tier.contains(b"k" * 16)
     path = tier.path(b"k" * 16)
-    for i, damage in enumerate([lambda raw: raw[:50], lambda raw: b"garbage" * 20,
-                                lambda raw: raw[:-1] + bytes([raw[-1] ^ 0xFF]), lambda raw: entry_bytes(data, OTHER_FP)]):
+    damages = [lambda raw: raw[:50], lambda raw: b"garbage" * 20, lambda raw: raw[:-1] + bytes([raw[-1] ^ 0xFF]),
+               lambda raw: entry_bytes(data, OTHER_FP)]
+    for i, damage in enumerate(damages):
         tier.write(b"k" * 16, data, 100.0)
         path.write_bytes(damage(path.read_bytes()))
         assert tier.read(b"k" * 16) is None
