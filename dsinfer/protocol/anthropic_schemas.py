@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, Strict, StrictBool, StrictStr, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from dsinfer.protocol.fields import MaxTokens, ShortStr, StopStr, TopK, TopP, WireModel
+from dsinfer.protocol.fields import KVRetention, MaxTokens, ShortStr, StopStr, TopK, TopP, WireModel
 
 # Anthropic takes longer tool names than OpenAI's 64 characters (MCP clients prefix server names to them); the dot
 # stays allowed, as on the OpenAI routes
@@ -132,6 +132,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: TopK | None = None
     stream: StrictBool = False
     metadata: Metadata | None = None
+    kv_retention: KVRetention | None = None  # the KV store's traffic class of the prompt's saved KV (--kv-store)
 
     @field_validator("max_tokens")
     @classmethod

@@ -25,6 +25,8 @@ PromptLogprobs = Annotated[int, Strict(), Field(ge=-1, le=1 << 31)]  # -1: the v
 Seed = Annotated[int, Strict(), Field(ge=-(2**63), le=INT64_MAX)]
 # vLLM's request priority (lower runs first; the server must run --scheduling-policy priority for any but 0)
 Priority = Annotated[int, Strict(), Field(ge=-(2**31), lt=2**31)]
+# a KV store traffic class (``--kv-store``'s ttl_s keys): which TTL the request's saved prefix gets
+KVRetention = Annotated[str, Strict(), Field(min_length=1, max_length=64)]
 TopK = Annotated[int, Strict(), Field(ge=-1, le=1 << 30)]
 TokenId = Annotated[int, Strict(), Field(ge=0, le=1 << 31)]
 Temperature = Annotated[float, Strict(), Field(ge=0.0, le=1e4, allow_inf_nan=False)]

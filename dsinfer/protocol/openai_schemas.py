@@ -8,6 +8,7 @@ from pydantic import Field, StrictBool, StrictStr, ValidationInfo, field_validat
 
 from dsinfer.protocol.fields import (
     Bias,
+    KVRetention,
     MaxTokens,
     MinP,
     NumChoices,
@@ -126,6 +127,7 @@ class SamplingFields(WireModel):
     truncate_prompt_tokens: Annotated[int, Field(strict=True, ge=-1, le=1 << 30)] | None = None
     user: Annotated[str, Field(max_length=1024)] | None = None
     priority: Priority = 0  # vLLM's: lower runs first, under --scheduling-policy priority
+    kv_retention: KVRetention | None = None  # the KV store's traffic class of the prompt's saved KV (--kv-store)
     # vLLM's: logprobs tokens as "token_id:N" (None: the server's --return-tokens-as-token-ids)
     return_tokens_as_token_ids: StrictBool | None = None
     # vLLM-style structured outputs (at most one of these and response_format)

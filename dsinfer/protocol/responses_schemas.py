@@ -7,7 +7,17 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StrictBool, StrictStr, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from dsinfer.protocol.fields import MaxTokens, Priority, Seed, ShortStr, Temperature, TopLogprobs, TopP, WireModel
+from dsinfer.protocol.fields import (
+    KVRetention,
+    MaxTokens,
+    Priority,
+    Seed,
+    ShortStr,
+    Temperature,
+    TopLogprobs,
+    TopP,
+    WireModel,
+)
 from dsinfer.protocol.openai_schemas import ToolName
 
 # Each input item type's required fields, as the openai SDK's input item types (``ResponseInputItemParam``) have
@@ -144,6 +154,7 @@ class ResponsesRequest(WireModel):
     metadata: dict[str, Any] | None = None
     user: Annotated[str, Field(max_length=1024)] | None = None
     priority: Priority = 0  # vLLM's: lower runs first, under --scheduling-policy priority
+    kv_retention: KVRetention | None = None  # the KV store's traffic class of the prompt's saved KV (--kv-store)
 
     @property
     def output_logprobs(self) -> int | None:

@@ -134,6 +134,7 @@ async def messages(request: Request):
         top_k=req.top_k,
         stop=req.stop_sequences,
         structured_outputs=constraint,
+        kv_retention=req.kv_retention,
     )
     if use_tools and ctx.tool_markers_special:
         fields["skip_special_tokens"] = False

@@ -16,6 +16,7 @@ from dsinfer.config import (
     KV_CACHE_DTYPES,
     PARALLEL_SIZES,
     SCHEDULING_POLICIES,
+    KVStoreConfig,
     SpeculativeConfig,
     check_parallel_size,
 )
@@ -24,6 +25,7 @@ from dsinfer.protocol.chat_formats import BUILTIN_TEMPLATES
 from dsinfer.protocol.tool_parsers import TOOL_PARSERS
 
 _ENGINE_ARGS = (
+    "kv_store",
     "deterministic",
     "dtype",
     "max_model_len",
@@ -116,6 +118,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help='speculative decoding as vLLM\'s, e.g. \'{"method": "ngram", "num_speculative_tokens": '
                           '3, "prompt_lookup_max": 4}\' (also prompt_lookup_min, "acceptance": "exact" | '
                           '"rejection", "confidence_scheduling": true)')
+    eng.add_argument("--kv-store", type=_json_object, default=None,
+                     help='the KV cache store beyond GPU memory, e.g. \'{"host_gb": 64, "dir": "/mnt/3fs/kv", '
+                          '"dir_gb": 4096, "grain": 128, "ttl_s": {"agent": 259200, "chat": 604800}}\'; a request '
+                          'names its class in the body field "kv_retention"')
     srv = parser.add_argument_group("server")
     srv.add_argument("--max-waiting-requests", type=int, default=256,
                      help="queued requests before 429 (529 on Anthropic routes)")
@@ -263,6 +269,11 @@ def check_serve_args(args: argparse.Namespace) -> None:
             SpeculativeConfig.from_dict(args.speculative_config)
         except ValueError as exc:
             raise ValueError(f"--speculative-config {json.dumps(args.speculative_config)}: {exc}") from None
+    if args.kv_store is not None:  # the grain's multiple is checked against the model's block size in build_engine
+        try:
+            KVStoreConfig.from_dict(args.kv_store, 1)
+        except ValueError as exc:
+            raise ValueError(f"--kv-store {json.dumps(args.kv_store)}: {exc}") from None
     if args.max_logprobs is not None and args.max_logprobs < -1:
         raise ValueError(f"--max-logprobs {args.max_logprobs}: must be >= 0, or -1 (up to the vocabulary size)")
     if args.swap_space is not None and args.swap_space < 0:
@@ -323,6 +334,13 @@ def build_engine(args: argparse.Namespace) -> Any:
     from dsinfer.engine.llm_engine import LLMEngine
 
     eargs = engine_args(args)
+    if eargs.kv_store:
+        try:
+            eargs.create_engine_config("server")
+        except ValueError as exc:
+            if not str(exc).startswith("kv_store"):
+                raise
+            raise ValueError(f"--kv-store {json.dumps(eargs.kv_store)}: {exc}") from None
     if eargs.speculative_config:  # the checkpoint decides whether its method can draft (MTP layers)
         try:
             eargs.create_engine_config("server")

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -152,9 +152,21 @@ class _EngineCounters:
         ("dsinfer_spec_decode_num_proposed_tokens", "num_proposed_tokens", "Draft tokens the drafter proposed"),
     )
 
+    # the KV store (engine stats["kv_store"], present when --kv-store is set): kvstore.counters' names
+    _STORE_FIELDS = (
+        ("lookups", "Grains looked up in the KV store at admission"),
+        ("bytes_loaded", "Bytes of KV loaded from the KV store"),
+        ("bytes_saved", "Bytes of KV saved to the KV store"),
+        ("queue_drops", "Grain saves dropped by a full write-behind queue"),
+        ("save_errors", "Grain saves the directory refused (full, over its budget or quota)"),
+        ("expiries", "KV store entries past their traffic class's TTL"),
+        ("corrupt_files", "KV store files removed as foreign, truncated or corrupt"),
+    )
+
     def collect(self) -> Iterator[Metric]:
         for name, key, doc in self._FIELDS:
             yield CounterMetricFamily(name, doc, value=self.metrics.engine_stats.get(key, 0))
+        yield from self._store()
         spec = self.metrics.engine_stats.get("spec_decode")
         if not spec:
             return
@@ -169,6 +181,22 @@ class _EngineCounters:
         yield GaugeMetricFamily("dsinfer_spec_decode_mean_acceptance_length",
                                 "Tokens a verifying step gives a request: 1 + accepted / drafts",
                                 value=spec["mean_acceptance_length"])
+
+
+    def _store(self) -> Iterator[Metric]:
+        store = self.metrics.engine_stats.get("kv_store")
+        if not store:
+            return
+        for key, doc in self._STORE_FIELDS:
+            yield CounterMetricFamily(f"dsinfer_kv_store_{key}", doc, value=store.get(key, 0))
+        for key, doc in (("hit_tokens", "Prompt tokens loaded from the KV store, by tier"),
+                         ("evictions", "KV store entries evicted (LRU under the high watermark), by tier")):
+            family = CounterMetricFamily(f"dsinfer_kv_store_{key}", doc, labels=["tier"])
+            for tier in ("host", "dir"):
+                family.add_metric([tier], store.get(f"{key}_{tier}", 0))
+            yield family
+        yield SummaryMetricFamily("dsinfer_kv_store_load_seconds", "KV store loads: from admission to read",
+                                  count_value=store.get("loads", 0), sum_value=store.get("load_seconds", 0.0))
 
 
 class _VllmNames:

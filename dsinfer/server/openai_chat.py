@@ -57,6 +57,7 @@ def sampling_fields(req: SamplingFields) -> dict[str, Any]:
         ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        kv_retention=req.kv_retention,
     )
 
 

@@ -57,6 +57,7 @@ async def responses(request: Request):
         seed=req.seed,
         logprobs=req.output_logprobs,
         structured_outputs=structured,
+        kv_retention=req.kv_retention,
     )
     if use_tools and ctx.tool_markers_special:
         fields["skip_special_tokens"] = False
