@@ -292,6 +292,7 @@ class Scheduler:
         the worker writes them until then)."""
         if request.status == RequestStatus.LOADING:
             request.status = status
+            self._arrival.pop(id(request), None)
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
