@@ -399,5 +399,7 @@ class LLMEngine:
         if self.store_index is None:
             return None
         stats = dict(self.kv_store_counters)
-        stats["lookups"] = self.store_index.counters.snapshot()["lookups"]
+        index = self.store_index.counters.snapshot()
+        stats["lookups"] = index["lookups"]
+        stats["expiries"] = stats.get("expiries", 0) + index["expiries"]
         return stats

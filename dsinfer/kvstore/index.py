@@ -40,6 +40,8 @@ class StoreIndex:
             if key in self.host_keys:
                 continue
             found = False if self.model_dir is None else is_stored(self.model_dir, key, self.fingerprint, now)
+            if found is None:
+                self.counters.add("expiries")
             if not found:
                 return n
         return len(keys)
