@@ -9,7 +9,7 @@ import time
 import pytest
 
 from dsinfer import LLM, SamplingParams
-from tests.kvstore.conftest import GRAIN, GREEDY, assert_no_leak, make_prompts, run, token_ids
+from tests.kvstore.conftest import GRAIN, assert_no_leak, make_prompts, run, token_ids
 
 
 def _damage(path, how: int) -> None:
