@@ -15,15 +15,15 @@ from dsinfer.entrypoints.cli import main
 from tests.kvstore.conftest import GRAIN, assert_no_leak, make_prompts, run, token_ids
 
 ROOT = Path(__file__).resolve().parents[2]
-_ENGINE_A = """
+_ENGINE_A = f"""
 import json, sys
 from dsinfer import LLM, SamplingParams
-llm = LLM(sys.argv[1], kv_store={"dir": sys.argv[2], "grain": %d})
+llm = LLM(sys.argv[1], kv_store={{"dir": sys.argv[2], "grain": {GRAIN}}})
 prompts = json.loads(sys.argv[3])
 out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
 llm.engine.shutdown()  # writes every queued save before it returns
 print(json.dumps([list(o.outputs[0].token_ids) for o in out]))
-""" % GRAIN
+"""
 
 
 def test_engine_b_hits_the_prefix_engine_a_computed(tiny_llama_dir, cold, tmp_path):
