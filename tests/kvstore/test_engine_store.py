@@ -110,3 +110,16 @@ def test_num_cached_tokens_counts_gpu_and_store_hits(tiny_llama_dir, tmp_path):
     assert run(llm, prompts)[0].num_cached_tokens == 0
     assert run(llm, prompts)[0].num_cached_tokens == 96  # the GPU cache's 6 blocks (the store is not asked for)
     assert llm.engine.kv_store_stats()["loads"] == 0
+
+
+def test_store_hits_under_async_scheduling(tiny_llama_dir, cold, tmp_path):
+    """The overlapped step loop (CUDA's default): loads reported a step late, saves of steps still in flight."""
+    prompts = make_prompts(6)
+    llm = LLM(str(tiny_llama_dir), async_scheduling=True,
+              kv_store={"host_gb": 0.01, "dir": str(tmp_path), "grain": GRAIN})
+    first = run(llm, prompts)
+    evict_gpu_cache(llm)
+    second = run(llm, prompts)
+    assert token_ids(first) == token_ids(second) == cold("llama", prompts)
+    assert [o.num_cached_tokens for o in second] == [96, 96, 96]
+    assert_no_leak(llm)
