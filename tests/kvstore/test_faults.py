@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 
 import pytest
@@ -89,3 +90,18 @@ def test_expired_entries_are_misses_by_traffic_class(tiny_llama_dir, cold, tmp_p
     assert [agent.num_cached_tokens, chat.num_cached_tokens] == [0, 96]
     assert token_ids([agent, chat]) == cold("llama", prompts + make_prompts(31, n=1))
     assert fresh.engine.kv_store_stats()["expiries"] >= 1
+
+
+def test_a_stalled_writer_drops_saves_and_never_holds_up_requests(tiny_llama_dir, cold, tmp_path, monkeypatch):
+    prompts = make_prompts(60, n=3)
+    llm = LLM(str(tiny_llama_dir), kv_store={"dir": str(tmp_path), "grain": GRAIN, "save_queue": 2})
+    tier = llm.engine.runner.kv_transfer.store.dir
+    gate = threading.Event()
+    write = tier.write
+    monkeypatch.setattr(tier, "write", lambda *args: gate.wait(30) and write(*args))  # a disk that hangs
+    assert token_ids(run(llm, prompts)) == cold("llama", prompts)  # finished while the writer is stuck
+    gate.set()
+    llm.engine.flush_kv_store()
+    stats = llm.engine.kv_store_stats()
+    # 9 grain saves in one step: at most 2 queued and 1 in the writer's hands, the rest dropped (and counted)
+    assert stats["queue_drops"] >= 6 and 1 <= len(list(tmp_path.rglob("*.kv"))) == 9 - stats["queue_drops"]

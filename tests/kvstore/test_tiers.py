@@ -202,3 +202,34 @@ def test_gc_cli(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "evicted 2" in out and sum(tier.contains(bytes([i]) * 16) for i in range(3)) == 1
     assert main(["kvstore", "gc", str(Path(tmp_path) / "missing")]) == 2
+
+
+def test_a_file_deleted_under_its_reader_is_still_read_whole(tmp_path, monkeypatch):
+    import dsinfer.kvstore.directory as directory
+
+    tier = DirectoryTier(tmp_path, FP, LAYOUT, 32, Counters())
+    data = payload(11)
+    tier.write(b"d" * 16, data, 100.0)
+    real = directory.read_entry
+
+    def delete_then_read(f, *args):  # another engine's GC removes the file once this reader has it open
+        os.unlink(tier.path(b"d" * 16))
+        return real(f, *args)
+
+    monkeypatch.setattr(directory, "read_entry", delete_then_read)
+    found = tier.read(b"d" * 16)
+    assert found is not None and np.array_equal(found[0], data)
+    assert tier.read(b"d" * 16) is None  # and then it is a miss
+
+
+def test_background_gc_thread_sweeps_expired_entries(tmp_path):
+    store = KVStore(KVStoreConfig(host_gb=1e-3, dir=tmp_path, grain=32, gc_interval_s=0.02), FP, LAYOUT)
+    store.save(b"h" * 16, torch.from_numpy(payload(12)), 100.0)
+    store.flush()
+    old = time.time() - 1000
+    os.utime(store.dir.path(b"h" * 16), (old, old))
+    deadline = time.monotonic() + 5
+    while store.dir.path(b"h" * 16).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not store.dir.path(b"h" * 16).exists() and store.counters.snapshot()["expiries"] >= 1
+    store.close()
