@@ -62,6 +62,13 @@ class KVStore:
             self.counters.add("queue_drops")
             return False
 
+    def has_room(self) -> bool:
+        """Whether a save would be queued now; False counts it as dropped (the caller then skips the gather)."""
+        if self._saves.full():
+            self.counters.add("queue_drops")
+            return False
+        return True
+
     def flush(self) -> None:
         """Wait until every queued save is written (tests, benchmarks, shutdown)."""
         self._saves.join()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -60,11 +61,14 @@ class KVTransfer:
     def save(self, saves: list[KVSave]) -> None:
         for save in saves:
             for i, key in enumerate(save.keys):
+                if not self.store.has_room():  # dropped before any copy is made
+                    continue
                 blocks = save.block_ids[i * self.blocks_per_grain:(i + 1) * self.blocks_per_grain]
                 payload, ready = self._gather(blocks)
                 self.store.save(key, payload, save.ttl_s, ready)
 
-    def _gather(self, block_ids: list[int]):
+    def _gather(self, block_ids: list[int]) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """The grain's payload in host memory, and (CUDA) what waits for its copy to land there."""
         idx = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
         flat = torch.cat([t.index_select(dim, idx).reshape(-1) for t, dim in self.parts])
         if self.copy_stream is None:
