@@ -13,6 +13,7 @@ Payloads are flat uint8 tensors (``runner.kv_transfer`` knows the layer layout i
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -51,6 +52,7 @@ class KVStore:
                                           ("gc", self._gc_loop))]
         for thread in self._threads:
             thread.start()
+        atexit.register(self.close)  # an offline script's last saves are written before the process ends
 
     # ----------------------------------------------------------------- saves
     def save(self, key: bytes, payload: torch.Tensor, ttl_s: float, ready: Callable[[], None] | None = None) -> bool:
@@ -154,6 +156,7 @@ class KVStore:
         if self._stop.is_set():
             return
         self._stop.set()
+        atexit.unregister(self.close)
         self._saves.put(None)
         self._loads.put(None)
         for thread in self._threads:
