@@ -406,6 +406,31 @@ def test_fused_moe_one_token_pair_blocks_with_repeated_experts(cfg, device, pois
     assert_close(out, ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize("cfg", [
+    dict(block_m=16, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=1),
+    dict(block_m=16, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=1, fuse_gu=True),
+    dict(block_m=16, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=1, sorted=True),
+], ids=["two-dots", "fuse-gu", "sorted"])
+@pytest.mark.parametrize("num_tokens", [1, 11])
+def test_fused_moe_swiglu_limit_matches_clamped_reference(cfg, num_tokens, device, poisoned, assert_close):
+    """DeepSeek-V4's clamped SwiGLU in the gated epilogue: weights of unit scale so that a limit of 0.5 clips most
+    gates and ups, and the unclamped result is far from the clamped one."""
+    from dsinfer.ops.triton.moe_fused import fused_moe_triton
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    w13, w2 = _experts(4, 64, 48, gen, std=0.3)
+    x = torch.randn(num_tokens, 64, generator=gen)
+    weights, ids = _route(num_tokens, 4, 2, gen, device)
+    to = dict(device=device)
+    out = fused_moe_triton(x.to(**to), w13.to(**to), w2.to(**to), weights, ids, config=cfg, swiglu_limit=0.5)
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double().cpu(), ids.cpu(), swiglu_limit=0.5)
+    assert_close(out, ref, torch.float32)
+    unclamped = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double().cpu(), ids.cpu())
+    assert (unclamped - ref).abs().max() > 0.1
+    assert_close(fused_moe(x.to(**to), w13.to(**to), w2.to(**to), weights, ids, swiglu_limit=0.5), ref,
+                 torch.float32)
+
+
 def test_split_k_is_refused_over_expert_rows(device):
     """A K split leaves float32 partials: only the dense GEMM sums them (``split_k.sum_partials``); expert rows
     and the gated SiLU(gate) * up need whole sums."""
