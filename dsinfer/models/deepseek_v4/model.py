@@ -51,7 +51,8 @@ class V4DecoderLayer(nn.Module):
         post, comb, x = self.hc_attn(streams)
         streams = HyperConnection.merge(self.attn(self.attn_norm(x), positions, batch), post, comb, streams)
         post, comb, x = self.hc_ffn(streams)
-        return HyperConnection.merge(self.ffn(self.ffn_norm(x), input_ids), post, comb, streams)
+        static = self.attn.batched(batch)  # a decode step: the MoE's host-read-free path too
+        return HyperConnection.merge(self.ffn(self.ffn_norm(x), input_ids, static), post, comb, streams)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
