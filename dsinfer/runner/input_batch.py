@@ -59,6 +59,7 @@ class HostInputs:
     block_tables: np.ndarray  # [B, max_blocks] int32
     query_start_loc: np.ndarray  # [B + 1] int32
     seq_lens: np.ndarray  # [B] int32
+    state_slots: np.ndarray | None = None  # [B] int64: each sequence's state slot (models with per-sequence state)
 
 
 @dataclass
@@ -159,17 +160,19 @@ def build_step_inputs(states: list[RequestState], plan: StepPlan, block_size: in
         logits_rows.extend(range(int(cu[i + 1]) - len(rows), int(cu[i + 1])))
         sample_rows.extend(rows)
     seq_lens = (starts + q_lens).astype(np.int32)
-    host = HostInputs(input_ids, positions, slots, tables, cu.astype(np.int32), seq_lens)
+    state_slots = np.fromiter((s.state_slot for s in states), dtype=np.int64, count=len(states))
+    has_slots = bool(state_slots.size and state_slots[0] >= 0)
+    host = HostInputs(input_ids, positions, slots, tables, cu.astype(np.int32), seq_lens,
+                      state_slots if has_slots else None)
 
     num_prompt_rows = len(logits_rows) - len(sample_rows)
-    state_slots = np.fromiter((s.state_slot for s in states), dtype=np.int64, count=len(states))
     ids_d, pos_d, slots_d, tables_d, qsl_d, lens_d, logits_d, sample_d, state_d = to_device_packed(
         [input_ids, positions, slots, tables, host.query_start_loc, seq_lens, np.asarray(logits_rows, np.int64),
          np.arange(num_prompt_rows, len(logits_rows), dtype=np.int64), state_slots], device)
     batch = ForwardBatch(
         input_ids=ids_d, positions=pos_d, slot_mapping=slots_d, block_tables=tables_d, query_start_loc=qsl_d,
         seq_lens=lens_d, logits_indices=logits_d, max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()),
-        state_slots=state_d if state_slots.size and state_slots[0] >= 0 else None,
+        state_slots=state_d if has_slots else None,
     )
     return StepInputs(batch, sample_rows, sample_d, prompt_rows, host, placeholder_rows, placeholder_requests,
                       states)

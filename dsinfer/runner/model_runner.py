@@ -145,9 +145,14 @@ class ModelRunner:
         self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] | None = None  # benchmarks
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
-        # a model whose forward reads its batch on the host (DeepSeek-V4's torch path) is neither captured nor
-        # warmed up with dummy batches (those carry no state slots)
-        eager_only = getattr(self.model, "eager_only", False) or self.mtp is not None
+        # the model's flags: ``eager_only`` (its forward reads its batch on the host: no graph, no warm-up on
+        # dummy batches), ``eager_when_deterministic`` (so in the deterministic mode), ``prompt_graphs`` (False:
+        # prompt steps run eagerly, without piecewise graphs or a dummy-batch warm-up), and
+        # ``multi_token_decode_graphs`` (below)
+        deterministic = config.device.deterministic
+        eager_only = (getattr(self.model, "eager_only", False) or self.mtp is not None
+                      or (deterministic and getattr(self.model, "eager_when_deterministic", False)))
+        prompt_graphs = getattr(self.model, "prompt_graphs", True)
         if self.device.type == "cuda" and not config.device.enforce_eager and not eager_only:
             max_len = config.model.max_model_len
             # steps that verify k drafts get graphs of 1 + k tokens a sequence where the model's attention can be
@@ -155,21 +160,22 @@ class ModelRunner:
             k = config.speculative.num_speculative_tokens
             multi = (1 + k,) if k and getattr(self.model, "multi_token_decode_graphs", False) else ()
             self.graphs = DecodeGraphs(self.model, config.scheduler.max_num_seqs, -(-max_len // self.block_size),
-                                       max_len, self.device, tokens_per_seq=(1, *multi))
+                                       max_len, self.device, tokens_per_seq=(1, *multi),
+                                       state_slots=bool(self.state_specs))
             # one graph runs at a time, so all share one memory pool, captured on one stream (the allocator reuses
             # a pool's free memory on the stream that freed it)
             pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
-            with batch_invariant(config.device.deterministic):  # capture the kernels the eager steps run
+            with batch_invariant(deterministic):  # capture the kernels the eager steps run
                 self.graphs.capture(pool, stream, (1,))
                 max_tokens = min(config.device.max_prefill_graph_tokens, config.scheduler.max_num_batched_tokens)
-                if max_tokens > 0:
+                if max_tokens > 0 and prompt_graphs:
                     self.prefill_graphs = PrefillGraphs(self.model, max_tokens, max_len, self.block_size,
                                                         self.device)
                     self.prefill_graphs.capture(pool, stream)
                 if multi:  # last: a capture that fails leaves the pool unusable for the captures after it
                     self.graphs.capture(pool, stream, multi)
-        if self.device.type == "cuda" and not eager_only:
-            with batch_invariant(config.device.deterministic):
+        if self.device.type == "cuda" and not eager_only and prompt_graphs:
+            with batch_invariant(deterministic):
                 warm_up_prefill(self.model, config.scheduler.max_num_batched_tokens, config.model.max_model_len,
                                 self.block_size, self.device)
 

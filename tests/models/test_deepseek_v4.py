@@ -248,3 +248,20 @@ def test_dummy_weights_in_bf16_spread_hash_routing(ckpt):
     assert model.layers[1].hc_attn.scale.dtype == torch.float32
     (out,) = _generate(llm, [ckpt[2][4]], prompt_logprobs=False)
     assert len(out.outputs[0].token_ids) == NEW_TOKENS
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the kernels run compiled (test_deepseek_v4_gpu)")
+def test_triton_interpreter_fused_moe_matches_hf(ckpt, monkeypatch):
+    """The routed experts (hash and top-k) on the Triton fused MoE with its SwiGLU clamp, under TRITON_INTERPRET=1:
+    HF's greedy tokens and prompt logprobs, and the kernel really ran."""
+    import dsinfer.ops.triton.moe_fused as moe_kernels
+
+    monkeypatch.setenv("DSINFER_USE_TRITON", "always")
+    calls = []
+    fused = moe_kernels.fused_moe_triton
+    monkeypatch.setattr(moe_kernels, "fused_moe_triton", lambda *a, **k: calls.append(k["swiglu_limit"]) or
+                        fused(*a, **k))
+    _, _, prompts, _, _ = ckpt
+    _assert_matches_hf(_generate(LLM(str(ckpt[0])), prompts[:2]), ckpt, "Triton MoE", [0, 1])
+    assert calls and set(calls) == {2.0}

@@ -12,6 +12,8 @@ from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from dsinfer.models.deepseek_v4.attention import V4Attention
 from dsinfer.models.weights import iterate_safetensors
+from dsinfer.runner.cuda_graphs import DecodeGraphs
+from dsinfer.runner.input_batch import HostInputs
 
 from .host_reads import no_host_reads
 from .v4_fixture import write_checkpoint
@@ -168,3 +170,38 @@ def test_a_whole_decode_step_reads_nothing_on_the_host_and_padding_changes_no_lo
     assert torch.isfinite(padded).all()
     torch.testing.assert_close(padded, alone, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(more, alone, rtol=1e-5, atol=1e-5)
+
+
+def _host(batch: ForwardBatch) -> HostInputs:
+    return HostInputs(batch.input_ids.numpy(), batch.positions.numpy(), batch.slot_mapping.numpy(),
+                      batch.block_tables.numpy(), batch.query_start_loc.numpy(), batch.seq_lens.numpy(),
+                      batch.state_slots.numpy())
+
+
+@pytest.mark.parametrize("q", [1, 3])
+def test_decode_graph_buffers_carry_the_state_slots_and_give_the_eager_logits(model, q):
+    """The decode graphs' forward (what a capture records) on CPU: two steps copied into the graph's buffers at
+    padded size 4, the second with fewer sequences (a stale slot left in the buffers would write to a ring the
+    eager step leaves alone), against the eager model on the unpadded steps: logits and every cache row."""
+    lens = [15, 24, 40]
+    graphed, eager = _prefilled(model, lens), _prefilled(model, lens)
+    graphs = DecodeGraphs(graphed, 8, BLOCKS_PER_SEQ, BLOCK * BLOCKS_PER_SEQ, torch.device("cpu"),
+                          sizes=(1, 2, 4, 8), tokens_per_seq=(1, q), state_slots=True)
+    for step, seqs in enumerate([[0, 1, 2], [1, 2]]):
+        batch = _batch([_ids(q, seed=30 + 3 * step + b) for b in seqs], [lens[b] + step * q for b in seqs], seqs)
+        graphs.load_inputs(_host(batch), 4, q)
+        assert graphs.state_slots[:4].tolist() == seqs + [-1] * (4 - len(seqs))
+        got = graphs._forward(4, q)[:len(seqs) * q]
+        want = eager.compute_logits(eager(batch.input_ids, batch.positions, batch))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(_caches(graphed), _caches(eager)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_graphs_of_a_stateful_model_refuse_inputs_without_state_slots(model):
+    graphs = DecodeGraphs(model, 4, BLOCKS_PER_SEQ, BLOCK * BLOCKS_PER_SEQ, torch.device("cpu"), sizes=(4,),
+                          state_slots=True)
+    host = _host(_batch([_ids(1, seed=0)], [15], [0]))
+    host.state_slots = None
+    with pytest.raises(ValueError, match="state slots"):
+        graphs.load_inputs(host, 4)
