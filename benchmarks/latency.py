@@ -4,6 +4,8 @@
                                  [--context 1024] [--prefill 512 2048 8x2048] [--idle-batch 256] [--json-out F]
     python benchmarks/latency.py --model benchmarks/configs/deepseek-v3 \\
         --hf-overrides '{"num_hidden_layers": 5, "first_k_dense_replace": 3, "num_nextn_predict_layers": 0}'
+    python benchmarks/latency.py --model benchmarks/configs/deepseek-v4-flash-4l --batch-sizes 1 64 256 \
+        --context 16384 --max-model-len 16512 --prefill --idle-batch 0
 
 Dummy weights at the config's real shapes (normal, std = initializer_range, like transformers' init, so MoE routing
 spreads over the experts), bf16 on CUDA; a config with an fp8 ``quantization_config`` gets real FP8 e4m3 weights
