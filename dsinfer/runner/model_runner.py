@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
+from torch import nn
 
 from dsinfer import envs
 from dsinfer.batch_invariant import batch_invariant
@@ -145,14 +146,8 @@ class ModelRunner:
         self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] | None = None  # benchmarks
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
-        # the model's flags: ``eager_only`` (its forward reads its batch on the host: no graph, no warm-up on
-        # dummy batches), ``eager_when_deterministic`` (so in the deterministic mode), ``prompt_graphs`` (False:
-        # prompt steps run eagerly, without piecewise graphs or a dummy-batch warm-up), and
-        # ``multi_token_decode_graphs`` (below)
         deterministic = config.device.deterministic
-        eager_only = (getattr(self.model, "eager_only", False) or self.mtp is not None
-                      or (deterministic and getattr(self.model, "eager_when_deterministic", False)))
-        prompt_graphs = getattr(self.model, "prompt_graphs", True)
+        eager_only, prompt_graphs = graph_modes(self.model, deterministic, self.mtp is not None)
         if self.device.type == "cuda" and not config.device.enforce_eager and not eager_only:
             max_len = config.model.max_model_len
             # steps that verify k drafts get graphs of 1 + k tokens a sequence where the model's attention can be
@@ -333,6 +328,17 @@ class ModelRunner:
             copies["logprobs"] = _to_host(result.logprobs)
             copies["ranks"] = _to_host(result.sampled_ranks)
         return result.token_ids
+
+
+def graph_modes(model: nn.Module, deterministic: bool, mtp: bool) -> tuple[bool, bool]:
+    """(eager only, prompt graphs) from the model's class flags: ``eager_only`` (its forward reads its batch on
+    the host: no graph, no warm-up on dummy batches; so with an MTP drafter, whose layer is not captured),
+    ``eager_when_deterministic`` (so in the deterministic mode), ``prompt_graphs`` (False: prompt steps run
+    eagerly, without piecewise graphs or a dummy-batch warm-up). ``multi_token_decode_graphs`` is read where the
+    decode graphs are sized."""
+    eager_only = (getattr(model, "eager_only", False) or mtp
+                  or (deterministic and getattr(model, "eager_when_deterministic", False)))
+    return eager_only, getattr(model, "prompt_graphs", True)
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -205,3 +205,14 @@ def test_decode_graphs_of_a_stateful_model_refuse_inputs_without_state_slots(mod
     host.state_slots = None
     with pytest.raises(ValueError, match="state slots"):
         graphs.load_inputs(host, 4)
+
+
+def test_the_runner_captures_v4_decode_but_not_its_prompt_steps_or_deterministic_mode():
+    from dsinfer.models.llama import LlamaForCausalLM
+    from dsinfer.runner.model_runner import graph_modes
+
+    assert graph_modes(DeepseekV4ForCausalLM, deterministic=False, mtp=False) == (False, False)
+    assert graph_modes(DeepseekV4ForCausalLM, deterministic=True, mtp=False) == (True, False)
+    assert DeepseekV4ForCausalLM.multi_token_decode_graphs
+    assert graph_modes(LlamaForCausalLM, deterministic=True, mtp=False) == (False, True)  # the default flags
+    assert graph_modes(LlamaForCausalLM, deterministic=False, mtp=True) == (True, True)
