@@ -284,6 +284,24 @@ def test_fused_moe_v2_lite_stack_decode_tiles(num_tokens, assert_close):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 64, 256])
+def test_fused_moe_bf16_v4_flash_expert_shapes_with_swiglu_limit(num_tokens, assert_close):
+    """V4-Flash's experts (hidden 4096, intermediate 2048, top-6; 32 of its 256) with the clamped SwiGLU at a limit
+    that clips (1.0 against pre-activations of std ~1.3), the decode and graph-batch sizes."""
+    gen = torch.Generator("cuda").manual_seed(4)
+    w13 = torch.randn(32, 2 * 2048, 4096, generator=gen, device="cuda") * 0.02
+    w2 = torch.randn(32, 4096, 2048, generator=gen, device="cuda") * 0.02
+    x = torch.randn(num_tokens, 4096, generator=gen, device="cuda")
+    weights, ids = _route(num_tokens, 32, 6, torch.Generator().manual_seed(num_tokens), "cuda")
+    out = fused_moe(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids, swiglu_limit=1.0)
+    ref = fused_moe_ref(x.bfloat16().float(), w13.bfloat16().float(), w2.bfloat16().float(), weights, ids,
+                        swiglu_limit=1.0)
+    assert_close(out, ref, torch.bfloat16)
+    unclamped = fused_moe_ref(x.bfloat16().float(), w13.bfloat16().float(), w2.bfloat16().float(), weights, ids)
+    assert float((unclamped - ref).norm() / ref.norm()) > 0.1  # the clamp matters at these sizes
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [3, 512])
 def test_fused_moe_fp8_v3_expert_shapes(num_tokens, assert_close):
     gen = torch.Generator().manual_seed(1)
