@@ -3,6 +3,7 @@
 The runner binds ``kv_cache`` (shaped by the layer's KVCacheSpec) after sizing the cache; the forward batch is
 passed explicitly. ``k_scale`` / ``v_scale`` are the layer's FP8 KV-cache scales (``ops.kv_cache``): 1.0, as in
 vLLM, unless the checkpoint carries them (``load_kv_scale``); a cache in the model's dtype ignores them.
+``sinks`` (GPT-OSS): a learned logit per query head that joins every row's softmax denominator (``ops.attention``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dsinfer.ops.rotary import RotaryAngles
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, sinks: bool = False):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads "
@@ -33,6 +34,7 @@ class Attention(nn.Module):
         self.scale, self.sliding_window = scale, sliding_window
         self.kv_cache: torch.Tensor | None = None
         self.k_scale, self.v_scale = 1.0, 1.0
+        self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None
 
     def load_kv_scale(self, which: str, value: torch.Tensor) -> None:
         """A checkpoint's ``k_scale`` / ``v_scale`` (or ``kv_scale``, both): one positive finite number."""
@@ -85,5 +87,6 @@ class Attention(nn.Module):
         # the batch's host-side bounds spare the kernels a host sync (and make decode capturable in a graph)
         out = ops.paged_attention(q, self.kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
                                   self.scale, self.sliding_window, max_query_len=batch.max_query_len,
-                                  max_seq_len=batch.max_seq_len, kv_scales=scales, plan=plan)
+                                  max_seq_len=batch.max_seq_len, kv_scales=scales, plan=plan,
+                                  sinks=self.sinks)
         return out.reshape(-1, self.num_heads * self.head_dim)

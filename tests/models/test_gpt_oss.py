@@ -1,0 +1,107 @@
+"""GPT-OSS against transformers on a tiny random checkpoint: sliding / full layers with sinks, YaRN, biased MoE
+with the clamped SwiGLU; prompt logprobs within 1e-4 and greedy tokens equal, through the engine's paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsinfer import LLM, SamplingParams
+
+from .hf_reference import hf_greedy, hf_prompt_logprobs, record_preemptions
+
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 24
+WINDOW = 16
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=6, num_experts_per_tok=2, sliding_window=WINDOW,
+        max_position_embeddings=512, initializer_range=0.1)
+    model = transformers.GptOssForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # HF starts biases at zero and sinks near it: random ones make those paths show
+        for name, param in model.named_parameters():
+            if name.endswith(("bias", "sinks")) or "norm" in name:
+                param.add_(torch.randn(param.shape, generator=gen) * (1.0 if name.endswith("sinks") else 0.1))
+        for layer in model.model.layers:  # gate/up values past the clamp limit of 7
+            layer.mlp.experts.gate_up_proj.mul_(8.0)
+    path = tmp_path_factory.mktemp("gpt_oss")
+    model.save_pretrained(path)
+    return path, model
+
+
+def _prompts(vocab: int, lengths=(3, 11, 17, 30, 45, 64)) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]  # most past the window
+
+
+def _run(path, prompts, prompt_logprobs=None, **engine_kwargs):
+    llm = LLM(str(path), dtype="float32", **engine_kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=prompt_logprobs)
+    return llm, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def test_layers_alternate_sliding_and_full_attention_with_sinks(checkpoint):
+    path, model = checkpoint
+    llm = LLM(str(path), dtype="float32")
+    layers = llm.engine.executor.runner.model.attention_layers()
+    assert [layer.sliding_window for layer in layers] == [WINDOW, None, WINDOW, None]
+    torch.testing.assert_close(layers[1].sinks, model.model.layers[1].self_attn.sinks.detach(), rtol=0, atol=0)
+
+
+def test_prompt_logprobs_and_greedy_match_transformers(checkpoint):
+    path, model = checkpoint
+    prompts = _prompts(model.config.vocab_size)
+    _, outputs = _run(path, prompts, prompt_logprobs=0)
+    worst = 0.0
+    for ids, out in zip(prompts, outputs):
+        ours = torch.tensor([pos[tok].logprob for pos, tok in zip(out.prompt_logprobs[1:], ids[1:])])
+        worst = max(worst, (ours - hf_prompt_logprobs(model, ids)).abs().max().item())
+        assert out.outputs[0].token_ids == hf_greedy(model, ids, NEW_TOKENS)
+    assert worst < 1e-4, f"max |prompt logprob difference| = {worst:.2e}"
+
+
+def test_greedy_matches_transformers_generate_with_min_tokens(checkpoint):
+    path, model = checkpoint
+    ids = _prompts(model.config.vocab_size, (40,))[0]
+    llm = LLM(str(path), dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    ours = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids
+    hf = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    assert ours == hf[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    {"max_num_batched_tokens": 16},  # chunked prefill mixed with decodes
+    {"enable_prefix_caching": True, "block_size": 16},  # the second pass hits the first's blocks
+], ids=["chunked", "prefix"])
+def test_engine_paths_keep_greedy_tokens(checkpoint, engine_kwargs):
+    path, model = checkpoint
+    prompts = _prompts(model.config.vocab_size)
+    reference = [hf_greedy(model, ids, NEW_TOKENS) for ids in prompts]
+    llm, outputs = _run(path, prompts, **engine_kwargs)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    if engine_kwargs.get("enable_prefix_caching"):
+        shared = [prompts[-1][:48] + ids for ids in prompts[:3]]  # a 48-token prefix cached by the first pass
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        again = llm.generate([{"prompt_token_ids": p} for p in shared], params, use_tqdm=False)
+        assert all(o.num_cached_tokens >= 32 for o in again)
+        assert [o.outputs[0].token_ids for o in again] == [hf_greedy(model, p, NEW_TOKENS) for p in shared]
+
+
+def test_preemption_keeps_greedy_tokens(checkpoint):
+    path, model = checkpoint
+    prompts = _prompts(model.config.vocab_size)
+    reference = [hf_greedy(model, ids, NEW_TOKENS) for ids in prompts]
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=16, block_size=16)
+    preempted = record_preemptions(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert preempted
+    assert [o.outputs[0].token_ids for o in outputs] == reference
