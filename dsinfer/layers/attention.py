@@ -35,6 +35,7 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
         self.k_scale, self.v_scale = 1.0, 1.0
         self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None
+        self.kv_group = 0  # the KV cache group whose block table it reads (the runner sets it)
 
     def load_kv_scale(self, which: str, value: torch.Tensor) -> None:
         """A checkpoint's ``k_scale`` / ``v_scale`` (or ``kv_scale``, both): one positive finite number."""
@@ -72,20 +73,22 @@ class Attention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         scales = (self.k_scale, self.v_scale)
+        group = self.kv_group
+        block_tables, slot_mapping = batch.kv_tables(group)
         # what the torch path derives from the batch, shared by the layers of the step (built on first use only)
-        stored = batch.derive("stored_rows", lambda: StoredRows(batch.slot_mapping))
+        stored = batch.derive(("stored_rows", group), lambda: StoredRows(slot_mapping))
         if rotary is not None:
             angles = batch.derive(("rotary_angles", id(rotary.cos_sin_cache)),
                                   lambda: RotaryAngles(positions, rotary.cos_sin_cache))
             q = ops.rotary_store_kv(positions, q, k, v, rotary.cos_sin_cache, rotary.is_neox, self.kv_cache,
-                                    batch.slot_mapping, scales, angles, stored)
+                                    slot_mapping, scales, angles, stored)
         else:
-            ops.store_kv(k, v, self.kv_cache, batch.slot_mapping, scales, stored)
+            ops.store_kv(k, v, self.kv_cache, slot_mapping, scales, stored)
         block_size = self.kv_cache.shape[2]
-        plan = batch.derive(("attention_plan", self.sliding_window, block_size), lambda: AttentionPlan(
-            batch.block_tables, batch.query_start_loc, batch.seq_lens, self.sliding_window, block_size))
+        plan = batch.derive(("attention_plan", group, self.sliding_window, block_size), lambda: AttentionPlan(
+            block_tables, batch.query_start_loc, batch.seq_lens, self.sliding_window, block_size))
         # the batch's host-side bounds spare the kernels a host sync (and make decode capturable in a graph)
-        out = ops.paged_attention(q, self.kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+        out = ops.paged_attention(q, self.kv_cache, block_tables, batch.query_start_loc, batch.seq_lens,
                                   self.scale, self.sliding_window, max_query_len=batch.max_query_len,
                                   max_seq_len=batch.max_seq_len, kv_scales=scales, plan=plan,
                                   sinks=self.sinks)
