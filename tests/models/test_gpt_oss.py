@@ -20,7 +20,7 @@ WINDOW = 16
 def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
     config = transformers.GptOssConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        vocab_size=320, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, num_local_experts=6, num_experts_per_tok=2, sliding_window=WINDOW,
         max_position_embeddings=512, initializer_range=0.1)
     model = transformers.GptOssForCausalLM(config).eval()
@@ -105,3 +105,35 @@ def test_preemption_keeps_greedy_tokens(checkpoint):
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert preempted
     assert [o.outputs[0].token_ids for o in outputs] == reference
+
+
+def test_mxfp4_experts_load_as_transformers_dequantizes_them(checkpoint, tmp_path):
+    """The released checkpoints' layout: experts as ``*_blocks`` / ``*_scales`` ([E, out, in / 32, 16] and
+    [E, out, in / 32]); HF's model with transformers' dequantization of the same bytes is the reference."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    path, model = checkpoint
+    weights = load_file(str(path / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    reference = transformers.GptOssForCausalLM(model.config).eval()
+    reference.load_state_dict(model.state_dict())
+    for i, layer in enumerate(reference.model.layers):
+        for proj, (out_dim, in_dim) in {"gate_up_proj": (128, 64), "down_proj": (64, 64)}.items():
+            name = f"model.layers.{i}.mlp.experts.{proj}"
+            blocks = torch.randint(0, 256, (6, out_dim, in_dim // 32, 16), generator=gen, dtype=torch.uint8)
+            scales = torch.randint(120, 126, (6, out_dim, in_dim // 32), generator=gen, dtype=torch.uint8)
+            del weights[name]
+            weights[f"{name}_blocks"], weights[f"{name}_scales"] = blocks, scales
+            with torch.no_grad():
+                getattr(layer.mlp.experts, proj).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    for file in path.iterdir():
+        if file.name != "model.safetensors":
+            (tmp_path / file.name).write_bytes(file.read_bytes())
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    prompts = _prompts(model.config.vocab_size, (9, 40))
+    _, outputs = _run(tmp_path, prompts, prompt_logprobs=0)
+    for ids, out in zip(prompts, outputs):
+        ours = torch.tensor([pos[tok].logprob for pos, tok in zip(out.prompt_logprobs[1:], ids[1:])])
+        assert (ours - hf_prompt_logprobs(reference, ids)).abs().max().item() < 1e-4
+        assert out.outputs[0].token_ids == hf_greedy(reference, ids, NEW_TOKENS)
