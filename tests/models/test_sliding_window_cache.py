@@ -93,3 +93,18 @@ def test_prefix_hits_keep_greedy_tokens(checkpoint):
     outputs = llm.generate([{"prompt_token_ids": p} for p in shared], params, use_tqdm=False)
     assert [o.num_cached_tokens for o in outputs] == [48, 48, 48]
     assert [o.outputs[0].token_ids for o in outputs] == [_hf_generate(model, p) for p in shared]
+
+
+def test_ngram_drafts_roll_back_inside_the_window(checkpoint):
+    """Rejected drafts are trimmed from every group; the sliding group kept ``num_speculative_tokens`` more
+    tokens behind its window, so the next query still sees its whole window."""
+    arch, path, model = checkpoint
+    gen = torch.Generator().manual_seed(4)
+    prompts = [(torch.randint(0, model.config.vocab_size, (6,), generator=gen).tolist() * 6)[:n] for n in (20, 33)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(str(path), dtype="float32", block_size=BLOCK, speculative_config=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    stats = llm.engine.get_stats()["spec_decode"]
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
+    assert [o.outputs[0].token_ids for o in outputs] == [_hf_generate(model, p) for p in prompts]
