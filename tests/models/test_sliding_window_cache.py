@@ -108,3 +108,15 @@ def test_ngram_drafts_roll_back_inside_the_window(checkpoint):
     stats = llm.engine.get_stats()["spec_decode"]
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
     assert [o.outputs[0].token_ids for o in outputs] == [_hf_generate(model, p) for p in prompts]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_groups_keep_greedy_tokens(checkpoint):
+    """On CUDA: the Triton kernels read each group's block table (several groups run eagerly)."""
+    arch, path, model = checkpoint
+    prompts = _prompts(model.config.vocab_size)
+    llm = LLM(str(path), device="cuda", dtype="float32", block_size=BLOCK, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [_hf_generate(model, p) for p in prompts]
