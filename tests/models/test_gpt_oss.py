@@ -137,3 +137,13 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(checkpoint, tmp_pat
         ours = torch.tensor([pos[tok].logprob for pos, tok in zip(out.prompt_logprobs[1:], ids[1:])])
         assert (ours - hf_prompt_logprobs(reference, ids)).abs().max().item() < 1e-4
         assert out.outputs[0].token_ids == hf_greedy(reference, ids, NEW_TOKENS)
+
+
+def test_worker_process_gets_both_groups_block_ids_over_the_wire(checkpoint):
+    path, model = checkpoint
+    prompts = _prompts(model.config.vocab_size, (9, 40))
+    llm = LLM(str(path), dtype="float32", distributed_executor_backend="mp", max_num_batched_tokens=16)
+    assert llm.engine.kv_manager.windows == (None, WINDOW)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, ids, NEW_TOKENS) for ids in prompts]
