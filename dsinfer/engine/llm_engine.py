@@ -72,7 +72,7 @@ class LLMEngine:
                                            self.executor.num_state_slots, self.executor.kv_group_windows,
                                            config.speculative.num_speculative_tokens)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.model.max_model_len)
-        self.inputs = InputProcessor(config, tokenizer, num_blocks)
+        self.inputs = InputProcessor(config, tokenizer, num_blocks, self.executor.kv_group_windows)
         self.eos_token_ids, self.extra_eos_token_ids = self.inputs.eos_token_ids, self.inputs.extra_eos_token_ids
         # proposes drafts for each running request (config.speculative.num_speculative_tokens at most a step);
         # None: the one of config.speculative (none when speculation is off)

@@ -147,3 +147,15 @@ def test_worker_process_gets_both_groups_block_ids_over_the_wire(checkpoint):
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, ids, NEW_TOKENS) for ids in prompts]
+
+
+def test_a_request_the_groups_cannot_hold_is_refused_not_left_waiting(checkpoint):
+    path, model = checkpoint
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=10, block_size=16)
+    ids = _prompts(model.config.vocab_size, (100,))[0]
+    # 140 tokens: 9 blocks in the full group, and in the sliding one the window plus a whole prompt chunk
+    with pytest.raises(ValueError, match="needs 18 KV blocks"):
+        llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
+    short = llm.generate([{"prompt_token_ids": ids[:30]}], SamplingParams(max_tokens=10, ignore_eos=True),
+                         use_tqdm=False)
+    assert len(short[0].outputs[0].token_ids) == 10
