@@ -159,3 +159,20 @@ def test_a_request_the_groups_cannot_hold_is_refused_not_left_waiting(checkpoint
     short = llm.generate([{"prompt_token_ids": ids[:30]}], SamplingParams(max_tokens=10, ignore_eos=True),
                          use_tqdm=False)
     assert len(short[0].outputs[0].token_ids) == 10
+
+
+def test_gpt_oss_20b_shapes():
+    """benchmarks/configs/gpt-oss-20b (the released config, MXFP4 left out: dummy weights) builds 20.9B
+    parameters and a full and a 128-token sliding group of 12 layers each."""
+    import json
+    from pathlib import Path
+
+    from dsinfer.core.kv_cache_spec import kv_cache_groups
+    from dsinfer.models.gpt_oss import GptOssForCausalLM
+
+    cfg = json.loads((Path(__file__).resolve().parents[2] / "benchmarks/configs/gpt-oss-20b/config.json").read_text())
+    with torch.device("meta"):
+        gpt = GptOssForCausalLM(cfg)
+    assert 20.8e9 < sum(p.numel() for p in gpt.parameters()) < 21.0e9
+    groups = kv_cache_groups([layer.kv_cache_spec(16, torch.bfloat16) for layer in gpt.attention_layers()])
+    assert [(g.sliding_window, len(g.layers)) for g in groups] == [(None, 12), (128, 12)]
