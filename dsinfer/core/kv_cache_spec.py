@@ -183,6 +183,13 @@ def kv_cache_groups(specs: list[KVCacheSpec]) -> list[KVCacheGroup]:
     return [KVCacheGroup(w, tuple(by_window[w])) for w in order]
 
 
+def max_blocks_held(windows: tuple[int | None, ...], num_tokens: int, block_size: int, reach: int) -> int:
+    """Blocks a sequence of ``num_tokens`` holds at most over the groups of these ``windows``: all of its blocks
+    in a full group; in a sliding one its window plus ``reach`` (a prompt chunk and the drafts) and one more."""
+    full = -(-num_tokens // block_size)
+    return sum(full if w is None else min(full, -(-(w + reach) // block_size) + 1) for w in windows)
+
+
 def shares_tensors(specs: list[KVCacheSpec], groups: list[KVCacheGroup]) -> bool:
     """The k-th layers of the groups can share one cache tensor: several groups, all of one cache shape."""
     return len(groups) > 1 and len({(s.cache_shape(1), s.dtype) for s in specs if hasattr(s, "cache_shape")

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from dsinfer.config import EngineConfig
+from dsinfer.core.kv_cache_spec import max_blocks_held
 from dsinfer.core.plan import RequestSampling
 from dsinfer.core.request import Request
 from dsinfer.engine.detokenizer import IncrementalDetokenizer
@@ -178,12 +179,8 @@ class InputProcessor:
     def _blocks_needed(self, num_tokens: int) -> int:
         """Blocks a sequence of ``num_tokens`` holds at most: all of them in a full group, its window, a prompt
         chunk, the drafts and one more in a sliding group (``kvcache.grouped_manager``)."""
-        block_size, full = self.config.cache.block_size, -(-num_tokens // self.config.cache.block_size)
-        if self.kv_group_windows == (None,):
-            return full
         reach = self.config.scheduler.max_num_batched_tokens + self.config.speculative.num_speculative_tokens
-        return sum(full if w is None else min(full, -(-(w + reach) // block_size) + 1)
-                   for w in self.kv_group_windows)
+        return max_blocks_held(self.kv_group_windows, num_tokens, self.config.cache.block_size, reach)
 
 
 def bad_word_token_ids(tokenizer: Any, words: list[str]) -> tuple[tuple[int, ...], ...]:

@@ -33,7 +33,14 @@ import torch
 from dsinfer import envs
 from dsinfer.batch_invariant import batch_invariant
 from dsinfer.config import EngineConfig
-from dsinfer.core.kv_cache_spec import KVCacheSpec, StateSlotSpec, bytes_per_block, kv_cache_groups, shares_tensors
+from dsinfer.core.kv_cache_spec import (
+    KVCacheSpec,
+    StateSlotSpec,
+    bytes_per_block,
+    kv_cache_groups,
+    max_blocks_held,
+    shares_tensors,
+)
 from dsinfer.core.outputs import RunnerOutput, TokenLogprobs
 from dsinfer.core.plan import StepPlan
 from dsinfer.models.loader.model_loader import _default_dtype_and_device, load_model
@@ -202,10 +209,8 @@ class ModelRunner:
     def _blocks_per_seq(self) -> int:
         """Blocks a max_model_len sequence holds at most: every block in a full group, the window (plus the
         drafts and a prompt chunk) in a sliding one."""
-        full = -(-self.config.model.max_model_len // self.block_size)
-        chunk = self.config.scheduler.max_num_batched_tokens + self.config.speculative.num_speculative_tokens
-        return sum(full if w is None else min(full, -(-(w + chunk) // self.block_size) + 1)
-                   for w in self.kv_group_windows)
+        reach = self.config.scheduler.max_num_batched_tokens + self.config.speculative.num_speculative_tokens
+        return max_blocks_held(self.kv_group_windows, self.config.model.max_model_len, self.block_size, reach)
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
