@@ -100,8 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
     from dsinfer.bench.cli import add_bench_parser
+    from dsinfer.eval.cli import add_eval_parser
 
     add_bench_parser(sub)
+    add_eval_parser(sub)
     return parser
 
 
