@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1] / "dsinfer"
 LAYERS: list[tuple[str, ...]] = [
     ("dsinfer", "examples"),        # the package root (public names; LLM / EngineArgs lazily) and the demo
     ("server",),                    # FastAPI app, OpenAI / Anthropic routes, /metrics; drives entrypoints
-    ("bench", "eval"),              # serving benchmarks (HTTP only), accuracy / parity / perplexity over LLM
+    ("bench", "eval"),              # benchmarks (serving over HTTP, offline over LLM); accuracy over LLM
     ("entrypoints",),               # LLM, AsyncEngine, cli
     ("protocol",),                  # API schemas, chat encoding, tool / reasoning parsers
     ("engine",),                    # LLMEngine, SamplingParams, outputs, detokenizer

@@ -1,8 +1,10 @@
-"""``dsinfer bench serve | sweep | plot`` (also ``python -m dsinfer.bench ...``), with vLLM's flag names."""
+"""``dsinfer bench throughput | latency | serve | sweep | plot`` (also ``python -m dsinfer.bench ...``), with vLLM's
+flag names."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from dsinfer.bench.datasets import DATASETS
@@ -45,6 +47,10 @@ def _config(args, rate: float, concurrency: int | None):
                        args.ignore_eos, args.temperature, not args.disable_tqdm)
 
 
+def _quiet_http_log() -> None:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+
+
 def cmd_serve(args) -> int:
     import json
 
@@ -52,6 +58,7 @@ def cmd_serve(args) -> int:
     from dsinfer.bench.metrics import format_table, parse_goodput
     from dsinfer.bench.serve import benchmark, save_result
 
+    _quiet_http_log()
     slos = parse_goodput(args.goodput)
     requests = build_requests(args)
     cfg = _config(args, args.request_rate, args.max_concurrency)
@@ -73,6 +80,7 @@ def cmd_sweep(args) -> int:
     rates = parse_grid(args.request_rates, float, "--request-rates") if args.request_rates else None
     concurrencies = parse_grid(args.concurrencies, int, "--concurrencies") if args.concurrencies else None
     points = sweep_points(rates, concurrencies)
+    _quiet_http_log()
     slos = parse_goodput(args.goodput)
     base = _config(args, float("inf"), None)
     _, png = run_sweep(base, lambda rate, conc: build_requests(args), points, slos, args.label or base.model,
@@ -92,6 +100,62 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def _add_offline_args(p: argparse.ArgumentParser, output_len: int) -> None:
+    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: bundled SmolLM2)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy (random weights)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when there is one)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=output_len)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-iters-warmup", type=int, default=1)
+    p.add_argument("--num-iters", type=int, default=3, help="timed runs; the fastest is reported")
+    p.add_argument("--output-json", default=None, help="also write the figures here")
+
+
+def _offline_llm(args):
+    from dsinfer.entrypoints.llm import LLM
+
+    kwargs = {"device": args.device} if args.device else {}
+    return LLM(args.model, dtype=args.dtype, load_format=args.load_format, max_model_len=args.max_model_len,
+               seed=args.seed, **kwargs)
+
+
+def _report(figures: dict, path: str | None) -> None:
+    import json
+
+    for name, value in figures.items():
+        print(f"{name + ':':<28}{value:>14.2f}" if isinstance(value, float) else f"{name + ':':<28}{value:>14}")
+    if path:
+        with open(path, "w") as f:
+            f.write(json.dumps(figures, indent=1) + "\n")
+
+
+def cmd_throughput(args) -> int:
+    from dsinfer.bench.offline import run_throughput
+
+    llm = _offline_llm(args)
+    r = run_throughput(llm, args.num_prompts, args.input_len, args.output_len, args.seed, args.num_iters_warmup,
+                       args.num_iters, use_tqdm=not args.disable_tqdm)
+    _report({"num_prompts": r.num_prompts, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+             "elapsed_s": r.elapsed_s, "output_throughput": r.output_throughput,
+             "total_token_throughput": r.total_token_throughput}, args.output_json)
+    return 0
+
+
+def cmd_latency(args) -> int:
+    from dsinfer.bench.offline import run_latency
+
+    llm = _offline_llm(args)
+    r = run_latency(llm, args.batch_size, args.input_len, args.output_len, args.seed, args.num_iters_warmup,
+                    args.num_iters)
+    _report({"batch_size": r.batch_size, "input_len": r.input_len, "output_len": r.output_len,
+             "prefill_ms": r.prefill_ms, "decode_step_ms": r.decode_step_ms, "total_ms": r.total_ms},
+            args.output_json)
+    return 0
+
+
 def add_bench_parser(sub) -> None:
     """``bench`` and its subcommands on the ``dsinfer`` parser's subparsers."""
     _add_commands(sub.add_parser("bench", help="serving benchmarks, sweeps and Pareto plots"))
@@ -99,6 +163,15 @@ def add_bench_parser(sub) -> None:
 
 def _add_commands(bench: argparse.ArgumentParser) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    throughput = bench_sub.add_parser("throughput", help="offline: random prompts at once, tokens/s")
+    _add_offline_args(throughput, output_len=128)
+    throughput.add_argument("--num-prompts", type=int, default=100)
+    throughput.add_argument("--disable-tqdm", action="store_true")
+    throughput.set_defaults(func=cmd_throughput, num_iters=1, num_iters_warmup=0)
+    latency = bench_sub.add_parser("latency", help="offline: one batch, prefill and per-step decode time")
+    _add_offline_args(latency, output_len=32)
+    latency.add_argument("--batch-size", type=int, default=8)
+    latency.set_defaults(func=cmd_latency)
     serve = bench_sub.add_parser("serve", help="one serving run against an OpenAI-compatible URL")
     _add_serve_args(serve)
     serve.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf: all at once")
