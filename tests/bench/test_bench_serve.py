@@ -12,7 +12,7 @@ import pytest
 from dsinfer.entrypoints.cli import main
 from tests.server.live_server import API_KEY, start_server, stop_server
 
-NUM_PROMPTS = 6
+NUM_PROMPTS = 4
 OUTPUT_LEN = 8
 
 
@@ -33,7 +33,7 @@ def _ttft_histogram(url: str) -> tuple[float, float]:
 
 def _bench(live, tmp_path, *extra: str) -> dict:
     rc = main(["bench", "serve", "--base-url", live.url, "--api-key", API_KEY, "--num-prompts", str(NUM_PROMPTS),
-               "--random-input-len", "48", "--random-output-len", str(OUTPUT_LEN), "--random-vocab-size", "49152",
+               "--random-input-len", "32", "--random-output-len", str(OUTPUT_LEN), "--random-vocab-size", "49152",
                "--result-dir", str(tmp_path), "--result-filename", "run.json", "--disable-tqdm", *extra])
     assert rc == 0
     return json.loads((tmp_path / "run.json").read_text())
@@ -43,7 +43,7 @@ def test_serve_result_has_figures_and_every_raw_time(live, tmp_path):
     result = _bench(live, tmp_path, "--max-concurrency", "2", "--goodput", "ttft:60000", "tpot:1")
     assert result["completed"] == NUM_PROMPTS and result["failed"] == 0
     assert result["output_lens"] == [OUTPUT_LEN] * NUM_PROMPTS
-    assert result["input_lens"] == [48] * NUM_PROMPTS
+    assert result["input_lens"] == [32] * NUM_PROMPTS
     assert result["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
     assert all(len(itl) == OUTPUT_LEN - 1 for itl in result["itls"])
     for name in ("ttft", "tpot", "itl", "e2el"):
@@ -65,6 +65,15 @@ def test_serve_ttft_agrees_with_server_histogram(live, tmp_path):
     server_mean_ms = 1000 * (sum_after - sum_before) / NUM_PROMPTS
     assert result["mean_ttft_ms"] == pytest.approx(server_mean_ms, rel=0.10)
     assert result["mean_ttft_ms"] >= server_mean_ms  # the client's clock starts before the server's
+
+
+def test_serve_sends_jsonl_conversations_to_the_chat_endpoint(live, tmp_path):
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "Say hello."}], "output_len": 5}) + "\n")
+    result = _bench(live, tmp_path, "--dataset-name", "jsonl", "--dataset-path", str(data), "--num-prompts", "2")
+    assert result["completed"] == 2 and result["output_lens"] == [5, 5]
+    assert all(n > 5 for n in result["input_lens"])  # the server's count of the templated conversation
+    assert all(text for text in result["generated_texts"])
 
 
 def test_serve_rejects_a_bad_goodput_name(live, tmp_path, capsys):
