@@ -83,8 +83,11 @@ def cmd_sweep(args) -> int:
     _quiet_http_log()
     slos = parse_goodput(args.goodput)
     base = _config(args, float("inf"), None)
-    _, png = run_sweep(base, lambda rate, conc: build_requests(args), points, slos, args.label or base.model,
-                       args.num_gpus, args.dataset_name, args.result_dir)
+    def requests_for(i: int):
+        return build_requests(argparse.Namespace(**(vars(args) | {"seed": args.seed + i})))
+
+    _, png = run_sweep(base, requests_for, points, slos, args.label or base.model, args.num_gpus,
+                       args.dataset_name, args.result_dir)
     print(f"pareto plot: {png}")
     return 0
 

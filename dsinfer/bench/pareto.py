@@ -17,6 +17,7 @@ class Point:
     per_user: float  # output tokens/s one user sees: 1000 / median TPOT (ms)
     per_gpu: float  # output tokens/s of the whole run / GPUs
     knob: str  # the swept setting of this point ("rate 4" or "conc 8")
+    knob_value: float = 0.0  # its number, the order of the points along their curve (inf: all at once)
 
 
 def point_of(result: dict) -> Point | None:
@@ -26,8 +27,9 @@ def point_of(result: dict) -> Point | None:
         return None
     concurrency = result.get("max_concurrency")
     knob = f"conc {concurrency}" if concurrency else f"rate {result.get('request_rate')}"
+    value = float(concurrency or result.get("request_rate") or "inf")
     return Point(str(result.get("label", "")), 1000.0 / tpot,
-                 result["output_throughput"] / max(int(result.get("num_gpus", 1)), 1), knob)
+                 result["output_throughput"] / max(int(result.get("num_gpus", 1)), 1), knob, value)
 
 
 def pareto_frontier(points: list[Point]) -> list[Point]:
@@ -54,7 +56,7 @@ def load_points(paths: list[str | Path]) -> list[Point]:
 
 
 def plot_pareto(points: list[Point], output: str | Path, title: str = "") -> Path:
-    """Draw the points (one line per label, by per-user speed) and the frontier; write a PNG."""
+    """Draw the points (one line per label, in the order of the swept setting) and the frontier; write a PNG."""
     if not points:
         raise ValueError("no plottable result: every run lacked a TPOT (one-token outputs or all failed)")
     import matplotlib
@@ -67,7 +69,7 @@ def plot_pareto(points: list[Point], output: str | Path, title: str = "") -> Pat
         by_label[p.label].append(p)
     fig, ax = plt.subplots(figsize=(7, 5), dpi=120)
     for label, pts in sorted(by_label.items()):
-        pts.sort(key=lambda p: p.per_user)
+        pts.sort(key=lambda p: p.knob_value)
         ax.plot([p.per_user for p in pts], [p.per_gpu for p in pts], marker="o", label=label)
         for p in pts:
             ax.annotate(p.knob, (p.per_user, p.per_gpu), fontsize=7, textcoords="offset points", xytext=(3, 3))

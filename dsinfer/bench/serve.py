@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -153,7 +154,7 @@ def save_result(result: dict, result_dir: str | Path, filename: str | None = Non
     directory = Path(result_dir)
     directory.mkdir(parents=True, exist_ok=True)
     if filename is None:
-        label = str(result["label"]).replace("/", "_")
+        label = re.sub(r"[^A-Za-z0-9._-]+", "_", str(result["label"]))
         filename = f"{label}-{result['request_rate']}qps-c{result['max_concurrency'] or 'inf'}.json"
     path = directory / filename
     path.write_text(json.dumps(result, indent=1) + "\n")

@@ -35,11 +35,12 @@ def sweep_points(rates: list[float] | None, concurrencies: list[int] | None) -> 
 
 def run_sweep(base: ServeConfig, requests_for, points: list[tuple[float, int | None]], slos: dict[str, float],
               label: str, num_gpus: int, dataset: str, result_dir: str | Path) -> tuple[list[Path], Path]:
-    """Run every point (``requests_for(rate, concurrency)`` gives its requests); the JSON paths and the PNG."""
+    """Run every point (``requests_for(i)`` gives point i's requests: new prompts for each point, or the prefix
+    cache would serve the earlier points' prompts); the JSON paths and the PNG."""
     paths = []
-    for rate, concurrency in points:
-        cfg = dataclasses.replace(base, request_rate=rate, max_concurrency=concurrency)
-        requests: list[BenchRequest] = requests_for(rate, concurrency)
+    for i, (rate, concurrency) in enumerate(points):
+        cfg = dataclasses.replace(base, request_rate=rate, max_concurrency=concurrency, seed=base.seed + i)
+        requests: list[BenchRequest] = requests_for(i)
         result = benchmark(cfg, requests, slos, label, num_gpus, dataset)
         paths.append(save_result(result, result_dir))
         print(f"{label} rate={rate} concurrency={concurrency}: {result['output_throughput']:.1f} out tok/s, "

@@ -27,7 +27,8 @@ def test_frontier_drops_a_point_tied_on_one_axis_and_worse_on_the_other():
 def test_point_of_a_result_divides_throughput_by_gpus_and_inverts_tpot():
     result = {"label": "dsinfer", "median_tpot_ms": 20.0, "output_throughput": 800.0, "num_gpus": 2,
               "completed": 4, "max_concurrency": 8, "request_rate": "inf"}
-    assert point_of(result) == Point("dsinfer", 50.0, 400.0, "conc 8")
+    assert point_of(result) == Point("dsinfer", 50.0, 400.0, "conc 8", 8.0)
+    assert point_of(result | {"max_concurrency": None, "request_rate": 2.5}).knob_value == 2.5
     assert point_of(result | {"median_tpot_ms": 0.0}) is None
 
 
