@@ -59,3 +59,18 @@ def test_parity_cli_prints_the_table_and_passes_the_threshold(tiny_llama_dir, ca
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["prompt", "tokens", "max", "|dlogp|", "mean", "|dlogp|", "greedy", "agree"]
     assert lines[-1].split()[:2] == ["all", "32"] and lines[-1].split()[-1] == "30/30"
+
+
+def test_ppl_cli_tokenizes_the_file_with_the_models_tokenizer(smollm2_llm, capsys):
+    ids = smollm2_llm.get_tokenizer().encode(SAMPLE.read_text())
+    expected = perplexity(smollm2_llm, ids, max_length=96, stride=48)
+    assert main(["eval", "ppl", str(SAMPLE), "--max-length", "96", "--stride", "48"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line == (f"dsinfer perplexity: {expected.value:.4f} ({len(ids) - 1} tokens scored, max length 96, "
+                    "stride 48)")
+
+
+def test_ppl_cli_refuses_a_checkpoint_without_tokenizer(tiny_llama_dir, capsys):
+    assert main(["eval", "ppl", str(SAMPLE), "--model", str(tiny_llama_dir), "--max-length", "64",
+                 "--stride", "32"]) == 2
+    assert "needs the model's tokenizer; it has none" in capsys.readouterr().err
