@@ -1,5 +1,6 @@
-"""lm-eval-harness's ``local-completions`` against a live dsinfer server (echo + logprobs for loglikelihood) on a
-local multiple-choice task: its per-choice log-likelihoods equal the engine's own prompt logprobs."""
+"""lm-eval-harness against a live dsinfer server on local tasks: ``local-completions`` (echo + logprobs for
+loglikelihood) on a multiple-choice task, whose per-choice log-likelihoods equal the engine's own prompt logprobs,
+and ``local-chat-completions`` on a generation task, whose answers are the server's own."""
 
 from __future__ import annotations
 
@@ -24,6 +25,25 @@ def live(tmp_path_factory):
     stop_server(server)
 
 
+def _task_dir(tmp_path: Path, monkeypatch) -> Path:
+    """The task YAMLs in ``tmp_path/task``, their data files in the working directory, which they name them from."""
+    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    task_dir = shutil.copytree(TASK_DIR, tmp_path / "task")
+    for data in task_dir.glob("*.jsonl"):
+        shutil.copy(data, tmp_path / data.name)
+    return task_dir
+
+
+def _tasks(task_dir: Path):
+    """Only our tasks: lm-eval's own index of thousands of task YAMLs takes most of a run to build."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(task_dir), include_defaults=False)
+
+
 def _tokenizer_dir(llm, path: Path) -> Path:
     """The engine's tokenizer as a transformers tokenizer directory (lm-eval tokenizes the requests itself)."""
     tok = llm.get_tokenizer()
@@ -34,24 +54,18 @@ def _tokenizer_dir(llm, path: Path) -> Path:
     return path
 
 
-@pytest.mark.slow  # importing lm-eval and datasets takes most of its ~30 s
+@pytest.mark.slow  # importing lm-eval and datasets takes most of its ~10 s
 def test_lm_eval_local_completions_loglikelihoods_are_the_engines(live, smollm2_llm, tmp_path, monkeypatch):
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
-    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.chdir(tmp_path)  # the YAML names its data file relative to the working directory
-    task_dir = shutil.copytree(TASK_DIR, tmp_path / "task")
-    shutil.copy(task_dir / "tiny_mc.jsonl", tmp_path / "tiny_mc.jsonl")
+    task_dir = _task_dir(tmp_path, monkeypatch)
     tokenizer = _tokenizer_dir(smollm2_llm, tmp_path / "tokenizer")
     served = httpx.get(f"{live.v1}/models", headers=live.headers(), timeout=30).json()["data"][0]["id"]
     results = simple_evaluate(
         model="local-completions",
         model_args=f"model={served},base_url={live.v1}/completions,tokenizer_backend=huggingface,"
                    f"tokenizer={tokenizer},num_concurrent=1,max_retries=1,tokenized_requests=True",
-        tasks=["dsinfer_tiny_mc"], task_manager=TaskManager(include_path=str(task_dir)), log_samples=True)
+        tasks=["dsinfer_tiny_mc"], task_manager=_tasks(task_dir), log_samples=True)
     samples = results["samples"]["dsinfer_tiny_mc"]
     assert len(samples) == 3
     tok = smollm2_llm.get_tokenizer()
@@ -66,3 +80,26 @@ def test_lm_eval_local_completions_loglikelihoods_are_the_engines(live, smollm2_
         assert theirs == pytest.approx(ours, abs=1e-4)
     assert results["results"]["dsinfer_tiny_mc"]["acc,none"] == pytest.approx(
         sum(s["acc"] for s in samples) / 3)
+
+
+@pytest.mark.slow
+def test_lm_eval_local_chat_completions_generations_are_the_servers(live, tmp_path, monkeypatch):
+    from lm_eval import simple_evaluate
+
+    task_dir = _task_dir(tmp_path, monkeypatch)
+    served = httpx.get(f"{live.v1}/models", headers=live.headers(), timeout=30).json()["data"][0]["id"]
+    results = simple_evaluate(
+        model="local-chat-completions",
+        model_args=f"model={served},base_url={live.v1}/chat/completions,num_concurrent=1,max_retries=1",
+        tasks=["dsinfer_tiny_chat"], task_manager=_tasks(task_dir), log_samples=True,
+        apply_chat_template=True)
+    samples = results["samples"]["dsinfer_tiny_chat"]
+    assert len(samples) == 2
+    for sample in samples:
+        question = sample["doc"]["question"] + " Answer with one word."
+        answer = live.post("/v1/chat/completions", json={
+            "model": served, "messages": [{"role": "user", "content": question}], "max_tokens": 8,
+            "temperature": 0.0, "stop": ["\n"]}).json()["choices"][0]["message"]["content"]
+        assert sample["resps"][0][0] == answer
+    matches = sum(s["exact_match"] for s in samples)
+    assert results["results"]["dsinfer_tiny_chat"]["exact_match,none"] == pytest.approx(matches / 2)
