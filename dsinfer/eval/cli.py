@@ -64,10 +64,26 @@ def cmd_ppl(args) -> int:
 def cmd_tasks(args) -> int:
     from dsinfer.eval.tasks import format_scores, load_task, run_task, score_dir
 
+    if Path(args.file).suffix in (".yaml", ".yml"):
+        return _lm_eval_task(args)
+
     task = load_task(args.file)
     path = run_task(_llm(args), task, args.output_dir)
     print(f"generations: {path}")
     print(format_scores(score_dir(args.output_dir)))
+    return 0
+
+
+def _lm_eval_task(args) -> int:
+    try:
+        from dsinfer.eval.harness import run_lm_eval_task
+    except ImportError as exc:
+        raise ValueError(f"{args.file}: lm-eval task YAMLs need lm-eval (pip install lm-eval): {exc}") from None
+    from lm_eval.utils import make_table
+
+    results = run_lm_eval_task(_llm(args), args.file, args.output_dir, args.limit)
+    print(make_table(results))
+    print(f"results and samples: {args.output_dir}")
     return 0
 
 
@@ -97,8 +113,10 @@ def add_eval_parser(sub) -> None:
     ppl.add_argument("--stride", type=int, default=512, help="tokens between window starts")
     ppl.add_argument("--reference", action="store_true", help="also compute transformers' figure")
     ppl.set_defaults(func=cmd_ppl)
-    tasks = ev_sub.add_parser("tasks", help="run a JSONL task (save generations), then score it")
-    tasks.add_argument("file", nargs="?", default=str(DEFAULT_TASK), help="the task (default: the bundled set)")
+    tasks = ev_sub.add_parser("tasks", help="run a JSONL task (save generations), then score it; or an lm-eval YAML")
+    tasks.add_argument("file", nargs="?", default=str(DEFAULT_TASK),
+                       help="our JSONL task (default: the bundled set) or an lm-eval task YAML over local data")
+    tasks.add_argument("--limit", type=int, default=None, help="lm-eval YAMLs: the first N documents only")
     _add_model_args(tasks)
     tasks.add_argument("--output-dir", required=True, help="generations.jsonl and scores.json go here")
     tasks.set_defaults(func=cmd_tasks)
