@@ -35,7 +35,7 @@ from dsinfer.engine.output_processor import ChildState, LogprobDecoder, ParentRe
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.sampling_params import SamplingParams
 from dsinfer.executor.base import Executor, StepResult
-from dsinfer.kvcache.manager import KVCacheManager
+from dsinfer.kvcache.grouped_manager import kv_cache_manager
 from dsinfer.scheduler.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from dsinfer.spec_decode import make_drafter
 from dsinfer.spec_decode.base import Drafter, as_draft, confident_prefix
@@ -68,10 +68,11 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.executor = make_executor(config)
         num_blocks = self.executor.num_kv_blocks
-        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                         self.executor.num_state_slots)
+        self.kv_manager = kv_cache_manager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                           self.executor.num_state_slots, self.executor.kv_group_windows,
+                                           config.speculative.num_speculative_tokens)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.model.max_model_len)
-        self.inputs = InputProcessor(config, tokenizer, num_blocks)
+        self.inputs = InputProcessor(config, tokenizer, num_blocks, self.executor.kv_group_windows)
         self.eos_token_ids, self.extra_eos_token_ids = self.inputs.eos_token_ids, self.inputs.extra_eos_token_ids
         # proposes drafts for each running request (config.speculative.num_speculative_tokens at most a step);
         # None: the one of config.speculative (none when speculation is off)
