@@ -74,3 +74,10 @@ def test_ppl_cli_refuses_a_checkpoint_without_tokenizer(tiny_llama_dir, capsys):
     assert main(["eval", "ppl", str(SAMPLE), "--model", str(tiny_llama_dir), "--max-length", "64",
                  "--stride", "32"]) == 2
     assert "needs the model's tokenizer; it has none" in capsys.readouterr().err
+
+
+def test_parity_holds_for_the_tiny_deepseek_v2_too(tiny_deepseek_dir, capsys):
+    """MLA, softmax MoE with shared experts and YaRN: within 1e-4 in float32 at every position."""
+    assert main(["eval", "parity", "--model", str(tiny_deepseek_dir), "--random-prompts", "2", "--prompt-len", "16",
+                 "--max-diff", "1e-4"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].split()[-1] == "30/30"
