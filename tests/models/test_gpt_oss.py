@@ -187,3 +187,13 @@ def test_gpt_oss_20b_shapes():
     assert 20.8e9 < sum(p.numel() for p in gpt.parameters()) < 21.0e9
     groups = kv_cache_groups([layer.kv_cache_spec(16, torch.bfloat16) for layer in gpt.attention_layers()])
     assert [(g.sliding_window, len(g.layers)) for g in groups] == [(None, 12), (128, 12)]
+
+
+def test_only_mxfp4_quantization_is_accepted():
+    from dsinfer.models.gpt_oss import GptOssForCausalLM
+
+    cfg = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+               intermediate_size=32, num_local_experts=2, num_experts_per_tok=1, vocab_size=64, sliding_window=8)
+    GptOssForCausalLM({**cfg, "quantization_config": {"quant_method": "mxfp4"}})
+    with pytest.raises(ValueError, match="quant_method='fp8' is not supported; supported: 'mxfp4'"):
+        GptOssForCausalLM({**cfg, "quantization_config": {"quant_method": "fp8"}})
