@@ -68,6 +68,8 @@ class Request:
     num_preemptions: int = 0
     # draft tokens to verify in the next step (a drafter's proposal); the step that schedules them clears this
     draft_token_ids: list[int] = field(default_factory=list)
+    # per draft, its predicted acceptance given every draft before it is kept (confidence scheduling reads it)
+    draft_confidence: list[float] = field(default_factory=list)
     blocks: list[Any] = field(default_factory=list)  # kvcache.KVCacheBlock, in token order (the manager's)
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of the full blocks of all_token_ids
     state_slot: int = -1  # the per-sequence state slot it holds while running (-1: none; ``StateSlotSpec``)

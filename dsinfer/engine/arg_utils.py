@@ -79,6 +79,8 @@ class EngineArgs:
     # vLLM's speculative_config: {"method": "ngram" | "mtp", "num_speculative_tokens": k, "prompt_lookup_min",
     # "prompt_lookup_max", "acceptance": "rejection" | "exact", "confidence_scheduling"} (``SpeculativeConfig``)
     speculative_config: dict[str, Any] | None = None
+    # where confidence scheduling keeps its step-latency curve (None: $DSINFER_CACHE_DIR/step_latency; "": nowhere)
+    step_latency_dir: str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -125,7 +127,7 @@ class EngineArgs:
             model=model,
             cache=CacheConfig(_resolve_block_size(self.block_size, hf_config, device), self.enable_prefix_caching,
                               self.kv_cache_memory_gb, self.gpu_memory_utilization, self.num_kv_blocks,
-                              KV_CACHE_DTYPES[self.kv_cache_dtype]),
+                              KV_CACHE_DTYPES[self.kv_cache_dtype], self.step_latency_dir),
             scheduler=SchedulerConfig(self.max_num_seqs, batched, self.enable_chunked_prefill,
                                       self.scheduling_policy),
             load=LoadConfig(load_format, self.seed),

@@ -15,6 +15,7 @@ class UniExecutor(Executor):
         self.num_kv_blocks = self.runner.num_blocks
         self.num_state_slots = self.runner.num_state_slots
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
+        self.step_latency_points = self.runner.step_latency_points
 
     def launch(self, plan: StepPlan) -> StepResult:
         return self.runner.launch(plan)

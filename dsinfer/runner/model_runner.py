@@ -33,6 +33,7 @@ import torch
 from dsinfer import envs
 from dsinfer.batch_invariant import batch_invariant
 from dsinfer.config import EngineConfig
+from dsinfer.core import step_latency
 from dsinfer.core.kv_cache_spec import KVCacheSpec, StateSlotSpec
 from dsinfer.core.outputs import RunnerOutput, TokenLogprobs
 from dsinfer.core.plan import StepPlan
@@ -43,7 +44,7 @@ from dsinfer.runner.input_batch import SampleRow, StepInputs, build_sampling_bat
 from dsinfer.runner.mtp_proposer import MTPProposer
 from dsinfer.runner.prefill_graphs import PrefillGraphs
 from dsinfer.runner.request_table import RequestTable
-from dsinfer.runner.warmup import warm_up_prefill
+from dsinfer.runner.warmup import measure_step_latency, warm_up_prefill
 from dsinfer.sampling.sampler import Sampler
 
 logger = logging.getLogger("dsinfer")
@@ -172,6 +173,30 @@ class ModelRunner:
             with batch_invariant(config.device.deterministic):
                 warm_up_prefill(self.model, config.scheduler.max_num_batched_tokens, config.model.max_model_len,
                                 self.block_size, self.device)
+        # confidence scheduling prices drafts on the step-latency curve: the saved one, else measured now
+        self.step_latency_points: dict[int, float] = {}
+        if config.speculative.enabled and config.speculative.confidence_scheduling:
+            self.step_latency_points = self._step_latency_points(eager_only)
+
+    def _step_latency_points(self, eager_only: bool) -> dict[int, float]:
+        """The curve saved for this engine's fingerprint, or decode steps measured now (and saved); none for a
+        model that cannot run dummy batches (the engine then builds the curve from its real steps)."""
+        config = self.config
+        path = step_latency.cache_path(config)
+        saved = step_latency.StepLatencyCurve.load(path)
+        if saved is not None:
+            return saved.points
+        if eager_only:
+            return {}
+        counts = step_latency.decode_token_counts(config.scheduler.max_num_seqs,
+                                                  config.speculative.num_speculative_tokens,
+                                                  config.scheduler.max_num_batched_tokens)
+        with batch_invariant(config.device.deterministic):
+            points = measure_step_latency(self.model, counts, config.model.max_model_len, self.block_size,
+                                          self.device)
+        if path is not None:
+            step_latency.StepLatencyCurve(points).save(path)
+        return points
 
     @property
     def kv_bytes_per_token(self) -> int:
