@@ -43,5 +43,5 @@ def make_drafter(config: Any) -> Any:
     if spec.method == "mtp":
         from dsinfer.spec_decode.mtp import MTPDrafter
 
-        return MTPDrafter()
+        return MTPDrafter(spec.num_speculative_tokens)
     raise ValueError(f"speculative_config.method={spec.method!r}: no drafter for it yet")

@@ -78,3 +78,38 @@ def test_the_scheduler_verifies_the_prefix_the_confidence_scheduler_admits(curve
     out = scheduler.schedule()
     assert [item.draft_token_ids for item in out.scheduled] == expected
     assert [item.num_new_tokens for item in out.scheduled] == [1 + len(d) for d in expected]
+
+
+def test_an_over_confident_drafter_is_scaled_down_by_position():
+    from dsinfer.spec_decode.calibration import ScaledCalibrator
+
+    calibrator = ScaledCalibrator(2, prior_weight=1.0)
+    counts = calibrator.new_request()
+    for _ in range(30):  # says 0.9 at both positions; the first is kept half the time, the second never reached
+        calibrator.observe(counts, [0.9, 0.9], 2, 0)
+        calibrator.observe(counts, [0.9, 0.9], 2, 1)
+    first, second = calibrator.calibrated(counts, [0.9, 0.9])
+    assert first == pytest.approx(0.9 * (30 + 1) / (54 + 1), rel=0.05)  # kept 30 of 60 reached, predicted 54
+    assert second < 0.1  # reached 30 times, never kept
+    # a new request takes the drafter-wide factors: (kept + 1) / (predicted + 1), position 1 reached 30 times
+    # (predicted 27) and never kept; a position past the calibrated ones keeps its confidence
+    assert calibrator.calibrated(calibrator.new_request(), [0.9, 0.2, 0.7]) == pytest.approx(
+        [0.9 * 31 / 55, 0.2 / 28, 0.7])
+
+
+def test_mtp_drafts_carry_calibrated_confidence():
+    from dsinfer.core.plan import RequestSampling
+    from dsinfer.core.request import Request
+    from dsinfer.spec_decode.mtp import MTPDrafter
+
+    sampling = RequestSampling(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0)
+    request = Request("r", [1, 2, 3], params=None, seed=0, max_tokens=64, sampling=sampling)
+    drafter = MTPDrafter(2)
+    drafter.receive(request, [5, 6], [0.8, 0.8])
+    assert drafter.propose(request, 2).confidence == pytest.approx([0.8, 0.8])  # nothing observed yet
+    for _ in range(20):
+        drafter.observe(request, 2, 0)  # the first draft always rejected
+        drafter.receive(request, [5, 6], [0.8, 0.8])
+        drafter.propose(request, 2)
+    drafter.receive(request, [5, 6], [0.8, 0.8])
+    assert drafter.propose(request, 2).confidence[0] < 0.2
