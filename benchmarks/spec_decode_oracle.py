@@ -160,6 +160,8 @@ def engine(args: argparse.Namespace, spec: dict | None) -> LLM:
         kwargs["step_latency_dir"] = args.step_latency_dir
     if args.max_model_len:
         kwargs["max_model_len"] = args.max_model_len
+    if args.device == "cuda":  # two or three engines share the GPU: each a fixed KV budget, no prompt graphs
+        kwargs.update(kv_cache_memory_gb=args.kv_cache_memory_gb, max_prefill_graph_tokens=0)
     return LLM(**kwargs)
 
 
@@ -230,6 +232,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="timed runs per setting, alternating; the median kept")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=8.0, help="CUDA: each engine's KV cache")
     p.add_argument("--step-latency-dir", default=None, help="where the curve is kept (default: the cache dir)")
     p.add_argument("--json-out", type=Path, default=None)
     return p.parse_args(argv)
