@@ -152,6 +152,11 @@ def timed(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
 
 
 def engine(args: argparse.Namespace, spec: dict | None) -> LLM:
+    return LLM(**engine_kwargs(args, spec))
+
+
+def engine_kwargs(args: argparse.Namespace, spec: dict | None) -> dict:
+    """The LLM arguments of one engine of the run."""
     kwargs = dict(dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes),
                   speculative_config=spec)
     if args.model is not None:
@@ -162,7 +167,7 @@ def engine(args: argparse.Namespace, spec: dict | None) -> LLM:
         kwargs["max_model_len"] = args.max_model_len
     if args.device == "cuda":  # two or three engines share the GPU: each a fixed KV budget, no prompt graphs
         kwargs.update(kv_cache_memory_gb=args.kv_cache_memory_gb, max_prefill_graph_tokens=0)
-    return LLM(**kwargs)
+    return kwargs
 
 
 def set_rates(book: OracleBook, prompts: list[list[int]], rates: list[float]) -> None:

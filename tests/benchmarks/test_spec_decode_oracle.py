@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.spec_decode_oracle import OracleBook, OracleDrafter, install, main
+from benchmarks.spec_decode_oracle import OracleBook, OracleDrafter, engine_kwargs, install, main, parse_args
 from dsinfer import LLM
 from dsinfer.config import SpeculativeConfig
 from dsinfer.core.plan import RequestSampling
@@ -62,3 +62,14 @@ def test_both_parts_run_and_keep_greedy_outputs(tiny_llama_dir, tmp_path):
             assert all(row[name]["identical"] and row[name]["tok_s"] > 0 for name in names)
             assert row["on"]["num_draft_tokens"] > 0 and row["on"]["num_accepted_tokens"] > 0
     install(OracleBook(10))  # the benchmark's registration is repeatable
+
+
+def test_the_cuda_engines_take_a_fixed_kv_budget_and_valid_engine_args():
+    from dsinfer.engine.arg_utils import EngineArgs
+
+    args = parse_args(["--device", "cuda", "--dtype", "bfloat16", "--load-format", "dummy", "--model",
+                       "benchmarks/configs/llama-3.1-8b", "--part", "confidence", "--batch-sizes", "16", "64", "128"])
+    kwargs = engine_kwargs(args, {"method": "oracle", "num_speculative_tokens": 3, "confidence_scheduling": True})
+    assert kwargs["kv_cache_memory_gb"] == 8.0 and kwargs["max_num_seqs"] == 128
+    assert kwargs["max_prefill_graph_tokens"] == 0 and kwargs["load_format"] == "dummy"
+    EngineArgs(**kwargs)._validate()
