@@ -90,3 +90,17 @@ def test_the_fingerprint_follows_what_step_time_depends_on(tiny_llama_dir, tmp_p
     assert path(max_num_seqs=3) != path() and path(dtype="bfloat16") != path()
     assert step_latency.cache_path(LLM(str(tiny_llama_dir), num_kv_blocks=16, step_latency_dir="")
                                    .engine.config) is None
+
+
+def test_a_failed_measurement_leaves_the_curve_to_the_real_steps(tiny_llama_dir, tmp_path, monkeypatch):
+    from dsinfer.runner import model_runner
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no dummy batches here")
+
+    monkeypatch.setattr(model_runner, "measure_step_latency", fail)
+    llm = LLM(str(tiny_llama_dir), max_num_seqs=4, num_kv_blocks=64, step_latency_dir=str(tmp_path),
+              speculative_config=SPEC)
+    assert not llm.engine.step_latency.ready
+    llm.generate([{"prompt_token_ids": [5, 6, 5, 6, 5]}], use_tqdm=False)
+    assert llm.engine.step_latency.ready
