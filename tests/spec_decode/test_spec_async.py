@@ -76,3 +76,18 @@ def test_stops_inside_an_accepted_run_under_overlap(tiny_llama_dir, tmp_path, pl
     outs = overlapped.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == run(plain, prompts, params)
     assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+
+
+def test_a_worker_process_runs_drafts_ahead_under_overlap(tiny_llama_dir, tmp_path, plain):
+    """distributed_executor_backend="mp": the placeholder the drafts follow is filled in the worker process."""
+    prompts = repetitive_prompts(3, seed=6)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=4, max_num_seqs=8, dtype="float32",
+              async_scheduling=True, distributed_executor_backend="mp", speculative_config=SPEC)
+    try:
+        launches = spy_launches(llm)
+        assert run(llm, prompts, params) == run(plain, prompts, params)
+        assert (True, True) in launches
+        assert llm.engine.get_stats()["spec_decode"]["num_accepted_tokens"] > 0
+    finally:
+        llm.engine.shutdown()
