@@ -18,6 +18,11 @@
 #             latency.py (decode B=1/64/256 at 1k context vs the floor of the experts actually routed to, prefill);
 #             throughput.py (V2-Lite 512 x 1000 / 100 with HF on 32 prompts; V3 256 x 1000 / 100; two runs
 #             each, the faster kept: a fresh machine still JIT-compiles a few kernels in the first one)
+#   v4        DeepSeek-V4-Flash cut to 4 layers (benchmarks/configs/deepseek-v4-flash-4l: sliding, CSA, CSA, HCA at
+#             the real widths, 256 experts top-6, hash routing in the first) dummy bf16: latency.py decode B=1/64/256
+#             at 1k context in CUDA graphs vs the floor (weights of the experts routed to + window keys and the
+#             compressed entries a step reads), and a 1k-token prefill (eager) (~3 min)
+#   v4-16k    the same slice at 16k context, decode only (~3 min)
 #   ops       not in "all": the CPU-sized op tests (no `gpu` mark) on CUDA through their `device` fixture, which
 #             takes the GPU when there is one (session 7 found an FP8 tile that compiled only in the interpreter)
 #   profile   not in "all": profile_decode.py --replay (the kernels of the decode graph replays, per step) for
@@ -35,7 +40,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 for part in ${ONLY//,/ }; do
-    case $part in all|tests|kernels|llama|deepseek|ops|profile) ;; *) echo "unknown part: $part" >&2; exit 2 ;; esac
+    case $part in all|tests|kernels|llama|deepseek|v4|v4-16k|ops|profile) ;; *) echo "unknown part: $part" >&2; exit 2 ;; esac
 done
 want() { [[ ,$ONLY, == *,all,* || ,$ONLY, == *,$1,* ]]; }
 OUT=${OUT:-/tmp/dsinfer-gpu-check}
@@ -46,6 +51,7 @@ LLAMA=benchmarks/configs/llama-3.1-8b
 V2LITE=benchmarks/configs/deepseek-v2-lite
 V3=benchmarks/configs/deepseek-v3
 V3_5L='{"num_hidden_layers": 5, "first_k_dense_replace": 3, "num_nextn_predict_layers": 0}'
+V4_4L=benchmarks/configs/deepseek-v4-flash-4l
 DUMMY=(--device cuda --dtype bfloat16 --load-format dummy)
 # The device tool stops a command at 600 s: steps get what is left of GPU_CHECK_BUDGET_S, so the summary of the
 # steps that finished is always printed.
@@ -114,6 +120,15 @@ if want deepseek; then
     step throughput-v3 "$PY" benchmarks/throughput.py "${DUMMY[@]}" --model "$V3" --hf-overrides "$V3_5L" \
         --num-prompts 256 --input-len 1000 --output-len 100 --max-num-seqs 256 --max-num-batched-tokens 8192 \
         --gpu-memory-utilization 0.8 --repeat 2 --json-out "$OUT/throughput-v3.json"
+fi
+# V4's decode graphs gather max_model_len / rate entries a step: max_model_len just above the context
+if want v4; then
+    step latency-v4 "$PY" benchmarks/latency.py --model "$V4_4L" --batch-sizes 1 64 256 --context 1024 \
+        --max-model-len 1152 --prefill 1024 --steps 20 --idle-batch 0 --json-out "$OUT/latency-v4.json"
+fi
+if want v4-16k; then
+    step latency-v4-16k "$PY" benchmarks/latency.py --model "$V4_4L" --batch-sizes 1 64 256 --context 16384 \
+        --max-model-len 16512 --prefill --steps 10 --idle-batch 0 --json-out "$OUT/latency-v4-16k.json"
 fi
 if [[ ,$ONLY, == *,profile,* ]]; then
     for b in 1 256; do step "profile-llama-b$b" "$PY" benchmarks/profile_decode.py --replay --batch "$b" --top 20; done

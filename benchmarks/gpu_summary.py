@@ -3,11 +3,11 @@
     python benchmarks/gpu_summary.py OUT_DIR [SMI_CSV]
 
 Reads, where present, OUT_DIR/latency.json + throughput.json (Llama-3.1-8B), throughput-fp8kv.json (the same
-with an FP8 KV cache), latency-v2-lite.json +
-throughput-v2-lite.json (DeepSeek-V2-Lite) and latency-v3.json + throughput-v3.json (DeepSeek-V3 with fewer layers,
-FP8); a model whose files are missing (``--only``) is left out. SMI_CSV (``gpu_check.sh``'s nvidia-smi samples)
-adds a line on the clocks while the GPU was busy: a run at the power limit runs slower clocks, and its
-figures read against a floor measured by short, cooler runs.
+with an FP8 KV cache), latency-v2-lite.json + throughput-v2-lite.json (DeepSeek-V2-Lite), latency-v3.json +
+throughput-v3.json (DeepSeek-V3 with fewer layers, FP8) and latency-v4.json / latency-v4-16k.json (a 4-layer
+DeepSeek-V4-Flash slice at 1k and 16k context); a model whose files are missing (``--only``) is left out. SMI_CSV
+(``gpu_check.sh``'s nvidia-smi samples) adds a line on the clocks while the GPU was busy: a run at the power limit
+runs slower clocks, and its figures read against a floor measured by short, cooler runs.
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ MODELS = [
     Model("DeepSeek-V2-Lite bf16, dummy", "latency-v2-lite.json", "throughput-v2-lite.json",
           {1: 1.5, 64: 1.3, 256: 1.3}, None, 5.0, 3700.0, None, VLLM_V2_LITE),
     Model("DeepSeek-V3 FP8, dummy", "latency-v3.json", "throughput-v3.json"),
+    # the 4-layer V4-Flash slice: decode only (its throughput file is never written)
+    Model("DeepSeek-V4-Flash bf16, dummy", "latency-v4.json", "throughput-v4.json"),
+    Model("DeepSeek-V4-Flash bf16, dummy, 16k context", "latency-v4-16k.json", "throughput-v4-16k.json"),
 ]
 
 

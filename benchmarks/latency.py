@@ -4,6 +4,8 @@
                                  [--context 1024] [--prefill 512 2048 8x2048] [--idle-batch 256] [--json-out F]
     python benchmarks/latency.py --model benchmarks/configs/deepseek-v3 \\
         --hf-overrides '{"num_hidden_layers": 5, "first_k_dense_replace": 3, "num_nextn_predict_layers": 0}'
+    python benchmarks/latency.py --model benchmarks/configs/deepseek-v4-flash-4l --batch-sizes 1 64 256 \
+        --context 16384 --max-model-len 16512 --prefill --idle-batch 0
 
 Dummy weights at the config's real shapes (normal, std = initializer_range, like transformers' init, so MoE routing
 spreads over the experts), bf16 on CUDA; a config with an fp8 ``quantization_config`` gets real FP8 e4m3 weights
@@ -18,7 +20,10 @@ figure is printed beside its floor, from ceilings measured in the same run (``be
   it are read) and the MTP module; of the routed experts only the distinct experts the batch's router picked,
   counted per MoE layer from the router outputs of one real (eager) step of that batch, printed beside the
   expectation under uniform routing, E (1 - (1 - k/E)^B). KV: B x context x layers x (latent + rope dims, for
-  MLA) x bytes.
+  MLA) x bytes; DeepSeek-V4 (``v4_kv_read_bytes``): per layer its window's keys, and per compressed layer the
+  entries a query reads (HCA: all context / 128; CSA: the indexer's keys of all context / 4 and the top-512
+  entries it picks), from a 4-layer V4-Flash slice (``benchmarks/configs/deepseek-v4-flash-4l``: sliding, CSA,
+  CSA, HCA at the real widths).
 * prefill: one forward over the prompts (``LEN`` or ``NxLEN``), timed around the step. Floor: FLOPs (2 x matmul
   parameters each token multiplies x tokens, of the routed experts only top_k, + causal attention) / measured
   matmul rate (FP8 weights at the measured FP8 rate); ``of peak`` = floor / measured time.
@@ -111,14 +116,61 @@ def decode_weight_bytes(shape: WeightShape, batch: int, touched: list[float] | N
 
 
 def decode_floor_ms(shape: WeightShape, batch: int, context: int, kv_bytes_per_token: int, bandwidth: float,
-                    touched: list[float] | None = None) -> float:
-    """(weights touched + latent/KV bytes read) / bandwidth, in ms."""
-    kv = batch * context * kv_bytes_per_token
+                    touched: list[float] | None = None, kv_bytes_per_seq: float | None = None) -> float:
+    """(weights touched + latent/KV bytes read) / bandwidth, in ms; ``kv_bytes_per_seq``: what one sequence's
+    step reads of its cache, where that is not context x bytes per token (DeepSeek-V4)."""
+    kv = batch * (context * kv_bytes_per_token if kv_bytes_per_seq is None else kv_bytes_per_seq)
     return (decode_weight_bytes(shape, batch, touched) + kv) / bandwidth * 1e3
+
+
+def v4_kv_read_bytes(cfg: dict, context: int, itemsize: int) -> int:
+    """Cache bytes one DeepSeek-V4 decode step of one sequence with ``context`` tokens before it must read: every
+    layer its window's keys before the token (window - 1 of them); an HCA layer every entry (context // rate
+    x head_dim); a CSA layer its indexer's keys of every entry (context // rate x index_head_dim) and the
+    entries the indexer picks (min(index_topk, context // rate) x head_dim). The compressors' rings are read once
+    a window closes (every rate steps) and are left out."""
+    from dsinfer.models.deepseek_v4.config import CSA, HCA, V4Config
+
+    v4 = V4Config.of(cfg)
+    total = 0
+    for kind in v4.layer_types:
+        total += min(context, v4.sliding_window - 1) * v4.head_dim
+        entries = context // v4.compress_rates[kind] if kind in (CSA, HCA) else 0
+        if kind == HCA:
+            total += entries * v4.head_dim
+        elif kind == CSA:
+            total += entries * v4.index_head_dim + min(v4.index_topk, entries) * v4.head_dim
+    return total * itemsize
+
+
+def is_v4(cfg: dict) -> bool:
+    return cfg.get("architectures", [""])[0] == "DeepseekV4ForCausalLM"
+
+
+def v4_attention_flops(cfg: dict, num: int, length: int) -> float:
+    """Causal DeepSeek-V4 attention FLOPs of ``num`` prompts of ``length`` tokens: each query's window keys and
+    compressed entries (HCA: all it sees; CSA: the top-k, plus the indexer's scores of all it sees), QK^T and PV
+    over head_dim (K is V)."""
+    from dsinfer.models.deepseek_v4.config import CSA, HCA, V4Config
+
+    v4 = V4Config.of(cfg)
+    t = torch.arange(1, length + 1, dtype=torch.float64)  # tokens each query sees
+    flops = 0.0
+    for kind in v4.layer_types:
+        keys = t.clamp(max=v4.sliding_window)
+        if kind in (CSA, HCA):
+            seen = torch.div(t, v4.compress_rates[kind], rounding_mode="floor")
+            keys = keys + (seen.clamp(max=v4.index_topk) if kind == CSA else seen)
+            if kind == CSA:
+                flops += float(2 * v4.index_n_heads * v4.index_head_dim * seen.sum())
+        flops += float(2 * 2 * v4.head_dim * v4.num_heads * keys.sum())
+    return flops * num
 
 
 def attention_flops(cfg: dict, num: int, length: int) -> float:
     """Causal attention FLOPs of ``num`` prompts of ``length`` tokens (QK^T and PV; MLA with expanded K/V)."""
+    if is_v4(cfg):
+        return v4_attention_flops(cfg, num, length)
     heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
     if cfg.get("kv_lora_rank"):
         qk, v = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], cfg["v_head_dim"]
@@ -137,8 +189,38 @@ def prefill_floor_ms(shape: WeightShape, cfg: dict, num: int, length: int, matmu
     return seconds * 1e3, flops + fp8_flops
 
 
+def v4_weight_shape(model: torch.nn.Module) -> WeightShape:
+    """``weight_shape`` of a DeepSeek-V4 model: its routed experts (``V4Experts``) per MoE layer; every step reads
+    the rest but the embedding table and the hash-routing tables (B rows of each)."""
+    from dsinfer.layers.linear import Linear
+    from dsinfer.models.deepseek_v4.moe import V4Experts, V4Router
+
+    def nbytes(params) -> int:
+        return sum(p.numel() * p.element_size() for p in params)
+
+    experts = [m for m in model.layers.modules() if isinstance(m, V4Experts)]
+    routers = [m for m in model.layers.modules() if isinstance(m, V4Router)]
+    expert_params = {id(p) for m in experts for p in m.parameters()}
+    embed, tied = model.embed.weight, model.head.tied
+    always = [p for name, p in model.named_parameters() if id(p) not in expert_params
+              and (p is not embed or tied) and not name.endswith("tid2eid")]
+    per_expert = [nbytes(m.parameters()) // m.w13.shape[0] for m in experts]
+    top_k = routers[0].top_k if routers else 0
+    shape = WeightShape(always_bytes=nbytes(always), expert_bytes=per_expert,
+                        num_experts=experts[0].w13.shape[0] if experts else 0, top_k=top_k,
+                        lm_head_params=model.head.weight.numel())
+    for module in model.layers.modules():
+        if isinstance(module, (Linear, V4Router)):
+            shape.matmul_params += module.weight.numel()
+        elif isinstance(module, V4Experts):
+            shape.matmul_params += top_k * (module.w13.numel() + module.w2.numel()) // module.w13.shape[0]
+    return shape
+
+
 def weight_shape(model: torch.nn.Module) -> WeightShape:
     """Walk the model: bytes every step reads, bytes per routed expert, matmul parameters per token."""
+    if is_v4(model.cfg):
+        return v4_weight_shape(model)
     from dsinfer.layers.fp8_linear import Fp8BlockLinear
     from dsinfer.layers.linear import Linear
     from dsinfer.layers.moe import FusedExperts, Router
@@ -253,6 +335,10 @@ class Sequences:
         used = max(b.block_id for r in self.requests for b in r.blocks) + 1
         for layer in runner.model.attention_layers():
             cache = layer.kv_cache  # [2, blocks, ...] (K and V) or [blocks, block_size, latent + rope] (MLA)
+            if cache is None or isinstance(cache, list):  # DeepSeek-V4: paged entries, and rings in state slots
+                for part in [c[:used] for c in cache or []] + list((layer.state or {}).values()):
+                    part.normal_()
+                continue
             part = cache[:, :used] if cache.dim() == 5 else cache[:used]
             if part.element_size() == 1:  # an FP8 cache: no normal_ kernel; draw in bf16, one layer at a time
                 part.copy_(torch.randn(part.shape, dtype=torch.bfloat16, device=part.device))
@@ -266,13 +352,19 @@ class Sequences:
 
 def count_touched_experts(runner, sched) -> list[int]:
     """Distinct routed experts each MoE layer's router picks in one eager step of ``sched`` (the MTP module
-    excluded; the fused shared experts' columns, after the routed top-k, are not counted)."""
+    excluded; the fused shared experts' columns, after the routed top-k, are not counted; V4's hash-routed layers
+    counted like the others)."""
     from dsinfer.layers.moe import Router
+    from dsinfer.models.deepseek_v4.moe import V4Router
+
+    def top_k(module) -> int:
+        return module.top_k if isinstance(module, V4Router) else module.cfg.top_k
 
     counts: dict[str, int] = {}
     hooks = [module.register_forward_hook(
-        lambda m, _inputs, out, name=name: counts.__setitem__(name, int(out[1][:, :m.cfg.top_k].unique().numel())))
-        for name, module in runner.model.named_modules() if isinstance(module, Router) and not name.startswith("mtp.")]
+        lambda m, _inputs, out, name=name: counts.__setitem__(name, int(out[1][:, :top_k(m)].unique().numel())))
+        for name, module in runner.model.named_modules()
+        if isinstance(module, (Router, V4Router)) and not name.startswith("mtp.")]
     try:
         with runner.eager():  # hooks do not fire inside a graph replay
             runner.execute(sched)
@@ -301,8 +393,9 @@ def time_decode(llm, batch: int, context: int, steps: int, bandwidth: float, sha
     step_ms = min(pipelined_ms(runner, sched, steps) for _ in range(3))  # the first also warms pinned buffers
     touched = count_touched_experts(runner, sched) if shape.moe_layers else []
     seqs.free()
-    kv_bytes = batch * context * runner.kv_bytes_per_token
-    floor = decode_floor_ms(shape, batch, context, runner.kv_bytes_per_token, bandwidth, touched or None)
+    per_seq = kv_read_bytes(runner, context)
+    kv_bytes = batch * per_seq
+    floor = decode_floor_ms(shape, batch, context, runner.kv_bytes_per_token, bandwidth, touched or None, per_seq)
     row = dict(batch=batch, context=context, step_ms=step_ms,
                graph_ms=statistics.median(graph_ms) if graph_ms else None, floor_ms=floor,
                ratio=step_ms / floor, kv_gb=kv_bytes / 1e9,
@@ -311,8 +404,18 @@ def time_decode(llm, batch: int, context: int, steps: int, bandwidth: float, sha
         expected = expected_distinct_experts(shape.num_experts, shape.top_k, batch)
         row |= dict(experts_touched=statistics.mean(touched), experts_touched_min=min(touched),
                     experts_touched_max=max(touched), experts_expected=expected, num_experts=shape.num_experts,
-                    floor_expected_ms=decode_floor_ms(shape, batch, context, runner.kv_bytes_per_token, bandwidth))
+                    floor_expected_ms=decode_floor_ms(shape, batch, context, runner.kv_bytes_per_token, bandwidth,
+                                                      kv_bytes_per_seq=per_seq))
     return row
+
+
+def kv_read_bytes(runner, context: int) -> int:
+    """Cache bytes one sequence's decode step reads at ``context`` tokens."""
+    model = runner.model
+    if is_v4(model.cfg):
+        itemsize = model.attention_layers()[0].state["window"].element_size()
+        return v4_kv_read_bytes(model.cfg, context, itemsize)
+    return context * runner.kv_bytes_per_token
 
 
 def pipelined_ms(runner, sched, steps: int) -> float:

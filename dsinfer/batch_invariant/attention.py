@@ -47,7 +47,7 @@ def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tens
     return k, v
 
 
-def _attend(q, k, v, q_pos, lens, scale, sliding_window):
+def _attend(q, k, v, q_pos, lens, scale, sliding_window, sinks=None):
     """q [G, Q, Hq, D], k/v [G, L, Hkv, D] (L a multiple of CHUNK), q_pos [G, Q] -> [G, Q, Hq, D] (float32)."""
     g, nq, hq, d = q.shape
     length, hkv = k.shape[1], k.shape[2]
@@ -62,8 +62,13 @@ def _attend(q, k, v, q_pos, lens, scale, sliding_window):
         visible &= k_pos > q_pos.unsqueeze(-1) - sliding_window
     scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
     peak = scores.amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
+    if sinks is not None:  # the head's sink logit: in the max and, after the keys, in the denominator
+        sink = sinks.float().view(1, hq, 1, 1)
+        peak = torch.maximum(peak, sink)
     probs = torch.exp(scores - peak)  # [G, Hq, Q, L]
     denom = probs.cumsum(-1)[..., -1:]
+    if sinks is not None:
+        denom = denom + torch.exp(sink - peak)
     nc = length // CHUNK
     p_chunks = probs.view(g, hq, nq, nc, CHUNK).permute(0, 1, 3, 2, 4).reshape(g * hq * nc, nq, CHUNK)
     v_chunks = vh.reshape(g * hq * nc, CHUNK, d)
@@ -75,7 +80,7 @@ def _attend(q, k, v, q_pos, lens, scale, sliding_window):
 def paged_attention_invariant(
     q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-    kv_scales: tuple[float, float] = (1.0, 1.0),
+    kv_scales: tuple[float, float] = (1.0, 1.0), sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``ops.paged_attention``. An FP8 cache's key scale joins the softmax scale and its value
     scale multiplies the output: the same two constants for every row, so rows stay batch-invariant."""
@@ -85,7 +90,7 @@ def paged_attention_invariant(
         from dsinfer.batch_invariant.triton_kernels import paged_attention_invariant_triton
 
         return paged_attention_invariant_triton(q, kv_cache, block_tables, query_start_loc, seq_lens, scale,
-                                                sliding_window, v_scale)
+                                                sliding_window, v_scale, sinks)
     out = torch.empty_like(q)
     starts, q_lens, lens, decode = host_layout(query_start_loc, seq_lens)
     if decode:
@@ -95,7 +100,7 @@ def paged_attention_invariant(
         length = -(-max(lens[b] for b in decode) // CHUNK) * CHUNK
         k, v = _gather(kv_cache, block_tables[idx], seq_lens[idx], length)
         q_pos = (seq_lens[idx] - 1).long().unsqueeze(1)
-        res = _attend(qd, k, v, q_pos, seq_lens[idx], scale, sliding_window)
+        res = _attend(qd, k, v, q_pos, seq_lens[idx], scale, sliding_window, sinks)
         out[rows] = (res[:, 0] * v_scale).to(q.dtype)
     for b, n in enumerate(q_lens):
         if n <= 1:
@@ -107,6 +112,6 @@ def paged_attention_invariant(
             k, v = _gather(kv_cache, block_tables[b:b + 1], seq_lens[b:b + 1], length)
             q_pos = torch.arange(lens[b] - n + first, last_pos, device=q.device).unsqueeze(0)
             qs = q[starts[b] + first:starts[b] + first + rows].unsqueeze(0)
-            res = _attend(qs, k, v, q_pos, seq_lens[b:b + 1], scale, sliding_window)
+            res = _attend(qs, k, v, q_pos, seq_lens[b:b + 1], scale, sliding_window, sinks)
             out[starts[b] + first:starts[b] + first + rows] = (res[0] * v_scale).to(q.dtype)
     return out

@@ -43,39 +43,40 @@ def sort_topk(topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch
     return topk_weights.gather(1, perm), topk_ids
 
 
-def _pairs_torch(hidden, w13, w2, topk_weights, topk_ids):
+def _pairs_torch(hidden, w13, w2, topk_weights, topk_ids, swiglu_limit):
     order, sorted_out = expert_outputs_by_expert(hidden, w13, w2, topk_ids,
-                                                 linear=lambda x, w: mm_invariant(x, w.t()))
+                                                 linear=lambda x, w: mm_invariant(x, w.t()), swiglu_limit=swiglu_limit)
     out = torch.empty_like(sorted_out)
     out[order] = sorted_out
     return out.view(*topk_ids.shape, -1).float() * topk_weights.float().unsqueeze(-1)
 
 
-def _pairs_triton(hidden, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size):
+def _pairs_triton(hidden, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size, swiglu_limit):
     from dsinfer.ops.triton.moe_fused import expert_pair_outputs
 
     cfg = gemm_config(hidden.is_cuda)  # one fixed tile config for both GEMMs: row results independent of the batch
     down = expert_pair_outputs(hidden, w13, w2, topk_weights, topk_ids, cfg, cfg, w13_scale_inv=w13_scale_inv,
-                               w2_scale_inv=w2_scale_inv, block_size=block_size)
+                               w2_scale_inv=w2_scale_inv, block_size=block_size, swiglu_limit=swiglu_limit)
     return down.view(topk_ids.shape[0], topk_ids.shape[1], -1).float()
 
 
 def fused_moe_invariant(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     *, w13_scale_inv: torch.Tensor | None = None, w2_scale_inv: torch.Tensor | None = None,
-    block_size: tuple[int, int] | None = None, use_triton: bool = False,
+    block_size: tuple[int, int] | None = None, use_triton: bool = False, swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Same contract as ``ops.moe.fused_moe``; pairs summed in the order of ``topk_ids``' columns (expert-id
     order after ``sort_topk``)."""
     if hidden.shape[0] == 0:
         return torch.zeros_like(hidden)
     if use_triton:
-        pairs = _pairs_triton(hidden, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size)
+        pairs = _pairs_triton(hidden, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size,
+                              swiglu_limit)
     else:
         if w13.dtype == torch.float8_e4m3fn:
             w13 = block_dequantize(w13, w13_scale_inv, block_size, hidden.dtype)
             w2 = block_dequantize(w2, w2_scale_inv, block_size, hidden.dtype)
-        pairs = _pairs_torch(hidden, w13, w2, topk_weights, topk_ids)
+        pairs = _pairs_torch(hidden, w13, w2, topk_weights, topk_ids, swiglu_limit)
     total = pairs[:, 0]
     for j in range(1, pairs.shape[1]):
         total = total + pairs[:, j]

@@ -59,11 +59,11 @@ def matmul_invariant_triton(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _attention_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, sl_ptr, row_seq_ptr, out_ptr, scale, v_scale, window,
-                      num_seqs,
+def _attention_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, sl_ptr, row_seq_ptr, out_ptr, sinks_ptr, scale, v_scale,
+                      window, num_seqs,
                       sq_t, sq_h, skv_kv, skv_b, skv_s, skv_h, sbt, so_t, so_h,
                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      BN: tl.constexpr, BD: tl.constexpr, USE_WINDOW: tl.constexpr):
+                      BN: tl.constexpr, BD: tl.constexpr, USE_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     if t >= tl.load(qsl_ptr + num_seqs):
@@ -98,12 +98,18 @@ def _attention_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, sl_ptr, row_seq_ptr, out_p
         l_i = l_i * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m_i = m_new
+    if HAS_SINKS:  # the head's sink logit joins the denominator after the keys, in the same order everywhere
+        sink = tl.load(sinks_ptr + h).to(tl.float32)
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.exp(sink - m_new)
+        acc = acc * alpha
     out = acc / l_i * v_scale
     tl.store(out_ptr + t * so_t + h * so_h + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
 def paged_attention_invariant_triton(q, kv_cache, block_tables, query_start_loc, seq_lens, scale,
-                                     sliding_window=None, v_scale=1.0):
+                                     sliding_window=None, v_scale=1.0, sinks=None):
     """Same contract as ``ops.paged_attention`` (kv_cache [2, num_blocks, block_size, Hkv, D])."""
     num_tokens, hq, d = q.shape
     out = torch.empty_like(q)
@@ -117,10 +123,11 @@ def paged_attention_invariant_triton(q, kv_cache, block_tables, query_start_loc,
     row_seq = row_seq.clamp_max_(max(num_seqs - 1, 0)).to(torch.int32)
     _, _, block_size, hkv, _ = kv_cache.shape
     _attention_kernel[(num_tokens, hq)](
-        q, kv_cache, block_tables, query_start_loc, seq_lens, row_seq, out, scale, float(v_scale),
+        q, kv_cache, block_tables, query_start_loc, seq_lens, row_seq, out, q if sinks is None else sinks, scale,
+        float(v_scale),
         sliding_window or 0, num_seqs,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         HQ=hq, HKV=hkv, D=d, BLOCK_SIZE=block_size, BN=ATTN_BLOCK_N, BD=triton.next_power_of_2(d),
-        USE_WINDOW=sliding_window is not None)
+        USE_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None)
     return out

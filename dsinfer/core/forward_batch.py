@@ -29,6 +29,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [S] int64: token rows whose logits are computed
     max_query_len: int  # host-side, known when the batch is built
     max_seq_len: int
+    # KV cache groups after the first (``core.kv_cache_spec.kv_cache_groups``): each one's (block tables
+    # [B, max_blocks] int32, slot mapping [T] int64), read through ``kv_tables``; empty for one-group models
+    group_tables: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # [B] int64: each sequence's state slot (models whose layers keep per-sequence state: ``StateSlotSpec``)
     state_slots: torch.Tensor | None = None
     # this forward is captured into a CUDA graph or warms such a capture up: layers take the paths the capture
@@ -45,6 +48,12 @@ class ForwardBatch:
         if value is None:
             value = self.derived[key] = build()
         return value
+
+    def kv_tables(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables, slot mapping) of KV cache group ``group`` (0: ``block_tables``, ``slot_mapping``)."""
+        if group == 0:
+            return self.block_tables, self.slot_mapping
+        return self.group_tables[group - 1]
 
     @property
     def num_tokens(self) -> int:

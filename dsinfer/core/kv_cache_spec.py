@@ -1,7 +1,11 @@
 """KVCacheSpec: what one attention layer stores per token, hence the bytes of a block and the cache's shape.
 
-All layers share one block table (a block id indexes every layer's cache), so the block count is the KV budget
-divided by the sum of ``bytes_per_block`` over layers.
+Layers of one layout share one block table (a block id indexes every such layer's cache). A model whose layers
+keep different layouts (GPT-OSS: sliding-window and full layers) has one KV cache group per layout
+(``kv_cache_groups``): each group has its own block table, drawn from one pool, and a sliding group gives back
+the blocks that fell behind its window. The groups' layers share cache tensors (the k-th layer of every group
+uses one tensor; a block id belongs to one group at a time), so the block count is the KV budget divided by the
+sum of ``bytes_per_block`` over the largest group's worth of layers (``bytes_per_block`` of ``kv_cache_groups``).
 
 Layers that compress their context (DeepSeek-V4) page their compressed entries (``CompressedSpec``: a block of
 ``block_size`` tokens holds ``block_size / rate`` entries, so one block id covers the same tokens in every layer)
@@ -155,3 +159,45 @@ class StateSlotSpec:
 
 
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLASpec | CompressedSpec
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that keep one layout and so share a block table."""
+
+    sliding_window: int | None  # attention looks back this many tokens (None: the whole context)
+    layers: tuple[int, ...]  # indices into the spec list the group was made from, in order
+
+
+def _window(spec: KVCacheSpec) -> int | None:
+    return spec.sliding_window if isinstance(spec, SlidingWindowSpec) and spec.sliding_window else None
+
+
+def kv_cache_groups(specs: list[KVCacheSpec]) -> list[KVCacheGroup]:
+    """The layers split by layout: one group of the full-context layers (first), then one per sliding window
+    (ascending). One layout (Llama, DeepSeek, a Mistral with every layer sliding) is one group."""
+    by_window: dict[int | None, list[int]] = {}
+    for i, spec in enumerate(specs):
+        by_window.setdefault(_window(spec), []).append(i)
+    order = sorted(by_window, key=lambda w: -1 if w is None else w)
+    return [KVCacheGroup(w, tuple(by_window[w])) for w in order]
+
+
+def max_blocks_held(windows: tuple[int | None, ...], num_tokens: int, block_size: int, reach: int) -> int:
+    """Blocks a sequence of ``num_tokens`` holds at most over the groups of these ``windows``: all of its blocks
+    in a full group; in a sliding one its window plus ``reach`` (a prompt chunk and the drafts) and one more."""
+    full = -(-num_tokens // block_size)
+    return sum(full if w is None else min(full, -(-(w + reach) // block_size) + 1) for w in windows)
+
+
+def shares_tensors(specs: list[KVCacheSpec], groups: list[KVCacheGroup]) -> bool:
+    """The k-th layers of the groups can share one cache tensor: several groups, all of one cache shape."""
+    return len(groups) > 1 and len({(s.cache_shape(1), s.dtype) for s in specs if hasattr(s, "cache_shape")
+                                    }) == 1 and all(hasattr(s, "cache_shape") for s in specs)
+
+
+def bytes_per_block(specs: list[KVCacheSpec], groups: list[KVCacheGroup]) -> int:
+    """Bytes one block id costs over every layer's cache (shared tensors counted once)."""
+    if shares_tensors(specs, groups):
+        return max(len(g.layers) for g in groups) * specs[0].bytes_per_block
+    return sum(spec.bytes_per_block for spec in specs)

@@ -5,7 +5,8 @@ It lives on the engine's side only: the worker never sees a ``Request``, it gets
 - the engine creates it and appends sampled tokens (``append_token``), sets ``status`` on stops and aborts;
 - the scheduler moves ``num_computed_tokens`` and ``status`` (waiting / running / preempted), and
   ``num_tokens_sent`` (how many of ``all_token_ids`` the worker has been sent);
-- the KV cache manager owns ``blocks``, ``block_hashes`` and ``state_slot``.
+- the KV cache manager owns ``blocks``, ``group_blocks``, ``num_freed_blocks``, ``block_hashes`` and
+  ``state_slot``.
 Invariants: ``all_token_ids == prompt_token_ids + output_token_ids``;
 ``num_computed_tokens <= num_tokens + num_pending + len(draft_token_ids)``; ``num_tokens_sent <= num_tokens``.
 """
@@ -71,6 +72,10 @@ class Request:
     # per draft, its predicted acceptance given every draft before it is kept (confidence scheduling reads it)
     draft_confidence: list[float] = field(default_factory=list)
     blocks: list[Any] = field(default_factory=list)  # kvcache.KVCacheBlock, in token order (the manager's)
+    # KV cache groups after the first (models whose layers keep several layouts, e.g. GPT-OSS's sliding layers):
+    # one list per group, each as long as ``blocks``; a sliding group's entries behind its window are the null block
+    group_blocks: list[list[Any]] = field(default_factory=list)
+    num_freed_blocks: list[int] = field(default_factory=list)  # per group: leading entries given back (sliding)
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of the full blocks of all_token_ids
     state_slot: int = -1  # the per-sequence state slot it holds while running (-1: none; ``StateSlotSpec``)
     num_offered_blocks: int = 0  # blocks[:n] were offered to the prefix cache (each once; reset when freed)

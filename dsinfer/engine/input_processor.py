@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from dsinfer.config import EngineConfig
+from dsinfer.core.kv_cache_spec import max_blocks_held
 from dsinfer.core.plan import RequestSampling
 from dsinfer.core.request import Request
 from dsinfer.engine.detokenizer import IncrementalDetokenizer
@@ -44,8 +45,11 @@ def split_eos_ids(listed: list[int], tokenizer: Tokenizer | None) -> tuple[froze
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None, num_kv_blocks: int):
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None, num_kv_blocks: int,
+                 kv_group_windows: tuple[int | None, ...] = (None,)):
+        """``kv_group_windows``: the KV cache groups' sliding windows (None: full attention), as the KV manager."""
         self.config = config
+        self.kv_group_windows = kv_group_windows
         self.model_config = config.model
         self.tokenizer = tokenizer
         self.num_kv_blocks = num_kv_blocks
@@ -163,13 +167,20 @@ class InputProcessor:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         # a request that could never fit in the whole KV cache would wait forever
         block_size, usable = self.config.cache.block_size, self.num_kv_blocks - 1
-        needed = -(-(len(token_ids) + max_tokens - 1) // block_size)
+        needed = self._blocks_needed(len(token_ids) + max_tokens - 1)
         if needed > usable:
             asked = str(max_tokens) if params.max_tokens == max_tokens else f"{max_tokens}: the context's room"
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({asked}) needs {needed} "
                              f"KV blocks of {block_size} tokens; the KV cache has {usable} (raise "
                              "num_kv_blocks or kv_cache_memory_gb, or lower max_tokens)")
         return max_tokens
+
+
+    def _blocks_needed(self, num_tokens: int) -> int:
+        """Blocks a sequence of ``num_tokens`` holds at most: all of them in a full group, its window, a prompt
+        chunk, the drafts and one more in a sliding group (``kvcache.grouped_manager``)."""
+        reach = self.config.scheduler.max_num_batched_tokens + self.config.speculative.num_speculative_tokens
+        return max_blocks_held(self.kv_group_windows, num_tokens, self.config.cache.block_size, reach)
 
 
 def bad_word_token_ids(tokenizer: Any, words: list[str]) -> tuple[tuple[int, ...], ...]:

@@ -44,7 +44,7 @@ from dsinfer.engine.output_processor import ChildState, LogprobDecoder, ParentRe
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.sampling_params import SamplingParams
 from dsinfer.executor.base import Executor, StepResult
-from dsinfer.kvcache.manager import KVCacheManager
+from dsinfer.kvcache.grouped_manager import kv_cache_manager
 from dsinfer.scheduler.confidence import ConfidenceScheduler
 from dsinfer.scheduler.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from dsinfer.spec_decode import make_drafter
@@ -76,8 +76,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.executor = make_executor(config)
         num_blocks = self.executor.num_kv_blocks
-        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                         self.executor.num_state_slots)
+        self.kv_manager = kv_cache_manager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                           self.executor.num_state_slots, self.executor.kv_group_windows,
+                                           config.speculative.num_speculative_tokens)
         # confidence scheduling: the step-latency curve the scheduler prices drafts on (None: off)
         self.step_latency: step_latency.StepLatencyCurve | None = None
         confidence = None
@@ -87,7 +88,7 @@ class LLMEngine:
         self._curve_path = step_latency.cache_path(config) if self.step_latency is not None else None
         self._last_result_time = 0.0  # when the last step's result came back (a step's time starts no earlier)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.model.max_model_len, confidence)
-        self.inputs = InputProcessor(config, tokenizer, num_blocks)
+        self.inputs = InputProcessor(config, tokenizer, num_blocks, self.executor.kv_group_windows)
         self.eos_token_ids, self.extra_eos_token_ids = self.inputs.eos_token_ids, self.inputs.extra_eos_token_ids
         # proposes drafts for each running request (config.speculative.num_speculative_tokens at most a step);
         # None: the one of config.speculative (none when speculation is off)

@@ -14,6 +14,7 @@ class UniExecutor(Executor):
         self.runner = ModelRunner(config)
         self.num_kv_blocks = self.runner.num_blocks
         self.num_state_slots = self.runner.num_state_slots
+        self.kv_group_windows = self.runner.kv_group_windows
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
         self.step_latency_points = self.runner.step_latency_points
 

@@ -20,6 +20,8 @@ from dsinfer.kvcache.state_slots import StateSlotPool
 
 
 class KVCacheManager:
+    num_groups = 1  # KV cache groups (``kvcache.grouped_manager`` for models with more, or a sliding one)
+
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, num_state_slots: int = 0):
         """``num_state_slots``: per-sequence state slots the worker holds (0: the model keeps no such state)."""
         self.block_size = block_size

@@ -3,6 +3,7 @@
 The runner binds ``kv_cache`` (shaped by the layer's KVCacheSpec) after sizing the cache; the forward batch is
 passed explicitly. ``k_scale`` / ``v_scale`` are the layer's FP8 KV-cache scales (``ops.kv_cache``): 1.0, as in
 vLLM, unless the checkpoint carries them (``load_kv_scale``); a cache in the model's dtype ignores them.
+``sinks`` (GPT-OSS): a learned logit per query head that joins every row's softmax denominator (``ops.attention``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dsinfer.ops.rotary import RotaryAngles
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, sinks: bool = False):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads "
@@ -33,6 +34,8 @@ class Attention(nn.Module):
         self.scale, self.sliding_window = scale, sliding_window
         self.kv_cache: torch.Tensor | None = None
         self.k_scale, self.v_scale = 1.0, 1.0
+        self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None
+        self.kv_group = 0  # the KV cache group whose block table it reads (the runner sets it)
 
     def load_kv_scale(self, which: str, value: torch.Tensor) -> None:
         """A checkpoint's ``k_scale`` / ``v_scale`` (or ``kv_scale``, both): one positive finite number."""
@@ -70,20 +73,23 @@ class Attention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         scales = (self.k_scale, self.v_scale)
+        group = self.kv_group
+        block_tables, slot_mapping = batch.kv_tables(group)
         # what the torch path derives from the batch, shared by the layers of the step (built on first use only)
-        stored = batch.derive("stored_rows", lambda: StoredRows(batch.slot_mapping))
+        stored = batch.derive(("stored_rows", group), lambda: StoredRows(slot_mapping))
         if rotary is not None:
             angles = batch.derive(("rotary_angles", id(rotary.cos_sin_cache)),
                                   lambda: RotaryAngles(positions, rotary.cos_sin_cache))
             q = ops.rotary_store_kv(positions, q, k, v, rotary.cos_sin_cache, rotary.is_neox, self.kv_cache,
-                                    batch.slot_mapping, scales, angles, stored)
+                                    slot_mapping, scales, angles, stored)
         else:
-            ops.store_kv(k, v, self.kv_cache, batch.slot_mapping, scales, stored)
+            ops.store_kv(k, v, self.kv_cache, slot_mapping, scales, stored)
         block_size = self.kv_cache.shape[2]
-        plan = batch.derive(("attention_plan", self.sliding_window, block_size), lambda: AttentionPlan(
-            batch.block_tables, batch.query_start_loc, batch.seq_lens, self.sliding_window, block_size))
+        plan = batch.derive(("attention_plan", group, self.sliding_window, block_size), lambda: AttentionPlan(
+            block_tables, batch.query_start_loc, batch.seq_lens, self.sliding_window, block_size))
         # the batch's host-side bounds spare the kernels a host sync (and make decode capturable in a graph)
-        out = ops.paged_attention(q, self.kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+        out = ops.paged_attention(q, self.kv_cache, block_tables, batch.query_start_loc, batch.seq_lens,
                                   self.scale, self.sliding_window, max_query_len=batch.max_query_len,
-                                  max_seq_len=batch.max_seq_len, kv_scales=scales, plan=plan)
+                                  max_seq_len=batch.max_seq_len, kv_scales=scales, plan=plan,
+                                  sinks=self.sinks)
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -15,6 +15,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV3ForCausalLM": ("dsinfer.models.deepseek", "DeepseekV3ForCausalLM"),
     "DeepseekV32ForCausalLM": ("dsinfer.models.deepseek", "DeepseekV32ForCausalLM"),
     "DeepseekV4ForCausalLM": ("dsinfer.models.deepseek_v4", "DeepseekV4ForCausalLM"),
+    "GptOssForCausalLM": ("dsinfer.models.gpt_oss", "GptOssForCausalLM"),
 }
 
 

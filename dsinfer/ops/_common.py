@@ -83,16 +83,25 @@ def block_dequantize(
     return (weight.float() * scale).to(dtype)
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """``silu(gate) * up``; with ``limit`` the clamped SwiGLU of DeepSeek-V4: gate <= limit, -limit <= up <= limit."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
 def expert_outputs_by_expert(
     hidden: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk_ids: torch.Tensor,
     linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
+    swiglu_limit: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The T * k (token, expert) pairs sorted by expert (stable), and each pair's unweighted expert output in
     that order: (order [T * k], out [T * k, H]). Each active expert runs ``linear`` (x @ w.T) twice over its
-    contiguous slice of rows; the deterministic mode passes its row-invariant matmul."""
+    contiguous slice of rows; the deterministic mode passes its row-invariant matmul. ``swiglu_limit``: the
+    clamped SwiGLU (``swiglu``)."""
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
     order = flat_ids.argsort(stable=True)
@@ -105,7 +114,7 @@ def expert_outputs_by_expert(
             continue
         rows = slice(start, start + count)
         gate, up = linear(x[rows], w13[expert]).chunk(2, dim=-1)
-        out[rows] = linear(F.silu(gate) * up, w2[expert])
+        out[rows] = linear(swiglu(gate, up, swiglu_limit), w2[expert])
         start += count
     return order, out
 

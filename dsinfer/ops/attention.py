@@ -1,4 +1,4 @@
-"""Paged attention over a varlen batch (GQA, causal, optional sliding window).
+"""Paged attention over a varlen batch (GQA, causal, optional sliding window, optional attention sinks).
 
 The batch is flat: sequence b owns query rows ``query_start_loc[b]:query_start_loc[b+1]``; its context holds
 ``seq_lens[b]`` tokens, the last ``q_len`` of which are this step's queries (already stored in the cache), so
@@ -6,6 +6,8 @@ query i of sequence b sits at position ``seq_lens[b] - q_len + i`` and sees keys
 (and, with a window W, ``> position - W``). Keys and values are read from the paged cache through
 ``block_tables`` (``[B, max_blocks]``, row b lists sequence b's block ids; columns past its length are
 ignored). ``kv_scales`` are an FP8 cache's (key, value) scales (``ops.kv_cache``); other caches ignore them.
+``sinks`` ([Hq] float32, GPT-OSS): one learned logit per query head that joins the softmax's denominator and
+attends to nothing (``exp(sink)`` is added to the sum of ``exp(score)``; its value row is zero).
 """
 
 from __future__ import annotations
@@ -96,7 +98,27 @@ def _attend(q, k, v, mask, scale, causal: bool = False):
     return out.transpose(1, 2)
 
 
-def _attend_decode(q, k, v, mask, scale):
+def _attend_sinks(q, k, v, mask, scale, sinks):
+    """``_attend`` with a sink logit per query head in the denominator. q: [1, Q, Hq, D]; k/v: [1, S, Hkv, D]."""
+    nq, heads, length = q.shape[1], q.shape[2], k.shape[1]
+    rep = heads // k.shape[2]
+    kh, vh = k[0].repeat_interleave(rep, dim=1), v[0].repeat_interleave(rep, dim=1)  # [S, Hq, D]
+    scores = torch.einsum("qhd,khd->hqk", q[0], kh).float() * scale  # [Hq, Q, S]
+    if mask is None:  # plain causal over the whole context
+        q_pos = torch.arange(length - nq, length, device=q.device)
+        mask = _context_mask(q_pos, length, None).unsqueeze(0)
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = _softmax_with_sinks(scores, sinks.float().view(heads, 1, 1))
+    return torch.einsum("hqk,khd->qhd", probs.to(v.dtype), vh).unsqueeze(0)
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim with one more logit (``sinks``, broadcast to scores[..., :1]) that is dropped."""
+    combined = torch.cat([scores, sinks.expand(*scores.shape[:-1], 1)], dim=-1)
+    return combined.softmax(-1)[..., :-1]
+
+
+def _attend_decode(q, k, v, mask, scale, sinks=None):
     """One query per sequence as two batched matmuls. q: [B, Hq, D]; k/v: [B, S, Hkv, D]; mask: [B, 1, S] or None.
 
     On CPU this beats ``scaled_dot_product_attention`` for a single query row (1.3x in float32, 17x in bfloat16,
@@ -109,7 +131,10 @@ def _attend_decode(q, k, v, mask, scale):
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [B, Hkv, group, S]
     if mask is not None:
         scores.masked_fill_(~mask.unsqueeze(1), float("-inf"))
-    probs = scores.softmax(-1).to(v.dtype)
+    if sinks is None:
+        probs = scores.softmax(-1).to(v.dtype)
+    else:
+        probs = _softmax_with_sinks(scores, sinks.float().view(num_kv, num_heads // num_kv, 1)).to(v.dtype)
     return torch.matmul(probs, v.transpose(1, 2)).view(batch, num_heads, dim)  # [B, Hkv, group, D] -> [B, Hq, D]
 
 
@@ -126,6 +151,7 @@ def paged_attention_ref(
     max_seq_len: int | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
     plan: AttentionPlan | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]. Decode rows (one query) run as one padded batch; longer ones one by one.
 
@@ -144,12 +170,16 @@ def paged_attention_ref(
         kv = flat[:, plan.decode_slots]  # [2, Bd, L, Hkv, D]: keys and values in one gather
         k, v = dequantize(kv[0], kv_scales[0], q.dtype), dequantize(kv[1], kv_scales[1], q.dtype)
         if plan.all_decode:
-            return _attend_decode(q, k, v, plan.decode_mask, scale).to(q.dtype)
+            return _attend_decode(q, k, v, plan.decode_mask, scale, sinks).to(q.dtype)
         rows = plan.decode_rows
-        out[rows] = _attend_decode(q[rows], k, v, plan.decode_mask, scale).to(q.dtype)
+        out[rows] = _attend_decode(q[rows], k, v, plan.decode_mask, scale, sinks).to(q.dtype)
     for rows, slots, mask in plan.prefills:
         k, v = dequantize(flat[0][slots], kv_scales[0], q.dtype), dequantize(flat[1][slots], kv_scales[1], q.dtype)
-        out[rows] = _attend(q[rows].unsqueeze(0), k, v, mask, scale, causal=True).squeeze(0).to(q.dtype)
+        if sinks is None:
+            res = _attend(q[rows].unsqueeze(0), k, v, mask, scale, causal=True)
+        else:
+            res = _attend_sinks(q[rows].unsqueeze(0), k, v, mask, scale, sinks)
+        out[rows] = res.squeeze(0).to(q.dtype)
     return out
 
 
@@ -166,6 +196,7 @@ def paged_attention(
     max_seq_len: int | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
     plan: AttentionPlan | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``plan``: the step's ``AttentionPlan``, read by the torch path only (see ``paged_attention_ref``).
     ``max_query_len``: the longest query row, if the caller knows it (1 = decode-only batch: the split-KV
@@ -176,13 +207,13 @@ def paged_attention(
         from dsinfer.batch_invariant.attention import paged_attention_invariant
 
         return paged_attention_invariant(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
-                                         kv_scales)
+                                         kv_scales, sinks)
     if use_triton(q):
         from dsinfer.ops.triton.attention import paged_attention_triton
 
         return paged_attention_triton(
             q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
-            max_query_len=max_query_len, max_seq_len=max_seq_len, kv_scales=kv_scales, plan=plan,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, kv_scales=kv_scales, plan=plan, sinks=sinks,
         )
     return paged_attention_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
-                               kv_scales=kv_scales, plan=plan)
+                               kv_scales=kv_scales, plan=plan, sinks=sinks)

@@ -5,7 +5,10 @@ T * top_k (token, expert) pairs by expert, runs one gate/up and one down matmul 
 contiguous slice of rows, and scatters the weighted results back with ``index_add_``: no loop over tokens.
 
 Weight layout (stacked at load from the checkpoint's per-expert tensors):
-``w13 [E, 2I, H]`` = [gate_proj; up_proj] of each expert, ``w2 [E, H, I]`` = down_proj. Shared experts may be
+``w13 [E, 2I, H]`` = [gate_proj; up_proj] of each expert, ``w2 [E, H, I]`` = down_proj. ``swiglu_limit`` clamps the
+pre-activations as DeepSeek-V4 does (gate <= limit, |up| <= limit). ``static``: the torch path reads nothing on the
+host (``fused_moe_gathered_ref``: each pair's expert weights gathered; for decode steps and CUDA graphs). Shared
+experts may be
 stacked after the routed ones (``layers.moe.FusedExperts``): ``select_experts(..., num_shared=S)`` then appends
 their ids with weight 1.0 to every token's routed choice, so one grouped GEMM pair runs both.
 """
@@ -17,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from dsinfer import batch_invariant
-from dsinfer.ops._common import Routing, block_dequantize, expert_outputs_by_expert
+from dsinfer.ops._common import Routing, block_dequantize, expert_outputs_by_expert, swiglu
 from dsinfer.ops.dispatch import use_triton
 
 
@@ -144,12 +147,14 @@ def fused_moe_ref(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights/ids [T, k] -> sum_k w_k expert_k(x) [T, H].
 
-    SiLU-gated experts. Pairs are sorted by expert once; each active expert does two matmuls over its rows.
+    SiLU-gated experts (clamped with ``swiglu_limit``). Pairs are sorted by expert once; each active expert does
+    two matmuls over its rows (one host sync: the slice bounds).
     """
-    order, out_rows = expert_outputs_by_expert(hidden, w13, w2, topk_ids)
+    order, out_rows = expert_outputs_by_expert(hidden, w13, w2, topk_ids, swiglu_limit=swiglu_limit)
     token_of = order // topk_ids.shape[1]  # the token each sorted pair belongs to
     weighted = out_rows.float() * topk_weights.reshape(-1)[order].float().unsqueeze(-1)
     return torch.zeros_like(hidden).index_add_(0, token_of, weighted.to(hidden.dtype))
@@ -166,10 +171,13 @@ def fused_moe(
     w2_scale_inv: torch.Tensor | None = None,
     block_size: tuple[int, int] | None = None,
     addend: Callable[[], torch.Tensor] | None = None,
+    swiglu_limit: float | None = None,
+    static: bool = False,
 ) -> torch.Tensor:
-    """See ``fused_moe_ref``. FP8 experts (e4m3 ``w13``/``w2``) come with their block scales
-    (``[E, rows / bn, cols / bk]``) and ``block_size``; the Triton path multiplies them as FP8 (w8a8,
-    activations quantized per token and group of bk), the torch path dequantizes first.
+    """See ``fused_moe_ref``; ``static``: see the module doc (the Triton path never reads the host). FP8
+    experts (e4m3 ``w13``/``w2``) come with their block scales (``[E, rows / bn, cols / bk]``) and ``block_size``;
+    the Triton path multiplies them as FP8 (w8a8, activations quantized per token and group of bk), the torch
+    path dequantizes first.
 
     ``addend``: called once, after the expert GEMMs are issued and before their sum, for a [T, H] tensor added to
     the result (the shared experts, computed on a side stream meanwhile: ``runner.side_stream``). The Triton
@@ -178,15 +186,42 @@ def fused_moe(
         from dsinfer.batch_invariant.moe import fused_moe_invariant
 
         out = fused_moe_invariant(hidden, w13, w2, topk_weights, topk_ids, w13_scale_inv=w13_scale_inv,
-                                  w2_scale_inv=w2_scale_inv, block_size=block_size, use_triton=use_triton(hidden))
+                                  w2_scale_inv=w2_scale_inv, block_size=block_size, use_triton=use_triton(hidden),
+                                  swiglu_limit=swiglu_limit)
         return out if addend is None else out + addend()
     if use_triton(hidden):
         from dsinfer.ops.triton.moe_fused import fused_moe_triton
 
         return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, w13_scale_inv=w13_scale_inv,
-                                w2_scale_inv=w2_scale_inv, block_size=block_size, addend=addend)
+                                w2_scale_inv=w2_scale_inv, block_size=block_size, addend=addend,
+                                swiglu_limit=swiglu_limit)
     if w13.dtype == torch.float8_e4m3fn:
         w13 = block_dequantize(w13, w13_scale_inv, block_size, hidden.dtype)
         w2 = block_dequantize(w2, w2_scale_inv, block_size, hidden.dtype)
-    out = fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)
+    moe = fused_moe_gathered_ref if static else fused_moe_ref
+    out = moe(hidden, w13, w2, topk_weights, topk_ids, swiglu_limit)
     return out if addend is None else out + addend()
+
+
+def fused_moe_gathered_ref(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    swiglu_limit: float | None = None,
+) -> torch.Tensor:
+    """``fused_moe_ref`` with no host read and shapes that depend only on [T, k]: each (token, expert) pair
+    multiplies its own gathered expert weights (one batched matrix-vector product per pair, so a pair's result
+    does not depend on the other pairs), and a token's k outputs are summed in float32 in column order. It reads
+    T * k experts' weights: the path for decode-sized batches (``static``), not for prefill."""
+    num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    x = hidden.repeat_interleave(top_k, dim=0).unsqueeze(1)  # [P, 1, H]
+    gate, up = torch.bmm(x, w13[flat].transpose(1, 2)).chunk(2, dim=-1)  # [P, 1, I] each
+    down = torch.bmm(swiglu(gate, up, swiglu_limit), w2[flat].transpose(1, 2)).squeeze(1)  # [P, H]
+    weighted = down.float().view(num_tokens, top_k, -1) * topk_weights.float().unsqueeze(-1)
+    total = weighted[:, 0]
+    for j in range(1, top_k):
+        total = total + weighted[:, j]
+    return total.to(hidden.dtype)

@@ -7,7 +7,10 @@ eagerly. A graph covers the model forward and the logits of every row; sampling 
 sampler needs no host sync either). Its inputs are persistent device buffers sized for the largest graph, filled
 each step from one non-blocking copy of the packed host arrays (``to_device_packed``). Padding rows get slot -1
 (nothing stored), seq_len 0 and an empty query (``query_start_loc`` repeats ``n``), so attention skips them;
-their logits are never read.
+their logits are never read. A model whose layers keep per-sequence state (DeepSeek-V4's rings, ``StateSlotSpec``)
+also gets each sequence's state slot through a buffer (``state_slots``; padding rows -1: they read clamped slots
+and write nothing); the slots' state itself lives in the layers' own persistent tensors, which the graph reads and
+writes in place.
 
 Attention in a graph reads nothing on the host: ``max_query_len`` is the graph's ``q`` and ``max_seq_len`` is a
 fixed bound (``max_model_len``), which fixes the decode kernel's split count per graph.
@@ -33,7 +36,9 @@ CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 32
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, max_seq_len: int,
-                 device: torch.device, sizes: tuple[int, ...] = CAPTURE_SIZES, tokens_per_seq: tuple[int, ...] = (1,)):
+                 device: torch.device, sizes: tuple[int, ...] = CAPTURE_SIZES, tokens_per_seq: tuple[int, ...] = (1,),
+                 state_slots: bool = False):
+        """``state_slots``: the model reads ``ForwardBatch.state_slots`` (a graph input like the others)."""
         self.model = model
         self.sizes = [s for s in sizes if s <= max_num_seqs] or [max_num_seqs]
         self.tokens_per_seq = tokens_per_seq
@@ -45,6 +50,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(n + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.state_slots = torch.full((n,), -1, dtype=torch.int64, device=device) if state_slots else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (size, tokens per sequence) -> graph
         self.logits: dict[tuple[int, int], torch.Tensor] = {}  # graph outputs, [size x q, vocab], model dtype
 
@@ -64,6 +70,7 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:t], block_tables=self.block_tables[:size],
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
             logits_indices=self.positions[:0], max_query_len=q, max_seq_len=self.max_seq_len,
+            state_slots=None if self.state_slots is None else self.state_slots[:size],
             graphed=True,  # captured, or the warm-up before a capture: the graphs' paths (layers.streams)
         )
 
@@ -81,6 +88,8 @@ class DecodeGraphs:
         self.slot_mapping.fill_(-1)
         self.query_start_loc.zero_()
         self.seq_lens.zero_()
+        if self.state_slots is not None:
+            self.state_slots.fill_(-1)
         for q in tokens_per_seq or self.tokens_per_seq:
             try:
                 for size in reversed(self.sizes):
@@ -103,16 +112,22 @@ class DecodeGraphs:
         n = len(host.seq_lens)
         pad, t = size - n, size * q
         pad_tokens = t - len(host.input_ids)
-        ids, positions, slots, seq_lens, qsl, tables = to_device_packed(
-            [np.pad(host.input_ids, (0, pad_tokens)), np.pad(host.positions, (0, pad_tokens)),
-             np.pad(host.slot_mapping, (0, pad_tokens), constant_values=-1), np.pad(host.seq_lens, (0, pad)),
-             np.pad(host.query_start_loc, (0, pad), mode="edge"), host.block_tables], self.input_ids.device)
+        arrays = [np.pad(host.input_ids, (0, pad_tokens)), np.pad(host.positions, (0, pad_tokens)),
+                  np.pad(host.slot_mapping, (0, pad_tokens), constant_values=-1), np.pad(host.seq_lens, (0, pad)),
+                  np.pad(host.query_start_loc, (0, pad), mode="edge"), host.block_tables]
+        if self.state_slots is not None:
+            if host.state_slots is None:
+                raise ValueError("this model's decode graphs read state slots, but the step's inputs carry none")
+            arrays.append(np.pad(host.state_slots, (0, pad), constant_values=-1))
+        ids, positions, slots, seq_lens, qsl, tables, *state = to_device_packed(arrays, self.input_ids.device)
         self.input_ids[:t].copy_(ids)
         self.positions[:t].copy_(positions)
         self.slot_mapping[:t].copy_(slots)
         self.seq_lens[:size].copy_(seq_lens)
         self.query_start_loc[:size + 1].copy_(qsl)
         self.block_tables[:n, :tables.shape[1]].copy_(tables)
+        if state:
+            self.state_slots[:size].copy_(state[0])
 
     def replay(self, size: int, q: int = 1) -> torch.Tensor:
         """Run the graph of (`size`, `q`) on the loaded inputs; returns its logits buffer [size x q, vocab]."""

@@ -59,6 +59,7 @@ class HostInputs:
     block_tables: np.ndarray  # [B, max_blocks] int32
     query_start_loc: np.ndarray  # [B + 1] int32
     seq_lens: np.ndarray  # [B] int32
+    state_slots: np.ndarray | None = None  # [B] int64: each sequence's state slot (models with per-sequence state)
 
 
 @dataclass
@@ -146,12 +147,7 @@ def build_step_inputs(states: list[RequestState], plan: StepPlan, block_size: in
     input_ids, placeholder_rows, placeholder_requests, samples = _step_tokens(states, plan, num_tokens)
     row = np.repeat(np.arange(len(states)), q_lens)
     positions = np.arange(num_tokens) - cu[:-1][row] + starts[row]
-    # every request's block ids in one conversion, placed row by row through a mask (row-major, as they come)
-    num_blocks = np.fromiter((len(s.block_ids[0]) for s in states), dtype=np.int64, count=len(states))
-    tables = np.zeros((len(states), int(num_blocks.max())), dtype=np.int32)
-    tables[np.arange(tables.shape[1]) < num_blocks[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(s.block_ids[0] for s in states), dtype=np.int32, count=int(num_blocks.sum()))
-    slots = tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    tables, slots = _block_tables(states, 0, row, positions, block_size)
 
     prompt_rows, logits_rows = _prompt_logprob_rows(states, cu)
     sample_rows: list[SampleRow] = []
@@ -159,20 +155,39 @@ def build_step_inputs(states: list[RequestState], plan: StepPlan, block_size: in
         logits_rows.extend(range(int(cu[i + 1]) - len(rows), int(cu[i + 1])))
         sample_rows.extend(rows)
     seq_lens = (starts + q_lens).astype(np.int32)
-    host = HostInputs(input_ids, positions, slots, tables, cu.astype(np.int32), seq_lens)
+    state_slots = np.fromiter((s.state_slot for s in states), dtype=np.int64, count=len(states))
+    has_slots = bool(state_slots.size and state_slots[0] >= 0)
+    host = HostInputs(input_ids, positions, slots, tables, cu.astype(np.int32), seq_lens,
+                      state_slots if has_slots else None)
 
     num_prompt_rows = len(logits_rows) - len(sample_rows)
-    state_slots = np.fromiter((s.state_slot for s in states), dtype=np.int64, count=len(states))
-    ids_d, pos_d, slots_d, tables_d, qsl_d, lens_d, logits_d, sample_d, state_d = to_device_packed(
+    # KV cache groups after the first (GPT-OSS's sliding layers): their tables and slots, in the same copy
+    groups = [a for g in range(1, len(states[0].block_ids)) for a in _block_tables(states, g, row, positions,
+                                                                                   block_size)]
+    ids_d, pos_d, slots_d, tables_d, qsl_d, lens_d, logits_d, sample_d, state_d, *groups_d = to_device_packed(
         [input_ids, positions, slots, tables, host.query_start_loc, seq_lens, np.asarray(logits_rows, np.int64),
-         np.arange(num_prompt_rows, len(logits_rows), dtype=np.int64), state_slots], device)
+         np.arange(num_prompt_rows, len(logits_rows), dtype=np.int64), state_slots, *groups], device)
     batch = ForwardBatch(
         input_ids=ids_d, positions=pos_d, slot_mapping=slots_d, block_tables=tables_d, query_start_loc=qsl_d,
         seq_lens=lens_d, logits_indices=logits_d, max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()),
-        state_slots=state_d if state_slots.size and state_slots[0] >= 0 else None,
+        state_slots=state_d if has_slots else None,
+        group_tables=list(zip(groups_d[0::2], groups_d[1::2])),
     )
     return StepInputs(batch, sample_rows, sample_d, prompt_rows, host, placeholder_rows, placeholder_requests,
                       states)
+
+
+def _block_tables(states: list[RequestState], group: int, row: np.ndarray, positions: np.ndarray,
+                  block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """KV cache group ``group``'s block tables [B, max_blocks] int32 (every request's block ids in one conversion,
+    placed row by row through a mask: row-major, as they come) and the step's slot mapping [T] int64."""
+    num_blocks = np.fromiter((len(s.block_ids[group]) for s in states), dtype=np.int64, count=len(states))
+    tables = np.zeros((len(states), int(num_blocks.max())), dtype=np.int32)
+    tables[np.arange(tables.shape[1]) < num_blocks[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(s.block_ids[group] for s in states), dtype=np.int32,
+        count=int(num_blocks.sum()))
+    slots = tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return tables, slots
 
 
 def _prompt_logprob_rows(states: list[RequestState], cu: np.ndarray) -> tuple[list[PromptLogprobRows], list[int]]:

@@ -29,12 +29,20 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
+from torch import nn
 
 from dsinfer import envs
 from dsinfer.batch_invariant import batch_invariant
 from dsinfer.config import EngineConfig
 from dsinfer.core import step_latency
-from dsinfer.core.kv_cache_spec import KVCacheSpec, StateSlotSpec
+from dsinfer.core.kv_cache_spec import (
+    KVCacheSpec,
+    StateSlotSpec,
+    bytes_per_block,
+    kv_cache_groups,
+    max_blocks_held,
+    shares_tensors,
+)
 from dsinfer.core.outputs import RunnerOutput, TokenLogprobs
 from dsinfer.core.plan import StepPlan
 from dsinfer.models.loader.model_loader import _default_dtype_and_device, load_model
@@ -127,16 +135,20 @@ class ModelRunner:
         # a layer may page nothing (None: DeepSeek-V4's sliding layers) and keep per-sequence state (``state_spec``)
         specs = [layer.kv_cache_spec(self.block_size, cache_dtype) for layer in layers]
         self.kv_specs: list[KVCacheSpec] = [spec for spec in specs if spec is not None]
+        # one block table per layout (GPT-OSS: full and sliding layers); one group for most models
+        self.kv_groups = kv_cache_groups(self.kv_specs)
+        self.kv_group_windows = tuple(group.sliding_window for group in self.kv_groups)
         max_drafts = config.speculative.num_speculative_tokens
         self.state_specs: list[StateSlotSpec] = [layer.state_spec(max_drafts, cache_dtype) for layer in layers
                                                  if hasattr(layer, "state_spec")]
         # every running request holds one slot: as many as the scheduler runs at once
         self.num_state_slots = config.scheduler.max_num_seqs if self.state_specs else 0
         self.num_blocks = self._num_kv_blocks()
-        for layer, spec in zip(layers, specs):
-            layer.kv_cache = None if spec is None else spec.allocate(self.num_blocks, self.device)
+        for layer in layers:
+            layer.kv_cache = None
             if hasattr(layer, "state_spec"):
                 layer.state = layer.state_spec(max_drafts, cache_dtype).allocate(self.num_state_slots, self.device)
+        self._allocate_kv_caches([layer for layer, spec in zip(layers, specs) if spec is not None])
         self.sampler = Sampler()
         self.requests = RequestTable()
         # the last launched step's sampled tokens (device) and each request's row in them: async scheduling
@@ -146,9 +158,10 @@ class ModelRunner:
         self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] | None = None  # benchmarks
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
-        # a model whose forward reads its batch on the host (DeepSeek-V4's torch path) is neither captured nor
-        # warmed up with dummy batches (those carry no state slots)
-        eager_only = getattr(self.model, "eager_only", False) or self.mtp is not None
+        deterministic = config.device.deterministic
+        eager_only, prompt_graphs = graph_modes(self.model, deterministic, self.mtp is not None)
+        # several KV cache groups: the graphs' static inputs hold one block table
+        eager_only = eager_only or len(self.kv_groups) > 1
         if self.device.type == "cuda" and not config.device.enforce_eager and not eager_only:
             max_len = config.model.max_model_len
             # steps that verify k drafts get graphs of 1 + k tokens a sequence where the model's attention can be
@@ -156,29 +169,30 @@ class ModelRunner:
             k = config.speculative.num_speculative_tokens
             multi = (1 + k,) if k and getattr(self.model, "multi_token_decode_graphs", False) else ()
             self.graphs = DecodeGraphs(self.model, config.scheduler.max_num_seqs, -(-max_len // self.block_size),
-                                       max_len, self.device, tokens_per_seq=(1, *multi))
+                                       max_len, self.device, tokens_per_seq=(1, *multi),
+                                       state_slots=bool(self.state_specs))
             # one graph runs at a time, so all share one memory pool, captured on one stream (the allocator reuses
             # a pool's free memory on the stream that freed it)
             pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
-            with batch_invariant(config.device.deterministic):  # capture the kernels the eager steps run
+            with batch_invariant(deterministic):  # capture the kernels the eager steps run
                 self.graphs.capture(pool, stream, (1,))
                 max_tokens = min(config.device.max_prefill_graph_tokens, config.scheduler.max_num_batched_tokens)
-                if max_tokens > 0:
+                if max_tokens > 0 and prompt_graphs:
                     self.prefill_graphs = PrefillGraphs(self.model, max_tokens, max_len, self.block_size,
                                                         self.device)
                     self.prefill_graphs.capture(pool, stream)
                 if multi:  # last: a capture that fails leaves the pool unusable for the captures after it
                     self.graphs.capture(pool, stream, multi)
-        if self.device.type == "cuda" and not eager_only:
-            with batch_invariant(config.device.deterministic):
+        if self.device.type == "cuda" and not eager_only and prompt_graphs:
+            with batch_invariant(deterministic):
                 warm_up_prefill(self.model, config.scheduler.max_num_batched_tokens, config.model.max_model_len,
                                 self.block_size, self.device)
         # confidence scheduling prices drafts on the step-latency curve: the saved one, else measured now
         self.step_latency_points: dict[int, float] = {}
         if config.speculative.enabled and config.speculative.confidence_scheduling:
-            self.step_latency_points = self._step_latency_points(eager_only)
+            self.step_latency_points = self._step_latency_points(eager_only or not prompt_graphs)
 
-    def _step_latency_points(self, eager_only: bool) -> dict[int, float]:
+    def _step_latency_points(self, no_dummy_batches: bool) -> dict[int, float]:
         """The curve saved for this engine's fingerprint, or decode steps measured now (and saved); none for a
         model that cannot run dummy batches (the engine then builds the curve from its real steps)."""
         config = self.config
@@ -186,7 +200,7 @@ class ModelRunner:
         saved = step_latency.StepLatencyCurve.load(path)
         if saved is not None:
             return saved.points
-        if eager_only:
+        if no_dummy_batches:
             return {}
         counts = step_latency.decode_token_counts(config.scheduler.max_num_seqs,
                                                   config.speculative.num_speculative_tokens,
@@ -203,14 +217,37 @@ class ModelRunner:
             step_latency.StepLatencyCurve(points).save(path)
         return points
 
+    def _allocate_kv_caches(self, paged_layers: list) -> None:
+        """Each paged layer's cache; with several groups, the k-th layer of every group shares one tensor (a
+        block id belongs to one group at a time), and each layer learns its group (``kv_group``)."""
+        if not shares_tensors(self.kv_specs, self.kv_groups):
+            for layer, spec in zip(paged_layers, self.kv_specs):
+                layer.kv_cache = spec.allocate(self.num_blocks, self.device)
+        else:
+            tensors = [self.kv_specs[0].allocate(self.num_blocks, self.device)
+                       for _ in range(max(len(group.layers) for group in self.kv_groups))]
+            for group in self.kv_groups:
+                for k, i in enumerate(group.layers):
+                    paged_layers[i].kv_cache = tensors[k]
+        if len(self.kv_groups) > 1:
+            for g, group in enumerate(self.kv_groups):
+                for i in group.layers:
+                    paged_layers[i].kv_group = g
+
     @property
     def kv_bytes_per_token(self) -> int:
-        return sum(spec.bytes_per_block for spec in self.kv_specs) // self.block_size
+        return bytes_per_block(self.kv_specs, self.kv_groups) // self.block_size
+
+    def _blocks_per_seq(self) -> int:
+        """Blocks a max_model_len sequence holds at most: every block in a full group, the window (plus the
+        drafts and a prompt chunk) in a sliding one."""
+        reach = self.config.scheduler.max_num_batched_tokens + self.config.speculative.num_speculative_tokens
+        return max_blocks_held(self.kv_group_windows, self.config.model.max_model_len, self.block_size, reach)
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
-        per_block = sum(spec.bytes_per_block for spec in self.kv_specs)
-        blocks_per_seq = -(-self.config.model.max_model_len // self.block_size)
+        per_block = bytes_per_block(self.kv_specs, self.kv_groups)
+        blocks_per_seq = self._blocks_per_seq()
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         state_bytes = self.num_state_slots * sum(spec.bytes_per_slot for spec in self.state_specs)
@@ -357,6 +394,17 @@ class ModelRunner:
             copies["logprobs"] = _to_host(result.logprobs)
             copies["ranks"] = _to_host(result.sampled_ranks)
         return result.token_ids
+
+
+def graph_modes(model: nn.Module, deterministic: bool, mtp: bool) -> tuple[bool, bool]:
+    """(eager only, prompt graphs) from the model's class flags: ``eager_only`` (its forward reads its batch on
+    the host: no graph, no warm-up on dummy batches; so with an MTP drafter, whose layer is not captured),
+    ``eager_when_deterministic`` (so in the deterministic mode), ``prompt_graphs`` (False: prompt steps run
+    eagerly, without piecewise graphs or a dummy-batch warm-up). ``multi_token_decode_graphs`` is read where the
+    decode graphs are sized."""
+    eager_only = (getattr(model, "eager_only", False) or mtp
+                  or (deterministic and getattr(model, "eager_when_deterministic", False)))
+    return eager_only, getattr(model, "prompt_graphs", True)
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

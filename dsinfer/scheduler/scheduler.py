@@ -89,7 +89,7 @@ class Scheduler:
         self.by_priority = config.policy == "priority"
         self._arrivals = itertools.count()  # the tie-break among equal priorities: the order requests came in
         self._arrival: dict[int, int] = {}  # id(request) -> its arrival number (priority policy)
-        self._plans = PlanWriter()
+        self._plans = PlanWriter(kv_manager.num_groups)
 
     @property
     def num_unfinished(self) -> int:
@@ -265,8 +265,10 @@ class PlanWriter:
     """Writes each step's ``StepPlan``: remembers what the worker was sent of every request (its tokens in
     ``request.num_tokens_sent``, its blocks here) so a plan carries a request's data once, then only the change."""
 
-    def __init__(self) -> None:
-        self._blocks_sent: dict[str, int] = {}  # request id -> blocks the worker holds for it
+    def __init__(self, num_groups: int = 1) -> None:
+        """``num_groups``: KV cache groups; every group's block list of a request is as long as its ``blocks``."""
+        self.num_groups = num_groups
+        self._blocks_sent: dict[str, int] = {}  # request id -> blocks the worker holds for it (in every group)
         self._finished: list[str] = []  # worker entries to drop with the next plan
         self._preempted: list[str] = []
 
@@ -274,6 +276,9 @@ class PlanWriter:
         plan = StepPlan(finished_req_ids=self._finished, preempted_req_ids=self._preempted)
         self._finished, self._preempted = [], []
         cached = plan.cached_requests  # one KV cache group: its columns filled directly (``append`` is per row)
+        if self.num_groups > 1:
+            cached.new_block_ids = [[] for _ in range(self.num_groups)]
+            cached.num_kept_blocks = [[] for _ in range(self.num_groups)]
         new_block_ids, num_kept_blocks = cached.new_block_ids[0], cached.num_kept_blocks[0]
         for item in scheduled:
             request = item.request
@@ -281,8 +286,13 @@ class PlanWriter:
             if request.num_tokens_sent == 0:
                 plan.new_requests.append(NewRequestData(
                     request.request_id, list(request.all_token_ids), request.num_prompt_tokens, request.sampling,
-                    [[block.block_id for block in blocks]], item.num_computed_tokens,
-                    max(len(request.prompt_logprobs) - 1, 0), request.state_slot))
+                    [[block.block_id for block in group] for group in (blocks, *request.group_blocks)],
+                    item.num_computed_tokens, max(len(request.prompt_logprobs) - 1, 0), request.state_slot))
+            elif self.num_groups > 1:
+                kept = min(self._blocks_sent[request.request_id], len(blocks))
+                cached.append(request.request_id, request.all_token_ids[request.num_tokens_sent:],
+                              [[b.block_id for b in group[kept:]] for group in (blocks, *request.group_blocks)],
+                              [kept] * self.num_groups, item.num_computed_tokens)
             else:  # only the change: a decode step's costs no walk over the request's blocks
                 kept = min(self._blocks_sent[request.request_id], len(blocks))
                 cached.request_ids.append(request.request_id)

@@ -166,3 +166,46 @@ def test_hf_copy_handles_per_expert_checkpoint_layout(tmp_path):
     assert torch.equal(state["model.layers.1.mlp.experts.5.gate_proj.weight"], experts.w13[5, :inter])
     assert torch.equal(state["model.layers.1.mlp.experts.5.up_proj.weight"], experts.w13[5, inter:])
     assert torch.equal(state["model.layers.1.mlp.experts.7.down_proj.weight"], experts.w2[7])
+
+
+def test_v4_flash_slice_floor_counts_the_window_and_the_compressed_entries_read():
+    """The 4-layer V4-Flash slice (sliding, CSA, CSA, HCA; window 128, rates 4 / 128, top-512, bf16): a decode step
+    reads 127 window keys a layer, HCA every entry, CSA the indexer's key of every entry and 512 entries once
+    there are that many."""
+    model, cfg = meta_model("deepseek-v4-flash-4l")
+    window = 127 * 512
+    at_1k = 4 * window + 2 * (256 * 128 + 256 * 512) + 8 * 512
+    assert latency.v4_kv_read_bytes(cfg, 1024, 2) == 2 * at_1k
+    at_16k = 4 * window + 2 * (4096 * 128 + 512 * 512) + 128 * 512
+    assert latency.v4_kv_read_bytes(cfg, 16384, 2) == 2 * at_16k
+    shape = latency.weight_shape(model)
+    h, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    assert shape.expert_bytes == [2 * 3 * h * inter] * 4 and (shape.num_experts, shape.top_k) == (256, 6)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    skipped = model.embed.weight.numel() * 2 + sum(m.ffn.gate.tid2eid.numel() * 8 for m in model.layers[:1])
+    assert shape.always_bytes == total - 4 * 256 * 2 * 3 * h * inter - skipped
+    assert shape.matmul_params > 4 * 6 * 3 * h * inter  # the routed top-6, the shared expert, attention
+    # prefill: far below dense causal attention over 1k tokens (window 128, 1/4 and 1/128 of the entries)
+    dense = 2 * 2 * 512 * 64 * 4 * 1024 * 1025 / 2
+    assert 0.1 * dense < latency.attention_flops(cfg, 1, 1024) < 0.5 * dense
+
+
+def test_latency_script_runs_tiny_v4_with_spread_dummy_routing_on_cpu(tmp_path):
+    """V4 end to end on CPU with dummy weights: a batch of 8 touches about as many of the 32 experts (top-4) as
+    uniform routing would (the hash layer's table and the learned routers alike), and the floor counts the V4
+    cache reads."""
+    transformers = pytest.importorskip("transformers")
+    from tests.models.v4_fixture import write_checkpoint
+
+    write_checkpoint(transformers, tmp_path / "v4", n_routed_experts=32, num_experts_per_tok=4)
+    out = tmp_path / "latency.json"
+    assert latency.main(["--device", "cpu", "--model", str(tmp_path / "v4"), "--batch-sizes", "1", "8",
+                         "--context", "40", "--prefill", "16", "--steps", "2", "--max-model-len", "128",
+                         "--json-out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    one, eight = report["decode"]
+    assert one["experts_touched"] == 4 and one["experts_touched_min"] == 4
+    assert eight["experts_touched_min"] >= 0.6 * eight["experts_expected"]  # 21.3 expected
+    cfg = json.loads((tmp_path / "v4" / "config.json").read_text())
+    assert eight["kv_gb"] == pytest.approx(8 * latency.v4_kv_read_bytes(cfg, 40, 4) / 1e9)
+    assert report["prefill"][0]["prefill"] == "16"

@@ -248,3 +248,54 @@ def test_dummy_weights_in_bf16_spread_hash_routing(ckpt):
     assert model.layers[1].hc_attn.scale.dtype == torch.float32
     (out,) = _generate(llm, [ckpt[2][4]], prompt_logprobs=False)
     assert len(out.outputs[0].token_ids) == NEW_TOKENS
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the kernels run compiled (test_deepseek_v4_gpu)")
+def test_triton_interpreter_fused_moe_matches_hf(ckpt, monkeypatch):
+    """The routed experts (hash and top-k) on the Triton fused MoE with its SwiGLU clamp, under TRITON_INTERPRET=1:
+    HF's greedy tokens and prompt logprobs, and the kernel really ran."""
+    import dsinfer.ops.triton.moe_fused as moe_kernels
+
+    monkeypatch.setenv("DSINFER_USE_TRITON", "always")
+    calls = []
+    fused = moe_kernels.fused_moe_triton
+    monkeypatch.setattr(moe_kernels, "fused_moe_triton", lambda *a, **k: calls.append(k["swiglu_limit"]) or
+                        fused(*a, **k))
+    _, _, prompts, _, _ = ckpt
+    _assert_matches_hf(_generate(LLM(str(ckpt[0])), prompts[:2]), ckpt, "Triton MoE", [0, 1])
+    assert calls and set(calls) == {2.0}
+
+
+def _through_graph_buffers(llm: LLM, monkeypatch, tokens_per_seq: tuple[int, ...] = (1,)) -> list[tuple[int, int]]:
+    """Give the CPU runner decode graphs whose replay runs the forward they would capture (on the graphs' own
+    buffers, at the padded size): the runner's graph path end to end without CUDA. Returns the replays' (size, q)."""
+    from dsinfer.runner.cuda_graphs import DecodeGraphs
+
+    runner, config = llm.engine.runner, llm.engine.config
+    max_len = config.model.max_model_len
+    graphs = DecodeGraphs(runner.model, config.scheduler.max_num_seqs, -(-max_len // runner.block_size), max_len,
+                          runner.device, sizes=(1, 2, 4, 8), tokens_per_seq=tokens_per_seq, state_slots=True)
+    graphs.graphs = {(size, q): None for size in graphs.sizes for q in tokens_per_seq}  # as if captured
+    replays: list[tuple[int, int]] = []
+    monkeypatch.setattr(graphs, "replay", lambda size, q=1: replays.append((size, q)) or graphs._forward(size, q))
+    runner.graphs = graphs
+    return replays
+
+
+def test_decode_through_the_graph_buffers_matches_hf(ckpt, monkeypatch):
+    """Async scheduling (input ids filled into the graph's buffer on the device), 5 sequences padded to 8, then
+    fewer as they finish: state slots copied in with the other inputs, padding rows reset."""
+    llm = LLM(str(ckpt[0]), async_scheduling=True)
+    replays = _through_graph_buffers(llm, monkeypatch)
+    _assert_matches_hf(_generate(llm, ckpt[2], prompt_logprobs=False), ckpt, "graph buffers")
+    assert len(replays) >= NEW_TOKENS - 1 and (8, 1) in replays
+
+
+def test_draft_verification_through_four_token_graph_buffers_matches_hf(ckpt, monkeypatch):
+    path, _, prompts, greedy, _ = ckpt
+    drafter = KnownTokensDrafter({tuple(p): g for p, g in zip(prompts, greedy)}, spoil_every=3, vocab=128)
+    llm = with_drafter(LLM(str(path)), drafter, k=3)
+    replays = _through_graph_buffers(llm, monkeypatch, (1, 4))
+    _assert_matches_hf(_generate(llm, prompts, prompt_logprobs=False), ckpt, "drafts in graph buffers")
+    assert (8, 4) in replays and drafter.proposed > 20

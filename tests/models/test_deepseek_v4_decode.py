@@ -7,13 +7,15 @@ import json
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from dsinfer.models.deepseek_v4.attention import V4Attention
 from dsinfer.models.weights import iterate_safetensors
+from dsinfer.runner.cuda_graphs import DecodeGraphs
+from dsinfer.runner.input_batch import HostInputs
 
+from .host_reads import no_host_reads
 from .v4_fixture import write_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -124,23 +126,6 @@ def test_an_all_padding_batch_writes_nothing(model):
         assert torch.equal(a, b)
 
 
-class _HostReads(TorchDispatchMode):
-    """Counts the aten ops a forward runs; fails on any that reads a device value on the host."""
-
-    HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-                  torch.ops.aten.masked_select.default, torch.ops.aten.bincount.default}
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.HOST_READS:
-            raise AssertionError(f"host read in the decode path: {func}")
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def _attention_ops(model: DeepseekV4ForCausalLM, num_seqs: int, q: int) -> list[str]:
     """The aten ops of every attention layer's forward on one decode step of num_seqs sequences (half padding)."""
     lens = [15 + 9 * b for b in range(num_seqs // 2)]
@@ -148,11 +133,10 @@ def _attention_ops(model: DeepseekV4ForCausalLM, num_seqs: int, q: int) -> list[
     batch = _batch([_ids(q, seed=b) for b in range(len(lens))], lens, list(range(len(lens))),
                    pad=num_seqs - len(lens))
     x = torch.randn(batch.num_tokens, model.v4.hidden_size)
-    mode = _HostReads()
-    with mode:
+    with no_host_reads() as ops:
         for layer in batched.attention_layers():
             layer(x, batch.positions, batch)
-    return mode.ops
+    return ops
 
 
 @pytest.mark.parametrize("q", [1, 3])
@@ -160,3 +144,75 @@ def test_decode_attention_reads_nothing_on_the_host_and_runs_the_same_ops_at_any
     small, large = _attention_ops(model, 2, q), _attention_ops(model, 8, q)
     assert small == large
     assert len(small) > 100  # the mode saw the layers' ops
+
+
+def _decode_step_ops(model: DeepseekV4ForCausalLM, lens: list[int], pad: int, q: int
+                     ) -> tuple[list[str], torch.Tensor]:
+    """The aten ops and real rows' logits of a whole model decode step (attention, compressors, indexer, hash and
+    top-k MoE, hyper-connections, the head): sequences of ``lens`` tokens, then ``pad`` padding rows."""
+    batched = _prefilled(model, lens)
+    batch = _batch([_ids(q, seed=b) for b in range(len(lens))], lens, list(range(len(lens))), pad=pad)
+    with no_host_reads() as ops:
+        logits = batched.compute_logits(batched(batch.input_ids, batch.positions, batch))
+    return ops, logits[:len(lens) * q]
+
+
+@pytest.mark.parametrize("q", [1, 3])
+def test_a_whole_decode_step_reads_nothing_on_the_host_and_padding_changes_no_logit(model, q):
+    """What a CUDA graph needs of V4's decode step, on CPU: no host read anywhere, the same ops at any batch
+    size, and the logits of a padded batch (a graph's size, dummy rows) those of the unpadded one. Bits may
+    differ only where a dense matmul's kernel changes with its row count."""
+    lens = [15, 24, 40]
+    _, alone = _decode_step_ops(model, lens, 0, q)
+    small_ops, padded = _decode_step_ops(model, lens, 1, q)
+    large_ops, more = _decode_step_ops(model, lens, 5, q)
+    assert small_ops == large_ops and len(small_ops) > 300
+    assert torch.isfinite(padded).all()
+    torch.testing.assert_close(padded, alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(more, alone, rtol=1e-5, atol=1e-5)
+
+
+def _host(batch: ForwardBatch) -> HostInputs:
+    return HostInputs(batch.input_ids.numpy(), batch.positions.numpy(), batch.slot_mapping.numpy(),
+                      batch.block_tables.numpy(), batch.query_start_loc.numpy(), batch.seq_lens.numpy(),
+                      batch.state_slots.numpy())
+
+
+@pytest.mark.parametrize("q", [1, 3])
+def test_decode_graph_buffers_carry_the_state_slots_and_give_the_eager_logits(model, q):
+    """The decode graphs' forward (what a capture records) on CPU: two steps copied into the graph's buffers at
+    padded size 4, the second with fewer sequences (a stale slot left in the buffers would write to a ring the
+    eager step leaves alone), against the eager model on the unpadded steps: logits and every cache row."""
+    lens = [15, 24, 40]
+    graphed, eager = _prefilled(model, lens), _prefilled(model, lens)
+    graphs = DecodeGraphs(graphed, 8, BLOCKS_PER_SEQ, BLOCK * BLOCKS_PER_SEQ, torch.device("cpu"),
+                          sizes=(1, 2, 4, 8), tokens_per_seq=(1, q), state_slots=True)
+    for step, seqs in enumerate([[0, 1, 2], [1, 2]]):
+        batch = _batch([_ids(q, seed=30 + 3 * step + b) for b in seqs], [lens[b] + step * q for b in seqs], seqs)
+        graphs.load_inputs(_host(batch), 4, q)
+        assert graphs.state_slots[:4].tolist() == seqs + [-1] * (4 - len(seqs))
+        got = graphs._forward(4, q)[:len(seqs) * q]
+        want = eager.compute_logits(eager(batch.input_ids, batch.positions, batch))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(_caches(graphed), _caches(eager)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_graphs_of_a_stateful_model_refuse_inputs_without_state_slots(model):
+    graphs = DecodeGraphs(model, 4, BLOCKS_PER_SEQ, BLOCK * BLOCKS_PER_SEQ, torch.device("cpu"), sizes=(4,),
+                          state_slots=True)
+    host = _host(_batch([_ids(1, seed=0)], [15], [0]))
+    host.state_slots = None
+    with pytest.raises(ValueError, match="state slots"):
+        graphs.load_inputs(host, 4)
+
+
+def test_the_runner_captures_v4_decode_but_not_its_prompt_steps_or_deterministic_mode():
+    from dsinfer.models.llama import LlamaForCausalLM
+    from dsinfer.runner.model_runner import graph_modes
+
+    assert graph_modes(DeepseekV4ForCausalLM, deterministic=False, mtp=False) == (False, False)
+    assert graph_modes(DeepseekV4ForCausalLM, deterministic=True, mtp=False) == (True, False)
+    assert DeepseekV4ForCausalLM.multi_token_decode_graphs
+    assert graph_modes(LlamaForCausalLM, deterministic=True, mtp=False) == (False, True)  # the default flags
+    assert graph_modes(LlamaForCausalLM, deterministic=False, mtp=True) == (True, True)

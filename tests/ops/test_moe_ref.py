@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsinfer.ops.moe import Routing, fused_moe_ref
+from dsinfer.ops.moe import Routing, fused_moe, fused_moe_gathered_ref, fused_moe_ref
 from dsinfer.ops.moe import select_experts_ref as select_experts  # the Triton router: test_moe_triton.py
 
 transformers = pytest.importorskip("transformers")
@@ -72,19 +72,48 @@ def test_sigmoid_noaux_tc_gate_matches_deepseek_v3():
     assert all(len(set(row)) <= 2 for row in groups.tolist())
 
 
-def test_fused_moe_matches_per_token_loop():
+def _moe_case(num_tokens: int, scale: float = 0.2):
     gen = torch.Generator().manual_seed(2)
-    num_tokens, hidden, inter, experts, top_k = 37, 24, 16, 8, 3
+    hidden, inter, experts, top_k = 24, 16, 8, 3
     x = torch.randn(num_tokens, hidden, generator=gen)
-    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * scale
     w2 = torch.randn(experts, hidden, inter, generator=gen) * 0.2
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(num_tokens)])
     ids[:, 0] = 5  # one expert many tokens use, some experts none
     weights = torch.rand(num_tokens, top_k, generator=gen)
-    out = fused_moe_ref(x, w13, w2, weights, ids)
+    return x, w13, w2, weights, ids
+
+
+def _per_token_loop(x, w13, w2, weights, ids, limit=None):
     ref = torch.zeros_like(x)
-    for t in range(num_tokens):
-        for j in range(top_k):
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
             gate, up = (w13[ids[t, j]] @ x[t]).chunk(2)
+            if limit is not None:
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
             ref[t] += weights[t, j] * (w2[ids[t, j]] @ (F.silu(gate) * up))
+    return ref
+
+
+@pytest.mark.parametrize("limit", [None, 0.5], ids=["silu", "clamped"])
+@pytest.mark.parametrize("moe", [fused_moe_ref, fused_moe_gathered_ref], ids=["sorted", "gathered"])
+def test_fused_moe_matches_per_token_loop(moe, limit):
+    """Both torch paths, with DeepSeek-V4's clamped SwiGLU too (pre-activations of std ~1: limit 0.5 clips many
+    gates and ups)."""
+    case = _moe_case(37, scale=1.0 if limit else 0.2)
+    out = moe(*case, swiglu_limit=limit)
+    ref = _per_token_loop(*case, limit=limit)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    if limit is not None:  # the clamp changed the result
+        assert (out - _per_token_loop(*case)).abs().max() > 0.1
+
+
+def test_static_fused_moe_reads_nothing_on_the_host_and_a_row_ignores_its_batch():
+    """``static``: the gathered path, whose rows are bit-identical whatever else is in the batch."""
+    from tests.models.host_reads import no_host_reads
+
+    x, w13, w2, weights, ids = _moe_case(9)
+    with no_host_reads():
+        full = fused_moe(x, w13, w2, weights, ids, swiglu_limit=0.5, static=True)
+    alone = fused_moe(x[4:5], w13, w2, weights[4:5], ids[4:5], swiglu_limit=0.5, static=True)
+    assert torch.equal(full[4:5], alone)

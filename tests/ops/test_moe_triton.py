@@ -284,6 +284,24 @@ def test_fused_moe_v2_lite_stack_decode_tiles(num_tokens, assert_close):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 64, 256])
+def test_fused_moe_bf16_v4_flash_expert_shapes_with_swiglu_limit(num_tokens, assert_close):
+    """V4-Flash's experts (hidden 4096, intermediate 2048, top-6; 32 of its 256) with the clamped SwiGLU at a limit
+    that clips (1.0 against pre-activations of std ~1.3), the decode and graph-batch sizes."""
+    gen = torch.Generator("cuda").manual_seed(4)
+    w13 = torch.randn(32, 2 * 2048, 4096, generator=gen, device="cuda") * 0.02
+    w2 = torch.randn(32, 4096, 2048, generator=gen, device="cuda") * 0.02
+    x = torch.randn(num_tokens, 4096, generator=gen, device="cuda")
+    weights, ids = _route(num_tokens, 32, 6, torch.Generator().manual_seed(num_tokens), "cuda")
+    out = fused_moe(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids, swiglu_limit=1.0)
+    ref = fused_moe_ref(x.bfloat16().float(), w13.bfloat16().float(), w2.bfloat16().float(), weights, ids,
+                        swiglu_limit=1.0)
+    assert_close(out, ref, torch.bfloat16)
+    unclamped = fused_moe_ref(x.bfloat16().float(), w13.bfloat16().float(), w2.bfloat16().float(), weights, ids)
+    assert float((unclamped - ref).norm() / ref.norm()) > 0.1  # the clamp matters at these sizes
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [3, 512])
 def test_fused_moe_fp8_v3_expert_shapes(num_tokens, assert_close):
     gen = torch.Generator().manual_seed(1)
@@ -404,6 +422,31 @@ def test_fused_moe_one_token_pair_blocks_with_repeated_experts(cfg, device, pois
     ref = fused_moe_ref(x.double(), w13.bfloat16().double(), w2.bfloat16().double(), weights.double().cpu(),
                         ids.cpu())
     assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(block_m=16, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=1),
+    dict(block_m=16, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=1, fuse_gu=True),
+    dict(block_m=16, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=1, sorted=True),
+], ids=["two-dots", "fuse-gu", "sorted"])
+@pytest.mark.parametrize("num_tokens", [1, 11])
+def test_fused_moe_swiglu_limit_matches_clamped_reference(cfg, num_tokens, device, poisoned, assert_close):
+    """DeepSeek-V4's clamped SwiGLU in the gated epilogue: weights of unit scale so that a limit of 0.5 clips most
+    gates and ups, and the unclamped result is far from the clamped one."""
+    from dsinfer.ops.triton.moe_fused import fused_moe_triton
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    w13, w2 = _experts(4, 64, 48, gen, std=0.3)
+    x = torch.randn(num_tokens, 64, generator=gen)
+    weights, ids = _route(num_tokens, 4, 2, gen, device)
+    to = dict(device=device)
+    out = fused_moe_triton(x.to(**to), w13.to(**to), w2.to(**to), weights, ids, config=cfg, swiglu_limit=0.5)
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double().cpu(), ids.cpu(), swiglu_limit=0.5)
+    assert_close(out, ref, torch.float32)
+    unclamped = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double().cpu(), ids.cpu())
+    assert (unclamped - ref).abs().max() > 0.1
+    assert_close(fused_moe(x.to(**to), w13.to(**to), w2.to(**to), weights, ids, swiglu_limit=0.5), ref,
+                 torch.float32)
 
 
 def test_split_k_is_refused_over_expert_rows(device):

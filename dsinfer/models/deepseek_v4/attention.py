@@ -97,20 +97,24 @@ class V4Attention(nn.Module):
                         positions: torch.Tensor, step: decode.DecodeStep) -> torch.Tensor:
         b, n = step.num_seqs, step.q
         keys, visible = decode.window_keys(self.state["window"], step, kv.view(b, n, -1), self.window)
+        chosen = None
         if self.compressor is not None:
             decode.compress(self.compressor, self.compressor.project(x), step, self.state["compressor"],
                             self.kv_cache[0])
+        if self.indexer is not None:  # CSA: each query's top-k entries, gathered by index
+            decode.compress(self.indexer.compressor, self.indexer.compressor.project(x), step,
+                            self.state["indexer"], self.kv_cache[1])
+            index_keys, seen = decode.gather_entries(self.kv_cache[1], step, self.rate)
+            index_q, weights = self.indexer.queries(q_lora, x, positions)
+            picked, counts = decode.select(self.indexer, index_q.view(b, n, *index_q.shape[1:]),
+                                           weights.view(b, n, -1), index_keys, seen)
+            chosen = decode.chosen_entries(self.kv_cache[0], step, picked, counts).to(keys.dtype), counts
+        elif self.compressor is not None:  # HCA: every entry a query may see
             entries, seen = decode.gather_entries(self.kv_cache[0], step, self.rate)
-            if self.indexer is not None:
-                decode.compress(self.indexer.compressor, self.indexer.compressor.project(x), step,
-                                self.state["indexer"], self.kv_cache[1])
-                index_keys, _ = decode.gather_entries(self.kv_cache[1], step, self.rate)
-                index_q, weights = self.indexer.queries(q_lora, x, positions)
-                seen = decode.select(self.indexer, index_q.view(b, n, *index_q.shape[1:]), weights.view(b, n, -1),
-                                     index_keys, seen)
             keys = torch.cat((keys, entries.to(keys.dtype)), dim=1)
             visible = torch.cat((visible, seen), dim=-1)
-        out = decode.attend(q.view(b, n, *q.shape[1:]), keys, visible, self.attn_sink, self.head_dim ** -0.5)
+        out = decode.attend(q.view(b, n, *q.shape[1:]), keys, visible, self.attn_sink, self.head_dim ** -0.5,
+                            chosen)
         decode.write_rows(self.state["window"], step, kv.view(b, n, -1))
         return out.flatten(0, 1)
 

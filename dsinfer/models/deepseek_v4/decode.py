@@ -8,7 +8,8 @@ and the host-side bound ``max_seq_len`` (a fixed bound inside a CUDA graph), so 
 - window: each sequence's last ``window - 1`` positions before the step from its ring, then the step's q rows
   (L = window - 1 + q keys per sequence, masked per query to t - window + 1 .. t);
 - compressed entries: the first ``max_seq_len // rate`` entries by block table, masked per query to
-  w < (t + 1) // rate (HCA) or the indexer's top-k among those (CSA);
+  w < (t + 1) // rate (HCA); CSA scores the indexer's keys of those and gathers each query's top-k entries
+  (``index_topk`` of them, a fixed shape, masked where the query sees fewer);
 - compressors: the <= ceil(q / rate) windows a step can close, pooled from ring rows and step rows.
 
 Padding rows (seq_len 0, or state slot -1, as a padded graph batch has) compute finite values from clamped
@@ -146,22 +147,41 @@ def compress(comp, source: torch.Tensor, step: DecodeStep, ring: torch.Tensor, e
 
 
 def select(indexer, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
-           ) -> torch.Tensor:
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``Indexer.select`` batched: q [B, q, H, D], weights [B, q, H], keys [B, M, D], visible [B, q, M] -> the
-    chosen entries [B, q, M]."""
+    chosen entries of each query as indices [B, q, K] (K = min(index_topk, M): a fixed shape) and which of them
+    count [B, q, K] (a query that sees fewer than K entries picks some it may not see)."""
     scores = torch.relu(torch.einsum("bnhd,bmd->bnhm", q.float(), keys.float())) * indexer.head_dim ** -0.5
     scores = (scores * weights.unsqueeze(-1)).sum(dim=2).masked_fill(~visible, float("-inf"))
     picked = scores.topk(min(indexer.topk, keys.shape[1]), dim=-1).indices
-    return torch.zeros_like(visible).scatter_(-1, picked, True) & visible
+    return picked, visible.gather(-1, picked)
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sink: torch.Tensor, scale: float
-           ) -> torch.Tensor:
+def chosen_entries(entries: torch.Tensor, step: DecodeStep, picked: torch.Tensor, counts: torch.Tensor
+                   ) -> torch.Tensor:
+    """The entries ``picked`` [B, q, K] (window indices) of each query from the paged cache -> [B, q, K, width],
+    zero where they do not count (``counts`` [B, q, K]: rows never written may hold anything, and a zero
+    probability times NaN is NaN)."""
+    flat = entries.view(-1, entries.shape[-1])
+    b, n, k = picked.shape
+    rows = flat[step.entry_addresses(picked.view(b, n * k), entries.shape[1])].view(b, n, k, -1)
+    return torch.where(counts.unsqueeze(-1), rows, 0)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sink: torch.Tensor, scale: float,
+           chosen: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [B, q, H, D] over keys [B, L, D] (K is V) where ``visible`` [B, q, L], with a per-head sink logit [H]
-    -> [B, q, H, D]."""
+    -> [B, q, H, D]. ``chosen``: each query's own entries [B, q, K, D] and which count [B, q, K] (CSA's top-k),
+    in the same softmax."""
     scores = torch.einsum("bnhd,bld->bhnl", q, keys) * scale
-    scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
-    sink = sink.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-    logits = torch.cat((scores, sink), dim=-1)
-    probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]
-    return torch.einsum("bhnl,bld->bnhd", probs.to(keys.dtype), keys)
+    parts = [scores.masked_fill(~visible.unsqueeze(1), float("-inf"))]
+    if chosen is not None:
+        own = torch.einsum("bnhd,bnkd->bhnk", q, chosen[0]) * scale
+        parts.append(own.masked_fill(~chosen[1].unsqueeze(1), float("-inf")))
+    parts.append(sink.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1))
+    logits = torch.cat(parts, dim=-1)
+    probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1).to(keys.dtype)
+    out = torch.einsum("bhnl,bld->bnhd", probs[..., :keys.shape[1]], keys)
+    if chosen is not None:
+        out = out + torch.einsum("bhnk,bnkd->bnhd", probs[..., keys.shape[1]:-1], chosen[0])
+    return out

@@ -51,15 +51,21 @@ class V4DecoderLayer(nn.Module):
         post, comb, x = self.hc_attn(streams)
         streams = HyperConnection.merge(self.attn(self.attn_norm(x), positions, batch), post, comb, streams)
         post, comb, x = self.hc_ffn(streams)
-        return HyperConnection.merge(self.ffn(self.ffn_norm(x), input_ids), post, comb, streams)
+        static = self.attn.batched(batch)  # a decode step: the MoE's host-read-free path too
+        return HyperConnection.merge(self.ffn(self.ffn_norm(x), input_ids, static), post, comb, streams)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    # attention's decode steps (same q per sequence) read nothing on the host (``decode``), but the MoE's torch
-    # path reads its per-expert counts (``clamped_experts``) and the decode graphs' buffers carry no state slots:
-    # no CUDA graphs yet, no warm-up on dummy batches
-    eager_only = True
-    multi_token_decode_graphs = False
+    # Decode steps (the same q tokens per sequence: 1, or 1 + drafts) take the batched path (``decode``) and the
+    # MoE's static / Triton path: no host read, shapes from (batch, q, max_seq_len) only, state slots from the
+    # batch, so the runner captures them in its decode graphs, multi-token ones too (``DecodeGraphs``' state slot
+    # buffer). Prompt steps read their sequences' bounds on the host (``step.V4Step``): no piecewise prefill graphs
+    # and no dummy-batch warm-up (those batches carry no state slots). The deterministic mode keeps the
+    # per-sequence path for every step (``V4Attention.batched``), so it runs eagerly.
+    eager_only = False
+    prompt_graphs = False
+    eager_when_deterministic = True
+    multi_token_decode_graphs = True
 
     def __init__(self, cfg: dict[str, Any], kernel: KernelConfig | None = None):
         """``kernel``: unused (V4 runs its torch path); taken for the loader's common signature."""

@@ -4,7 +4,9 @@ Both routers score every expert with ``scoring_func`` (V4: sqrt(softplus(logit))
 best of score + ``e_score_correction_bias``, the hash router takes ``tid2eid[input_id]`` (the first
 ``mlp_layer_types == "hash_moe"`` layers). The chosen scores, normalized to sum 1 and times
 ``routed_scaling_factor``, weight the experts. Experts and the shared expert are SwiGLU with clipped
-pre-activations: gate <= ``swiglu_limit``, |up| <= ``swiglu_limit``.
+pre-activations: gate <= ``swiglu_limit``, |up| <= ``swiglu_limit``. The routed experts run through the fused MoE op
+(``ops.moe.fused_moe``, its ``swiglu_limit``): the Triton grouped GEMMs on CUDA, which read nothing on the host;
+decode steps take its ``static`` torch path elsewhere (no host read either), prompt steps the sorted one.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsinfer import batch_invariant
 from dsinfer.layers.linear import Linear
+from dsinfer.ops.moe import fused_moe
 
 
 def expert_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -26,28 +30,6 @@ def expert_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-
-
-def clamped_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor, limit: float) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(hidden[t]): hidden [T, D], w13 [E, 2I, D] (gate rows, then up),
-    w2 [E, D, I]. The (token, expert) pairs are sorted by expert once; each active expert runs two matmuls over
-    its slice (one host sync for the slice bounds)."""
-    top_k = ids.shape[1]
-    flat = ids.reshape(-1)
-    order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    x = hidden[order // top_k]
-    out = torch.empty(x.shape[0], w2.shape[1], dtype=hidden.dtype, device=hidden.device)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            rows = slice(start, start + count)
-            gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
-            out[rows] = F.linear(clamped_swiglu(gate, up, limit), w2[expert])
-            start += count
-    weighted = out * weights.reshape(-1)[order].to(out.dtype).unsqueeze(-1)
-    return torch.zeros_like(hidden).index_add_(0, order // top_k, weighted)
 
 
 class V4Router(nn.Module):
@@ -77,6 +59,8 @@ class V4Router(nn.Module):
             ids = self.tid2eid[input_ids].long()
         else:
             ids = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
+        if batch_invariant.is_enabled():  # the deterministic mode sums the pairs in expert-id order
+            ids = ids.sort(dim=-1).values
         weights = scores.gather(1, ids)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scaling, ids
@@ -112,8 +96,9 @@ class V4Experts(nn.Module):
             return self.w2.data[expert]
         return self.w13.data[expert, :inter] if which == "w1" else self.w13.data[expert, inter:]
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return clamped_experts(x, self.w13, self.w2, weights, ids, self.limit)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, static: bool = False) -> torch.Tensor:
+        """``static``: a decode step (``ops.moe.fused_moe``'s host-read-free torch path)."""
+        return fused_moe(x, self.w13, self.w2, weights, ids, swiglu_limit=self.limit, static=static)
 
 
 class V4MoE(nn.Module):
@@ -124,6 +109,6 @@ class V4MoE(nn.Module):
         self.experts = V4Experts(num_experts, hidden, intermediate, limit)
         self.shared_experts = SharedExpert(hidden, intermediate, limit)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, static: bool = False) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
-        return self.experts(x, weights, ids) + self.shared_experts(x)
+        return self.experts(x, weights, ids, static) + self.shared_experts(x)

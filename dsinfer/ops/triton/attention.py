@@ -1,4 +1,5 @@
-"""Triton paged attention (GQA, causal, varlen, optional sliding window): prefill and split-KV decode kernels.
+"""Triton paged attention (GQA, causal, varlen, optional sliding window and attention sinks): prefill and split-KV
+decode kernels.
 
 Prefill (any batch with a row of more than one query): flash attention with online softmax. A program owns one
 KV head and a tile of ``BLOCK_Q`` query rows of one sequence, packed with the ``GROUP`` query heads that share
@@ -13,6 +14,10 @@ split of the context for all ``GROUP`` query heads at once (padded to 16 rows fo
 partial output and its log-sum-exp; a reduce kernel combines the splits. The split count comes from shapes and
 the ``max_seq_len`` hint only, so the decode path reads no tensor contents on the host (CUDA-graph safe) when
 ``max_query_len`` is given.
+
+Attention sinks (GPT-OSS: one logit per query head added to the softmax's denominator) join at the end: the
+prefill kernel folds ``exp(sink)`` into each row's running sum after its last key tile, the decode reduce kernel
+into the sum over its splits' weights.
 
 An FP8 cache (``ops.kv_cache``) is read as such and converted in registers; its key scale is folded into the softmax
 scale and its value scale into the output. Keys convert inside the dot-operand layout; value tiles convert to fp16
@@ -137,13 +142,14 @@ def _attend_range(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    q_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr, sinks_ptr,
     num_seqs, scale_log2, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, stride_bt, block_size,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, Q_F16: tl.constexpr, FP8_CVT: tl.constexpr, PDL: tl.constexpr = False,
+    UPCAST: tl.constexpr, Q_F16: tl.constexpr, FP8_CVT: tl.constexpr, HAS_SINKS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     enter(PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -202,6 +208,12 @@ def _prefill_kernel(
         stride_c_kv, stride_c_blk, stride_c_off, stride_c_h, hi_full, hi_tiles, ctx_len, scale_log2, window,
         True, HAS_WINDOW, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION, UPCAST, FP8_CVT,
     )
+    if HAS_SINKS:  # one more logit per head in the denominator, attending to nothing
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_fin = tl.maximum(m_i, sink)
+        rescale = tl.exp2(m_i - m_fin)
+        l_i = l_i * rescale + tl.exp2(sink - m_fin)
+        acc = acc * rescale[:, None]
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc * (v_scale / l_safe)[:, None]
     tl.store(out_ptr + row_off[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -265,9 +277,10 @@ def _decode_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, query_start_loc_ptr, out_ptr, num_splits,
+    part_out_ptr, part_lse_ptr, query_start_loc_ptr, out_ptr, sinks_ptr, num_splits,
     stride_pb, stride_ph, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -281,10 +294,15 @@ def _decode_reduce_kernel(
     part = seq.to(tl.int64) * stride_pb + head * stride_ph + offs_s
     lse = tl.load(part_lse_ptr + part, mask=offs_s < num_splits, other=float("-inf"))
     top = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(top, sink)
     weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
     mask = (offs_s[:, None] < num_splits) & (offs_d[None, :] < HEAD_DIM)
     parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
     total = tl.sum(weight, axis=0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - top)
     out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
@@ -329,6 +347,7 @@ def paged_attention_triton(
     max_seq_len: int | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
     plan=None,
+    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -347,10 +366,10 @@ def paged_attention_triton(
         q = q.contiguous()
     if max_query_len <= 1:
         _decode(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, out,
-                max_seq_len, num_splits, block_n, kv_scales)
+                max_seq_len, num_splits, block_n, kv_scales, sinks)
     else:
         _prefill(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, out,
-                 block_m, block_n, kv_scales)
+                 block_m, block_n, kv_scales, sinks)
     return out
 
 
@@ -377,7 +396,8 @@ def _common(q: torch.Tensor, kv_cache: torch.Tensor, scale: float, sliding_windo
 
 
 def _prefill(
-    q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, out, block_m, block_n, kv_scales
+    q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, out, block_m, block_n, kv_scales,
+    sinks=None,
 ):
     c = _common(q, kv_cache, scale, sliding_window, kv_scales)
     num_seqs = query_start_loc.shape[0] - 1
@@ -387,7 +407,7 @@ def _prefill(
     block_q = block_m // group_pad
     grid = (q.shape[0] // block_q + num_seqs, kv_cache.shape[3])
     _prefill_kernel[grid](
-        q, kv_cache, block_tables, query_start_loc, seq_lens, out,
+        q, kv_cache, block_tables, query_start_loc, seq_lens, out, q if sinks is None else sinks,
         num_seqs, c["scale_log2"], c["v_scale"], c["window"],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -395,12 +415,12 @@ def _prefill(
         GROUP=c["group"], GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n or cfg_n,
         HEAD_DIM=c["head_dim"], BLOCK_D=c["block_d"], HAS_WINDOW=c["has_window"],
         PRECISION=c["precision"], UPCAST=c["upcast"], Q_F16=c["q_f16"], FP8_CVT=c["fp8_cvt"],
-        num_warps=num_warps, num_stages=num_stages, **launch_args(q.device),
+        HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages, **launch_args(q.device),
     )
 
 
 def _decode(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, out,
-            max_seq_len, num_splits, block_n, kv_scales):
+            max_seq_len, num_splits, block_n, kv_scales, sinks=None):
     c = _common(q, kv_cache, scale, sliding_window, kv_scales)
     num_seqs, num_heads, num_kv_heads = query_start_loc.shape[0] - 1, q.shape[1], kv_cache.shape[3]
     if num_splits is None:
@@ -427,9 +447,9 @@ def _decode(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding
         num_warps=num_warps, num_stages=num_stages, **launch_args(q.device),
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
-        part_out, part_lse, query_start_loc, out, num_splits,
+        part_out, part_lse, query_start_loc, out, part_lse if sinks is None else sinks, num_splits,
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=c["head_dim"], BLOCK_D=c["block_d"], BLOCK_S=max(triton.next_power_of_2(num_splits), 2),
-        num_warps=4, **launch_args(part_out.device, GQA_COMBINE),
+        HAS_SINKS=sinks is not None, num_warps=4, **launch_args(part_out.device, GQA_COMBINE),
     )
 

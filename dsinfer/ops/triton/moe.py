@@ -119,7 +119,7 @@ def _prefetch_rows(w_ptr, rows, N, k_lo, K, stride_n, PREFETCH_K: tl.constexpr):
 def _gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, bias_ptr, weight_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, b_raw_ptr,
-    M, N, K, num_pairs, up_offset, k_split,
+    M, N, K, num_pairs, up_offset, k_split, swiglu_limit,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_cs,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     A_DIV: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr, FUSE_GU: tl.constexpr,
@@ -127,12 +127,13 @@ def _gemm_kernel(
     GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SCALAR_BS: tl.constexpr, A_DESC: tl.constexpr,
     B_DESC: tl.constexpr, UPCAST: tl.constexpr, A_SORTED: tl.constexpr, C_SORTED: tl.constexpr,
-    SPLIT_K: tl.constexpr, PREFETCH_K: tl.constexpr = 0, PDL: tl.constexpr = False,
+    SPLIT_K: tl.constexpr, PREFETCH_K: tl.constexpr = 0, CLAMP: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """C[rows] = A[rows] @ B[e]^T (rows: pairs sorted by expert when GATHER, else 0..M); see module doc.
 
     GATED with FUSE_GU: one dot over a B tile of 2 * BLOCK_N columns, gate and up rows interleaved (column
     2j = gate row n_j, 2j + 1 = up row n_j), split in the epilogue; without FUSE_GU: two dots, two accumulators.
+    CLAMP (with GATED): DeepSeek-V4's clamped SwiGLU, gate <= swiglu_limit and |up| <= swiglu_limit.
     Rows past the valid ones (padding pairs, the last M / N tile) read row 0 of A / B instead of masking, so
     with EVEN_K (K % BLOCK_K == 0) the K loop has no masks; only the stores are masked. SCALAR_BS: the tile's
     columns lie in one scale block of B (BLOCK_N divides GROUP_N, two dots), so a K step's scale is per row only
@@ -255,6 +256,9 @@ def _gemm_kernel(
     if GATED:
         if FUSE_GU:
             acc, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        if CLAMP:
+            acc = tl.minimum(acc, swiglu_limit)
+            acc_up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < N
@@ -309,6 +313,7 @@ def grouped_gemm(
     sorted_a: bool = False,
     sorted_out: bool = False,
     num_pairs: int | None = None,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """out[rows, :N] = f(a[rows // a_div] @ b[expert]^T); b [E, N(*2 if gated), K] (or [N, K] for dense).
 
@@ -316,6 +321,7 @@ def grouped_gemm(
     FP8 when ``a_scale`` / ``b_scale`` are given (scales per [block_size] of b, per (row, block_size[1]) of a).
     ``sorted_a`` / ``sorted_out``: a's / out's rows are in sorted order (``moe_permute.permute_rows``), not
     pair (or token) order; ``num_pairs`` (default out's rows) is then needed when ``sorted_out``.
+    ``swiglu_limit`` (with ``gated``): the clamped SwiGLU (``ops._common.swiglu``).
     ``cfg["split_k"]`` (dense only) splits K (``split_k``): float32 partials, summed by a second kernel.
     """
     if b.dim() == 2:
@@ -363,6 +369,7 @@ def grouped_gemm(
         topk_weights if topk_weights is not None else dummy,
         sorted_ids, expert_ids, num_padded, b,
         rows, n_out, k, num_pairs, n_out if gated else 0, k_split,
+        float(swiglu_limit) if swiglu_limit is not None else 0.0,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), target.stride(-2), target.stride(-1),
         target.stride(0) if split > 1 else 0,
         a_s.stride(0) if fp8 else 0, a_s.stride(1) if fp8 else 0,
@@ -375,6 +382,7 @@ def grouped_gemm(
         A_DESC=a_desc, B_DESC=b_desc,
         UPCAST=not a.is_cuda or (fp8 and block_k < 32),
         A_SORTED=sorted_a and align is not None, C_SORTED=sorted_out and align is not None, SPLIT_K=split,
+        CLAMP=gated and swiglu_limit is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args,
     )
     if split > 1:

@@ -26,6 +26,7 @@ def expert_pair_outputs(
     w13_scale_inv: torch.Tensor | None = None,
     w2_scale_inv: torch.Tensor | None = None,
     block_size: tuple[int, int] | None = None,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """[T * k, H]: each (token, expert) pair's weighted expert output, in pair order (token-major), by the two
     grouped GEMMs (gate/up with SiLU-mul under ``cfg``, down times the top-k weight under ``cfg2``). The fused
@@ -46,7 +47,7 @@ def expert_pair_outputs(
         if cfg2["block_m"] != cfg["block_m"]:
             raise ValueError("sorted MoE tiles need one block_m for gate/up and down (see down_config)")
         return _sorted_pair_outputs(hidden, w13, w2, weights, align, top_k, cfg, cfg2, w13_scale_inv,
-                                    w2_scale_inv, block_size if fp8 else None)
+                                    w2_scale_inv, block_size if fp8 else None, swiglu_limit)
     align2 = align if cfg2["block_m"] == cfg["block_m"] else _align(topk_ids, num_experts, cfg2["block_m"])
     inter_out = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     down = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
@@ -55,12 +56,12 @@ def expert_pair_outputs(
 
         a, a_s = per_token_group_quant(hidden, block_size[1])
         grouped_gemm(a, w13, inter_out, cfg, a_scale=a_s, b_scale=w13_scale_inv, block_size=block_size,
-                     align=align, a_div=top_k, gated=True)
+                     align=align, a_div=top_k, gated=True, swiglu_limit=swiglu_limit)
         a2, a2_s = per_token_group_quant(inter_out, block_size[1])
         grouped_gemm(a2, w2, down, cfg2, a_scale=a2_s, b_scale=w2_scale_inv, block_size=block_size,
                      align=align2, topk_weights=weights)
     else:
-        grouped_gemm(hidden, w13, inter_out, cfg, align=align, a_div=top_k, gated=True)
+        grouped_gemm(hidden, w13, inter_out, cfg, align=align, a_div=top_k, gated=True, swiglu_limit=swiglu_limit)
         grouped_gemm(inter_out, w2, down, cfg2, align=align2, topk_weights=weights)
     return down
 
@@ -77,7 +78,7 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 def sorted_gate_up(hidden: torch.Tensor, w13: torch.Tensor, cfg: dict, align, top_k: int,
                    w13_scale_inv: torch.Tensor | None = None, block_size: tuple[int, int] | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, swiglu_limit: float | None = None) -> torch.Tensor:
     """The gate/up GEMM of ``sorted`` tiles: the hidden rows copied (and quantized for FP8) per pair into
     ``align``'s expert order, then ``silu(gate) * up`` per row of that order ([capacity, I], padding rows zero)."""
     from dsinfer.ops.triton.moe_permute import permute_rows
@@ -86,16 +87,18 @@ def sorted_gate_up(hidden: torch.Tensor, w13: torch.Tensor, cfg: dict, align, to
     if out is None:
         out = torch.empty(align[0].shape[0], w13.shape[1] // 2, dtype=hidden.dtype, device=hidden.device)
     return grouped_gemm(a, w13, out, cfg, a_scale=a_s, b_scale=w13_scale_inv, block_size=block_size, align=align,
-                        gated=True, sorted_a=True, sorted_out=True, num_pairs=hidden.shape[0] * top_k)
+                        gated=True, sorted_a=True, sorted_out=True, num_pairs=hidden.shape[0] * top_k,
+                        swiglu_limit=swiglu_limit)
 
 
 def _sorted_pair_outputs(hidden, w13, w2, weights, align, top_k, cfg, cfg2, w13_scale_inv, w2_scale_inv,
-                         block_size) -> torch.Tensor:
+                         block_size, swiglu_limit=None) -> torch.Tensor:
     """``expert_pair_outputs`` through activations in expert order (``sorted_gate_up``), the down GEMM reading
     the intermediate in that order and storing in pair order."""
     from dsinfer.ops.triton.moe_permute import permute_rows
 
-    inter_out = sorted_gate_up(hidden, w13, cfg, align, top_k, w13_scale_inv, block_size)
+    inter_out = sorted_gate_up(hidden, w13, cfg, align, top_k, w13_scale_inv, block_size,
+                               swiglu_limit=swiglu_limit)
     down = torch.empty(hidden.shape[0] * top_k, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
     group = block_size[1] if block_size else None
     a2, a2_s = permute_rows(inter_out, align, gather=False, group=group) if group else (inter_out, None)
@@ -148,6 +151,7 @@ def fused_moe_triton(
     block_size: tuple[int, int] | None = None,
     config: dict | None = None,
     addend: Callable[[], torch.Tensor] | None = None,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """See ``ops.moe.fused_moe``; FP8 experts (e4m3 ``w13``/``w2``) take their block scales."""
     num_tokens, hidden_size = hidden.shape
@@ -161,7 +165,8 @@ def fused_moe_triton(
     cfg = config or moe_config(f"{num_experts},{inter},{hidden_size},{dtype}", num_pairs / num_experts, fp8,
                                hidden.is_cuda)
     down = expert_pair_outputs(hidden, w13, w2, topk_weights, topk_ids, cfg, down_config(cfg),
-                               w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv, block_size=block_size)
+                               w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv, block_size=block_size,
+                               swiglu_limit=swiglu_limit)
     add = addend() if addend is not None else None  # called only now: its producer may run beside the experts
     if top_k == 1:
         return down if add is None else down.add_(add)
