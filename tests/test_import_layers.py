@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1] / "dsinfer"
 LAYERS: list[tuple[str, ...]] = [
     ("dsinfer", "examples"),        # the package root (public names; LLM / EngineArgs lazily) and the demo
     ("server",),                    # FastAPI app, OpenAI / Anthropic routes, /metrics; drives entrypoints
+    ("bench", "eval"),              # benchmarks (serving over HTTP, offline over LLM); accuracy over LLM
     ("entrypoints",),               # LLM, AsyncEngine, cli
     ("protocol",),                  # API schemas, chat encoding, tool / reasoning parsers
     ("engine",),                    # LLMEngine, SamplingParams, outputs, detokenizer
@@ -44,9 +45,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("envs",),                      # environment variables: usable by all
 ]
 
-# The only upward edge by design: the one ``dsinfer`` cli also has ``dsinfer serve``, which imports the server
-# lazily, when that subcommand runs. The server is built on entrypoints (AsyncEngine), so it sits above them.
-ALLOWED_UPWARD = {("entrypoints.cli", "server")}
+# The only upward edges by design: the one ``dsinfer`` cli also has ``dsinfer serve``, ``dsinfer bench`` and
+# ``dsinfer eval``, which import the server, bench and eval lazily, when that subcommand runs. The server and eval
+# are built on entrypoints (AsyncEngine, LLM), so they sit above them, and bench beside eval.
+ALLOWED_UPWARD = {("entrypoints.cli", "server"), ("entrypoints.cli", "bench"), ("entrypoints.cli", "eval")}
 
 # (importing module, imported node) -> who removes it: "boundary" (engine / scheduler / kvcache / runner / config)
 # or "hidden-state" (layers / models / ops / batch_invariant / sampling).

@@ -1,4 +1,4 @@
-"""``dsinfer`` command line: generate | chat | serve | env."""
+"""``dsinfer`` command line: generate | chat | serve | env | bench | eval."""
 
 from __future__ import annotations
 
@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
+    from dsinfer.bench.cli import add_bench_parser
+    from dsinfer.eval.cli import add_eval_parser
+
+    add_bench_parser(sub)
+    add_eval_parser(sub)
     return parser
 
 

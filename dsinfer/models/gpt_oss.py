@@ -152,6 +152,10 @@ class GptOssForCausalLM(nn.Module):
                                   or not set(types) <= {"full_attention", "sliding_attention"}):
             raise ValueError("layer_types must list 'full_attention' or 'sliding_attention' for each of the "
                              f"{cfg['num_hidden_layers']} layers, got {types!r:.120}")
+        method = (cfg.get("quantization_config") or {}).get("quant_method")
+        if method not in (None, "mxfp4"):
+            raise ValueError(f"GptOssForCausalLM: quantization_config.quant_method={method!r} is not supported; "
+                             "supported: 'mxfp4' (experts dequantized on load) or none")
         cfg.setdefault("rms_norm_eps", 1e-5)
         self.cfg = cfg
         self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"])

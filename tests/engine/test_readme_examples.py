@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import inspect
@@ -42,12 +43,22 @@ def test_llm_chat_signature():
     assert _signature("LLM.chat") == actual
 
 
+def _options(parser) -> set[str]:
+    """Every option string of the parser and of its subcommands, nested ones (``dsinfer bench serve``) included."""
+    out = set()
+    for action in parser._actions:
+        out |= set(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= _options(sub)
+    return out
+
+
 def test_every_flag_in_the_cli_section_is_accepted():
     cli = README[README.index("## CLI"):README.index("## Supported models")]
     # `--opt_name` names vLLM's underscore spelling; `--flag value` the error format
     flags = {f for f in re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]+", cli) if "_" not in f} - {"--flag", "--help"}
-    commands = build_parser()._subparsers._group_actions[0].choices
-    known = {opt for sub in commands.values() for action in sub._actions for opt in action.option_strings}
+    known = _options(build_parser())
     assert flags and flags <= known, sorted(flags - known)
     short = set(re.findall(r"(?<![\w-])-(?:tp|pp|dp)\b", cli))
     assert short == {"-tp", "-pp", "-dp"} and short <= known

@@ -12,7 +12,7 @@ from .hf_reference import hf_greedy, hf_prompt_logprobs, record_preemptions
 
 transformers = pytest.importorskip("transformers")
 
-NEW_TOKENS = 24
+NEW_TOKENS = 16
 WINDOW = 16
 
 
@@ -34,6 +34,17 @@ def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("gpt_oss")
     model.save_pretrained(path)
     return path, model
+
+
+_GREEDY: dict[tuple[int, ...], list[int]] = {}
+
+
+def _greedy(model, ids: list[int]) -> list[int]:
+    """HF's greedy continuation of the module's checkpoint, computed once per prompt."""
+    key = tuple(ids)
+    if key not in _GREEDY:
+        _GREEDY[key] = hf_greedy(model, ids, NEW_TOKENS)
+    return _GREEDY[key]
 
 
 def _prompts(vocab: int, lengths=(3, 11, 17, 30, 45, 64)) -> list[list[int]]:
@@ -63,7 +74,7 @@ def test_prompt_logprobs_and_greedy_match_transformers(checkpoint):
     for ids, out in zip(prompts, outputs):
         ours = torch.tensor([pos[tok].logprob for pos, tok in zip(out.prompt_logprobs[1:], ids[1:])])
         worst = max(worst, (ours - hf_prompt_logprobs(model, ids)).abs().max().item())
-        assert out.outputs[0].token_ids == hf_greedy(model, ids, NEW_TOKENS)
+        assert out.outputs[0].token_ids == _greedy(model, ids)
     assert worst < 1e-4, f"max |prompt logprob difference| = {worst:.2e}"
 
 
@@ -84,7 +95,7 @@ def test_greedy_matches_transformers_generate_with_min_tokens(checkpoint):
 def test_engine_paths_keep_greedy_tokens(checkpoint, engine_kwargs):
     path, model = checkpoint
     prompts = _prompts(model.config.vocab_size)
-    reference = [hf_greedy(model, ids, NEW_TOKENS) for ids in prompts]
+    reference = [_greedy(model, ids) for ids in prompts]
     llm, outputs = _run(path, prompts, **engine_kwargs)
     assert [o.outputs[0].token_ids for o in outputs] == reference
     if engine_kwargs.get("enable_prefix_caching"):
@@ -92,13 +103,13 @@ def test_engine_paths_keep_greedy_tokens(checkpoint, engine_kwargs):
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         again = llm.generate([{"prompt_token_ids": p} for p in shared], params, use_tqdm=False)
         assert all(o.num_cached_tokens >= 32 for o in again)
-        assert [o.outputs[0].token_ids for o in again] == [hf_greedy(model, p, NEW_TOKENS) for p in shared]
+        assert [o.outputs[0].token_ids for o in again] == [_greedy(model, p) for p in shared]
 
 
 def test_preemption_keeps_greedy_tokens(checkpoint):
     path, model = checkpoint
     prompts = _prompts(model.config.vocab_size)
-    reference = [hf_greedy(model, ids, NEW_TOKENS) for ids in prompts]
+    reference = [_greedy(model, ids) for ids in prompts]
     llm = LLM(str(path), dtype="float32", num_kv_blocks=16, block_size=16)
     preempted = record_preemptions(llm)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -146,7 +157,7 @@ def test_worker_process_gets_both_groups_block_ids_over_the_wire(checkpoint):
     assert llm.engine.kv_manager.windows == (None, WINDOW)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, ids, NEW_TOKENS) for ids in prompts]
+    assert [o.outputs[0].token_ids for o in outputs] == [_greedy(model, ids) for ids in prompts]
 
 
 def test_a_request_the_groups_cannot_hold_is_refused_not_left_waiting(checkpoint):
@@ -176,3 +187,13 @@ def test_gpt_oss_20b_shapes():
     assert 20.8e9 < sum(p.numel() for p in gpt.parameters()) < 21.0e9
     groups = kv_cache_groups([layer.kv_cache_spec(16, torch.bfloat16) for layer in gpt.attention_layers()])
     assert [(g.sliding_window, len(g.layers)) for g in groups] == [(None, 12), (128, 12)]
+
+
+def test_only_mxfp4_quantization_is_accepted():
+    from dsinfer.models.gpt_oss import GptOssForCausalLM
+
+    cfg = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+               intermediate_size=32, num_local_experts=2, num_experts_per_tok=1, vocab_size=64, sliding_window=8)
+    GptOssForCausalLM({**cfg, "quantization_config": {"quant_method": "mxfp4"}})
+    with pytest.raises(ValueError, match="quant_method='fp8' is not supported; supported: 'mxfp4'"):
+        GptOssForCausalLM({**cfg, "quantization_config": {"quant_method": "fp8"}})

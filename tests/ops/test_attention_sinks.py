@@ -52,7 +52,7 @@ def test_reference_with_sinks_matches_row_loop(layout, window):
     torch.testing.assert_close(out.double(), _naive(*args, 0.3, window, sinks), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("layout,window", CASES)
+@pytest.mark.parametrize("layout,window", [("decode", 10), ("prefill", 7), ("mixed", 20), ("prefix", 25)])
 def test_triton_with_sinks_matches_row_loop(layout, window, device, assert_close):
     args = _batch(*LAYOUTS[layout], 6, 2, 48, 16, torch.float32, device, seed=4)  # group of 3, padded
     sinks = _sinks(6, device)
@@ -94,8 +94,8 @@ def test_invariant_torch_with_sinks_matches_and_is_batch_invariant(window):
 def test_invariant_triton_with_sinks_matches_row_loop(device):
     from dsinfer.batch_invariant.triton_kernels import paged_attention_invariant_triton
 
-    args = _batch(*LAYOUTS["mixed"], 4, 2, 16, 16, torch.float32, device, seed=8)
+    args = _batch([1, 6, 1], [30, 6, 9], 4, 2, 16, 16, torch.float32, device, seed=8)  # decode rows and a prompt
     sinks = _sinks(4, device)
-    for window in (None, 20):
+    for window in (None, 7):
         out = paged_attention_invariant_triton(*args, 0.25, window, 1.0, sinks)
         torch.testing.assert_close(out.double().cpu(), _naive(*args, 0.25, window, sinks), rtol=1e-4, atol=1e-4)

@@ -1,0 +1,102 @@
+"""``dsinfer bench throughput`` and ``dsinfer bench latency``: the offline engine (``LLM``) in this process.
+
+throughput: every prompt submitted at once, greedy with EOS ignored, so each produces exactly its output length;
+output and total tokens/s over the wall time of the whole run. latency: one batch, timed end to end for a
+one-token run (the prefill, with its first sampled token) and a full run; the decode step is the difference over
+the remaining steps. Both take the fastest of ``--num-iters`` timed runs after ``--num-iters-warmup`` untimed ones
+(a shared machine only ever adds time)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from dsinfer.bench.datasets import random_requests
+
+
+@dataclass(frozen=True)
+class ThroughputResult:
+    num_prompts: int
+    prompt_tokens: int
+    output_tokens: int
+    elapsed_s: float
+
+    @property
+    def output_throughput(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def total_token_throughput(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+
+
+@dataclass(frozen=True)
+class LatencyResult:
+    batch_size: int
+    input_len: int
+    output_len: int
+    prefill_ms: float  # a run of one output token: the prompts' forward and the first sample
+    total_ms: float  # a run of output_len tokens
+
+    @property
+    def decode_step_ms(self) -> float:
+        """Per decode step: what the full run adds over the one-token run, over its output_len - 1 steps."""
+        return (self.total_ms - self.prefill_ms) / max(self.output_len - 1, 1)
+
+
+def _params(output_len: int):
+    from dsinfer.engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, detokenize=False)
+
+
+def _prompts(num: int, input_len: int, output_len: int, vocab_size: int, seed: int) -> list[dict]:
+    requests = random_requests(num, input_len, output_len, vocab_size, seed)
+    return [{"prompt_token_ids": r.prompt} for r in requests]
+
+
+def _fastest_s(run, warmup: int, iters: int) -> float:
+    """The fastest of ``iters`` timed calls ``run(i)`` after ``warmup`` untimed ones; each call gets its own index,
+    so it can draw its own prompts (the prefix cache would serve repeated ones)."""
+    if iters < 1:
+        raise ValueError(f"--num-iters must be at least 1, got {iters}")
+    for i in range(warmup):
+        run(i)
+    times = []
+    for i in range(warmup, warmup + iters):
+        start = time.perf_counter()
+        run(i)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _vocab(llm) -> int:
+    return llm.engine.model_config.vocab_size
+
+
+def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, seed: int = 0, warmup: int = 0,
+                   iters: int = 1, use_tqdm: bool = True) -> ThroughputResult:
+    params = _params(output_len)
+    produced = []
+
+    def run(i: int) -> None:
+        prompts = _prompts(num_prompts, input_len, output_len, _vocab(llm), seed + i)
+        produced[:] = [len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=use_tqdm)]
+
+    elapsed = _fastest_s(run, warmup, iters)
+    return ThroughputResult(num_prompts, num_prompts * input_len, sum(produced), elapsed)
+
+
+def run_latency(llm, batch_size: int, input_len: int, output_len: int, seed: int = 0, warmup: int = 1,
+                iters: int = 3) -> LatencyResult:
+    if output_len < 2:
+        raise ValueError(f"--output-len must be at least 2 to time a decode step, got {output_len}")
+
+    def runner(max_tokens: int, offset: int):
+        params = _params(max_tokens)
+        return lambda i: llm.generate(_prompts(batch_size, input_len, output_len, _vocab(llm), seed + offset + i),
+                                      params, use_tqdm=False)
+
+    prefill = _fastest_s(runner(1, 0), warmup, iters)
+    total = _fastest_s(runner(output_len, warmup + iters), warmup, iters)
+    return LatencyResult(batch_size, input_len, output_len, 1000 * prefill, 1000 * total)
