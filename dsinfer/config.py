@@ -79,6 +79,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may use in all
     num_kv_blocks: int | None = None  # exact block count (overrides the budget; tests use it to force preemption)
     cache_dtype: torch.dtype | None = None  # KV cache element type; None: the model's dtype
+    # where the measured step-latency curve is kept (core/step_latency.py); None: $DSINFER_CACHE_DIR/step_latency,
+    # "": not persisted (measured at every start)
+    step_latency_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,14 @@ class ParallelConfig:
 
 
 SPEC_METHODS = ("ngram", "mtp")  # vLLM's names: n-gram prompt lookup, the checkpoint's multi-token prediction layers
+_REGISTERED_METHODS: set[str] = set()  # drafters plugged in by ``spec_decode.register_drafter`` (benchmarks)
+
+
+def register_spec_method(name: str) -> None:
+    """Accept ``name`` as a speculative_config method (``spec_decode.register_drafter`` supplies its drafter)."""
+    _REGISTERED_METHODS.add(name)
+
+
 SPEC_ACCEPTANCE = ("rejection", "exact")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -157,8 +168,9 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
         method = value.get("method", "ngram")
-        if method not in SPEC_METHODS:
-            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {method!r}")
+        if method not in SPEC_METHODS and method not in _REGISTERED_METHODS:
+            raise ValueError(f"speculative_config.method must be one of "
+                             f"{SPEC_METHODS + tuple(sorted(_REGISTERED_METHODS))}, got {method!r}")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config.num_speculative_tokens is required (the draft tokens a step "
                              f"verifies, 1 to {MAX_SPECULATIVE_TOKENS})")

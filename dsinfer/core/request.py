@@ -70,6 +70,8 @@ class Request:
     num_preemptions: int = 0
     # draft tokens to verify in the next step (a drafter's proposal); the step that schedules them clears this
     draft_token_ids: list[int] = field(default_factory=list)
+    # per draft, its predicted acceptance given every draft before it is kept (confidence scheduling reads it)
+    draft_confidence: list[float] = field(default_factory=list)
     blocks: list[Any] = field(default_factory=list)  # kvcache.KVCacheBlock, in token order (the manager's)
     # KV cache groups after the first (models whose layers keep several layouts, e.g. GPT-OSS's sliding layers):
     # one list per group, each as long as ``blocks``; a sliding group's entries behind its window are the null block

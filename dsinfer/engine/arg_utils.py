@@ -83,6 +83,8 @@ class EngineArgs:
     # the KV cache store beyond GPU memory: {"host_gb": .., "dir": .., "dir_gb": .., "grain": 128,
     # "ttl_s": {class: seconds}} (``KVStoreConfig``); None: GPU prefix cache only
     kv_store: dict[str, Any] | None = None
+    # where confidence scheduling keeps its step-latency curve (None: $DSINFER_CACHE_DIR/step_latency; "": nowhere)
+    step_latency_dir: str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -131,7 +133,7 @@ class EngineArgs:
             model=model,
             cache=CacheConfig(block_size, self.enable_prefix_caching,
                               self.kv_cache_memory_gb, self.gpu_memory_utilization, self.num_kv_blocks,
-                              KV_CACHE_DTYPES[self.kv_cache_dtype]),
+                              KV_CACHE_DTYPES[self.kv_cache_dtype], self.step_latency_dir),
             scheduler=SchedulerConfig(self.max_num_seqs, batched, self.enable_chunked_prefill,
                                       self.scheduling_policy),
             load=LoadConfig(load_format, self.seed),

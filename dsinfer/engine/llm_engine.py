@@ -9,8 +9,16 @@ With async scheduling (``DeviceConfig.async_scheduling``, on by default on CUDA)
 step N+1 before it waits for step N's tokens, so the CPU prepares N+1 while the GPU runs N; N+1 reads N's tokens
 on the device (placeholders). Stops, aborts and preemptions are then applied one step late: a request that
 stopped at step N drops the token N+1 sampled for it. Requests whose sampling needs every earlier token on the
-host (penalties, structured outputs), and steps that verify drafts, make the engine drain the pipeline and step
-synchronously while they run.
+host (penalties, structured outputs), and an MTP drafter (its drafts follow the exact tokens), make the engine
+drain the pipeline and step synchronously while they run. An n-gram drafter composes with the overlap: a request
+whose one-token step is in flight gets drafts proposed one token ahead (from the tokens known, the first draft
+standing for the token in flight, which the step reads as a placeholder; the drafts after it are verified as any
+drafts are, so a wrong guess costs only acceptance), and a step that verified drafts is waited for before the
+next one is scheduled (how many tokens it gave decides where the next step starts).
+
+Confidence scheduling (``speculative_config.confidence_scheduling``) hands the scheduler a step-latency curve
+(``core.step_latency``: the runner's start-up points, then each real step's time folded in, saved under the cache
+directory every ``CURVE_SAVE_EVERY`` steps and at shutdown) and the drafts' calibrated confidences.
 
 Bad input raises ``ValueError`` from ``add_request`` before anything reaches the scheduler, so one bad request
 never disturbs the others.
@@ -27,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from dsinfer.config import EngineConfig
+from dsinfer.core import step_latency
 from dsinfer.core.outputs import RunnerOutput
 from dsinfer.core.request import Request, RequestStatus
 from dsinfer.engine.arg_utils import EngineArgs
@@ -38,9 +47,10 @@ from dsinfer.executor.base import Executor, StepResult
 from dsinfer.kvcache.grouped_manager import kv_cache_manager
 from dsinfer.kvstore.index import StoreIndex
 from dsinfer.kvstore.keys import engine_fingerprint
+from dsinfer.scheduler.confidence import ConfidenceScheduler
 from dsinfer.scheduler.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from dsinfer.spec_decode import make_drafter
-from dsinfer.spec_decode.base import Drafter, as_draft, confident_prefix
+from dsinfer.spec_decode.base import Draft, Drafter, as_draft
 from dsinfer.spec_decode.metrics import SpecDecodeStats
 from dsinfer.tokenizer import Tokenizer
 
@@ -48,10 +58,8 @@ logger = logging.getLogger("dsinfer")
 
 
 __all__ = ["Drafter", "LLMEngine"]
-# confidence scheduling: a draft is verified while the probability that it and every draft before it are kept
-# stays at or above this (the fixed-threshold stand-in for the latency-curve rule of issue 36)
-MIN_DRAFT_SURVIVAL = 0.2
 KV_POLL_S = 0.005  # a step with only KV store loads in flight waits this long for one to finish
+CURVE_SAVE_EVERY = 512  # real steps between saves of the step-latency curve (confidence scheduling)
 
 
 def make_executor(config: EngineConfig) -> Executor:
@@ -78,7 +86,16 @@ class LLMEngine:
         self.store_index = (StoreIndex(config.kv_store, engine_fingerprint(config), config.cache.block_size)
                             if config.kv_store.enabled else None)
         self.kv_store_counters: dict[str, float] = {}  # the worker's latest totals
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.model.max_model_len, self.store_index)
+        # confidence scheduling: the step-latency curve the scheduler prices drafts on (None: off)
+        self.step_latency: step_latency.StepLatencyCurve | None = None
+        confidence = None
+        if config.speculative.enabled and config.speculative.confidence_scheduling:
+            self.step_latency = step_latency.StepLatencyCurve(self.executor.step_latency_points)
+            confidence = ConfidenceScheduler(self.step_latency)
+        self._curve_path = step_latency.cache_path(config) if self.step_latency is not None else None
+        self._last_result_time = 0.0  # when the last step's result came back (a step's time starts no earlier)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.model.max_model_len,
+                                   store=self.store_index, confidence=confidence)
         self.inputs = InputProcessor(config, tokenizer, num_blocks, self.executor.kv_group_windows)
         self.eos_token_ids, self.extra_eos_token_ids = self.inputs.eos_token_ids, self.inputs.extra_eos_token_ids
         # proposes drafts for each running request (config.speculative.num_speculative_tokens at most a step);
@@ -93,8 +110,10 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.async_scheduling = config.device.async_scheduling
-        # launched, result not yet applied: the step, its requests that sample, the executor's handle
-        self._in_flight: tuple[SchedulerOutput, list[ScheduledRequest], StepResult] | None = None
+        # launched, result not yet applied: the step, its requests that sample, the executor's handle, launch time
+        self._in_flight: tuple[SchedulerOutput, list[ScheduledRequest], StepResult, float] | None = None
+        # overlap with drafts: only a drafter that can propose one token ahead of the tokens it sees
+        self._overlaps_drafts = self.drafter is None or getattr(self.drafter, "proposes_ahead", False)
         self._needs_host_tokens: set[str] = set()  # unfinished child ids whose sampling reads earlier tokens
 
     @classmethod
@@ -122,8 +141,16 @@ class LLMEngine:
         return self.inputs.structured
 
     def shutdown(self) -> None:
-        """Stop the executor's workers (idempotent)."""
+        """Stop the executor's workers (idempotent) and save the step-latency curve."""
+        self._save_curve()
         self.executor.shutdown()
+
+    def _save_curve(self) -> None:
+        if self._curve_path is not None and self.step_latency.ready:
+            try:
+                self.step_latency.save(self._curve_path)
+            except OSError as exc:
+                logger.warning("could not save the step-latency curve to %s: %s", self._curve_path, exc)
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
@@ -191,7 +218,7 @@ class LLMEngine:
     # ----------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
-        if self.async_scheduling and not self._needs_host_tokens and self.drafter is None:
+        if self.async_scheduling and not self._needs_host_tokens and self._overlaps_drafts:
             return outputs + self._step_overlapped()
         outputs += self._finish_step(self._in_flight)  # drain the pipeline before a synchronous step
         self._in_flight = None
@@ -200,7 +227,10 @@ class LLMEngine:
         sched = self._schedule()
         if sched.is_empty and not self._has_store_work(sched):
             return outputs
-        return outputs + self._process(sched, self.executor.execute(sched.plan))
+        started = time.perf_counter()
+        result = self.executor.execute(sched.plan)
+        self._observe_step_time(sched, started)
+        return outputs + self._process(sched, result)
 
     def _has_store_work(self, sched: SchedulerOutput) -> bool:
         """A step with nothing to compute still runs when the KV store has work in it, or loads to hear of (the
@@ -212,7 +242,12 @@ class LLMEngine:
         return True
 
     def _step_overlapped(self) -> list[RequestOutput]:
-        """Launch step N+1, then wait for step N (the one host sync) and apply its tokens."""
+        """Launch step N+1, then wait for step N (the one host sync) and apply its tokens. A step N that
+        verifies drafts is waited for first: N+1 starts where N's accepted tokens end."""
+        outputs = []
+        if self._in_flight is not None and self._in_flight[0].plan.draft_token_ids:
+            outputs, self._in_flight = self._finish_step(self._in_flight), None
+        self._propose_drafts()
         sched = self._schedule()
         launched = None
         if not sched.is_empty or self._has_store_work(sched):
@@ -220,9 +255,9 @@ class LLMEngine:
             sampling = [item for item in sched.scheduled if item.samples]
             for item in sampling:
                 item.request.num_pending += 1  # the scheduler counts it; the next step reads it on the device
-            launched = (sched, sampling, handle)
+            launched = (sched, sampling, handle, time.perf_counter())
         previous, self._in_flight = self._in_flight, launched
-        return self._finish_step(previous)
+        return outputs + self._finish_step(previous)
 
     def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()
@@ -237,32 +272,57 @@ class LLMEngine:
         return None if mask is None else mask.numpy()
 
     def _propose_drafts(self) -> None:
-        """Ask the drafter for each decoding request's drafts. A grammar request's are cut at the first one its
-        grammar forbids (checked without advancing the matcher); with confidence scheduling, at the first whose
-        survival probability falls below ``MIN_DRAFT_SURVIVAL``."""
+        """Ask the drafter for each decoding request's drafts, with their confidences (which of them a step
+        verifies is the scheduler's choice under confidence scheduling). A request whose one-token step is in
+        flight gets them one token ahead (``_propose_ahead``). A grammar request's are cut at the first one its
+        grammar forbids (checked without advancing the matcher)."""
         if self.spec_stats is None:
             return
-        spec = self.config.speculative
+        k = self.config.speculative.num_speculative_tokens
         for request in self.scheduler.running:
-            if request.num_computed_tokens + 1 != request.num_tokens:
+            pending = request.num_pending
+            if pending > 1 or request.num_computed_tokens + 1 != request.num_tokens + pending:
                 continue
-            draft = as_draft(self.drafter.propose(request, spec.num_speculative_tokens), spec.num_speculative_tokens)
+            if pending:
+                draft = self._propose_ahead(request, k)
+            else:
+                draft = as_draft(self.drafter.propose(request, k), k)
             self.spec_stats.num_proposed_tokens += len(draft.token_ids)
+            self.spec_stats.num_proposals += bool(draft.token_ids)
             if request.grammar is not None and draft.token_ids:
                 draft = draft.truncated(self._structured.valid_drafts(request, draft.token_ids))
-            if spec.confidence_scheduling:
-                draft = confident_prefix(draft, MIN_DRAFT_SURVIVAL)
-            request.draft_token_ids = draft.token_ids
+            request.draft_token_ids, request.draft_confidence = draft.token_ids, draft.confidence
 
-    def _finish_step(self, step: tuple[SchedulerOutput, list[ScheduledRequest], StepResult] | None
+    def _propose_ahead(self, request: Request, k: int) -> Draft:
+        """Drafts for the tokens after the one a step in flight samples: the drafter's k + 1 for the known tokens,
+        less the first (its guess of the token in flight), whose confidence folds into the next one's."""
+        draft = as_draft(self.drafter.propose(request, k + 1), k + 1)
+        if len(draft.token_ids) < 2:
+            return Draft()
+        confidence = draft.confidence[1:]
+        confidence[0] *= draft.confidence[0]
+        return Draft(draft.token_ids[1:], confidence)
+
+    def _finish_step(self, step: tuple[SchedulerOutput, list[ScheduledRequest], StepResult, float] | None
                      ) -> list[RequestOutput]:
         if step is None:
             return []
-        sched, sampling, handle = step
+        sched, sampling, handle, launched = step
         result = handle.result()
+        self._observe_step_time(sched, launched)
         for item in sampling:
             item.request.num_pending -= 1
         return self._process(sched, result)
+
+    def _observe_step_time(self, sched: SchedulerOutput, started: float) -> None:
+        """Fold the step just finished into the step-latency curve: from its launch, or from the previous
+        step's result when it was queued behind that one (overlap)."""
+        now = time.perf_counter()
+        if self.step_latency is not None:
+            self.step_latency.observe(sched.num_batched_tokens, now - max(started, self._last_result_time))
+            if self.step_latency.num_observed % CURVE_SAVE_EVERY == 0:
+                self._save_curve()
+        self._last_result_time = now
 
     def _process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         if self.store_index is not None:

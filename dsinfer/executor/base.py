@@ -28,6 +28,7 @@ class Executor(abc.ABC):
     num_state_slots: int  # per-sequence state slots (0: the model keeps no per-sequence state)
     kv_group_windows: tuple[int | None, ...]  # per KV cache group, its sliding window (None: full attention)
     kv_bytes_per_token: int
+    step_latency_points: dict[int, float]  # the runner's step-latency curve at start-up (confidence scheduling)
 
     @abc.abstractmethod
     def launch(self, plan: StepPlan) -> StepResult:

@@ -70,6 +70,7 @@ class MultiprocExecutor(Executor):
         self.num_state_slots = int(info["num_state_slots"])
         self.kv_group_windows = tuple(info["kv_group_windows"])
         self.kv_bytes_per_token = int(info["kv_bytes_per_token"])
+        self.step_latency_points = {int(t): float(s) for t, s in info["step_latency_points"]}
         logger.info("worker process 0 (pid %d) ready", self.process.pid)
 
     def launch(self, plan: StepPlan) -> _StepFuture:
@@ -145,7 +146,9 @@ def run_worker(config: EngineConfig, conn: multiprocessing.connection.Connection
     conn.send_bytes(wire.encode(["ready", {"num_kv_blocks": runner.num_blocks, "rank": rank, "pid": os.getpid(),
                                            "kv_bytes_per_token": runner.kv_bytes_per_token,
                                            "num_state_slots": runner.num_state_slots,
-                                           "kv_group_windows": list(runner.kv_group_windows)}]))
+                                           "kv_group_windows": list(runner.kv_group_windows),
+                                           "step_latency_points": [[t, s] for t, s in
+                                                                   runner.step_latency_points.items()]}]))
     # the worker's own objects live as long as it does: its collections walk only what steps make
     gc.collect()
     gc.freeze()

@@ -16,6 +16,7 @@ class UniExecutor(Executor):
         self.num_state_slots = self.runner.num_state_slots
         self.kv_group_windows = self.runner.kv_group_windows
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
+        self.step_latency_points = self.runner.step_latency_points
 
     def launch(self, plan: StepPlan) -> StepResult:
         return self.runner.launch(plan)

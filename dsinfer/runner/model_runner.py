@@ -34,6 +34,7 @@ from torch import nn
 from dsinfer import envs
 from dsinfer.batch_invariant import batch_invariant
 from dsinfer.config import EngineConfig
+from dsinfer.core import step_latency
 from dsinfer.core.kv_cache_spec import (
     KVCacheSpec,
     StateSlotSpec,
@@ -53,7 +54,7 @@ from dsinfer.runner.kv_transfer import KVTransfer
 from dsinfer.runner.mtp_proposer import MTPProposer
 from dsinfer.runner.prefill_graphs import PrefillGraphs
 from dsinfer.runner.request_table import RequestTable
-from dsinfer.runner.warmup import warm_up_prefill
+from dsinfer.runner.warmup import measure_step_latency, warm_up_prefill
 from dsinfer.sampling.sampler import Sampler
 
 logger = logging.getLogger("dsinfer")
@@ -195,6 +196,35 @@ class ModelRunner:
             with batch_invariant(deterministic):
                 warm_up_prefill(self.model, config.scheduler.max_num_batched_tokens, config.model.max_model_len,
                                 self.block_size, self.device)
+        # confidence scheduling prices drafts on the step-latency curve: the saved one, else measured now
+        self.step_latency_points: dict[int, float] = {}
+        if config.speculative.enabled and config.speculative.confidence_scheduling:
+            self.step_latency_points = self._step_latency_points(eager_only or not prompt_graphs)
+
+    def _step_latency_points(self, no_dummy_batches: bool) -> dict[int, float]:
+        """The curve saved for this engine's fingerprint, or decode steps measured now (and saved); none for a
+        model that cannot run dummy batches (the engine then builds the curve from its real steps)."""
+        config = self.config
+        path = step_latency.cache_path(config)
+        saved = step_latency.StepLatencyCurve.load(path)
+        if saved is not None:
+            return saved.points
+        if no_dummy_batches:
+            return {}
+        counts = step_latency.decode_token_counts(config.scheduler.max_num_seqs,
+                                                  config.speculative.num_speculative_tokens,
+                                                  config.scheduler.max_num_batched_tokens)
+        try:
+            with batch_invariant(config.device.deterministic):
+                points = measure_step_latency(self.model, counts, config.model.max_model_len, self.block_size,
+                                              self.device)
+        except Exception as exc:  # noqa: BLE001 (a measurement must not stop the engine; real steps build it)
+            logger.warning("step-latency measurement failed (%s: %s); the curve is built from real steps",
+                           type(exc).__name__, exc)
+            return {}
+        if path is not None:
+            step_latency.StepLatencyCurve(points).save(path)
+        return points
 
     def _allocate_kv_caches(self, paged_layers: list) -> None:
         """Each paged layer's cache; with several groups, the k-th layer of every group shares one tensor (a

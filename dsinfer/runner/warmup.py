@@ -86,3 +86,26 @@ def warm_up_prefill(model: nn.Module, max_tokens: int, max_model_len: int, block
         return
     logger.info("prefill warm-up: %d step sizes up to %d tokens in %.1f s", len(counts), max_tokens,
                 time.perf_counter() - started)
+
+
+@torch.inference_mode()
+def measure_step_latency(model: nn.Module, token_counts: list[int], max_model_len: int, block_size: int,
+                         device: torch.device, repeats: int = 3) -> dict[int, float]:
+    """Seconds of a decode step of each of ``token_counts`` tokens (that many one-token rows over a short
+    context, every row's logits computed), the median of ``repeats`` runs after one unmeasured run: the
+    step-latency curve's first points (``core.step_latency``). Nothing is stored (every slot is -1)."""
+    context = max(1, min(64, max_model_len))
+    points: dict[int, float] = {}
+    for n in token_counts:
+        batch = dummy_prefill_batch(n, 1, block_size, device, decode_rows=n, decode_context=context)
+        times = []
+        for i in range(repeats + 1):
+            started = time.perf_counter()
+            hidden = model(batch.input_ids, batch.positions, batch)
+            model.compute_logits(hidden[batch.logits_indices])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:
+                times.append(time.perf_counter() - started)
+        points[n] = sorted(times)[len(times) // 2]
+    return points

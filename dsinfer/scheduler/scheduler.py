@@ -21,7 +21,10 @@ fills it in on the device. A request whose pending tokens already reach ``max_to
 
 Multi-token steps: a running request's ``draft_token_ids`` (at most ``max_tokens`` - outputs - 1 of them, and
 only when every one fits the budget) are scheduled after its last token, so the step verifies them; the engine
-calls ``rollback`` with the number the worker rejected, which frees the KV blocks only they needed.
+calls ``rollback`` with the number the worker rejected, which frees the KV blocks only they needed. A request
+whose one-token step is still in flight may verify drafts too: they follow its placeholder (the drafter proposed
+them one token ahead). With a ``ConfidenceScheduler`` (``confidence``) each request's drafts are first cut to the
+prefix whose expected gain pays for its cost on the step-latency curve.
 
 Each step's decisions are also written as a plain-data ``StepPlan`` (``core.plan``) for the worker: a request's
 tokens and sampling once, then only what changed.
@@ -40,6 +43,7 @@ from dsinfer.core.plan import KVLoad, KVSave, NewRequestData, StepPlan
 from dsinfer.core.request import Request, RequestStatus
 from dsinfer.kvcache.manager import KVCacheManager
 from dsinfer.kvstore.index import StoreIndex
+from dsinfer.scheduler.confidence import ConfidenceScheduler
 
 
 @dataclass
@@ -79,9 +83,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int,
-                 store: StoreIndex | None = None):
-        """``store``: the KV store's index (None: no store beyond the GPU prefix cache)."""
+                 store: StoreIndex | None = None, confidence: ConfidenceScheduler | None = None):
+        """``store``: the KV store's index (None: no store beyond the GPU prefix cache). ``confidence``:
+        chooses how many of each request's drafts a step verifies (None: all that fit)."""
         self.config = config
+        self.confidence = confidence
         self.kv = kv_manager
         self.max_model_len = max_model_len
         self.store = store
@@ -116,12 +122,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.confidence is not None:
+            self._select_drafts(budget)
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         for item in out.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
             item.request.draft_token_ids = []
+            item.request.draft_confidence = []
         loads, self._loads = self._loads, []
         out.plan = self._plans.write(out.scheduled, out.preempted)
         out.plan.kv_loads = loads
@@ -159,14 +168,45 @@ class Scheduler:
         return budget
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
-        """The drafts this step verifies: all of them when the budget holds them, none otherwise; never more than
-        the outputs it may still give (a step gives at most one more than its drafts) or the context holds."""
-        drafts = request.draft_token_ids
-        if not drafts or request.num_pending or request.num_computed_tokens + 1 != request.num_tokens:
-            return []
-        room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
-        drafts = drafts[:max(room, 0)]
+        """The drafts this step verifies: all of them when the budget holds them, none otherwise."""
+        drafts = request.draft_token_ids[:self._draft_room(request)]
         return list(drafts) if len(drafts) <= budget else []
+
+    def _draft_room(self, request: Request) -> int:
+        """How many drafts a step may verify for ``request``: none unless it decodes one token (known, or the
+        placeholder of a one-token step in flight); never more than the outputs it may still give (a step gives
+        at most one more than its drafts) or the context holds."""
+        if request.num_pending > 1 or request.num_computed_tokens + 1 != request.num_tokens + request.num_pending:
+            return 0
+        num_tokens = request.num_tokens + request.num_pending
+        room = min(request.max_tokens - request.num_output_tokens - request.num_pending,
+                   self.max_model_len - num_tokens) - 1
+        return max(room, 0)
+
+    def _select_drafts(self, budget: int) -> None:
+        """Confidence scheduling: cut each running request's drafts to what ``self.confidence`` admits, priced
+        against the running requests' other tokens (the step's base; prompt chunks of admitted requests are not
+        foreseen)."""
+        confidences: dict[str, list[float]] = {}
+        drafting: list[Request] = []
+        base = guaranteed = 0
+        for request in self.running:
+            lacking = request.num_tokens + request.num_pending - request.num_computed_tokens
+            if lacking <= 0 or request.num_output_tokens + request.num_pending >= request.max_tokens:
+                continue
+            base += lacking
+            guaranteed += lacking == 1
+            room = self._draft_room(request) if request.draft_token_ids else 0
+            if room:
+                n = min(room, len(request.draft_token_ids))
+                conf = request.draft_confidence
+                confidences[request.request_id] = list(conf[:n]) if len(conf) >= n else [1.0] * n
+                drafting.append(request)
+        if not drafting:
+            return
+        chosen = self.confidence.select(confidences, min(base, budget), guaranteed)
+        for request in drafting:
+            request.draft_token_ids = request.draft_token_ids[:chosen[request.request_id]]
 
     def rollback(self, request: Request, num_rejected: int) -> None:
         """A step's last ``num_rejected`` drafts were not kept: their KV is not the request's, and the blocks only

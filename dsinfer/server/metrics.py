@@ -150,6 +150,9 @@ class _EngineCounters:
         ("dsinfer_spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens verified"),
         ("dsinfer_spec_decode_num_accepted_tokens", "num_accepted_tokens", "Draft tokens accepted"),
         ("dsinfer_spec_decode_num_proposed_tokens", "num_proposed_tokens", "Draft tokens the drafter proposed"),
+        ("dsinfer_spec_decode_num_verified_tokens", "num_verified_tokens",
+         "Draft tokens verified (as num_draft_tokens; fewer than proposed under confidence scheduling)"),
+        ("dsinfer_spec_decode_num_proposals", "num_proposals", "Request-steps the drafter proposed drafts for"),
     )
 
     # the KV store (engine stats["kv_store"], present when --kv-store is set): kvstore.counters' names

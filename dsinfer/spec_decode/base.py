@@ -52,16 +52,3 @@ def as_draft(proposal: Draft | list[int], num_tokens: int) -> Draft:
     """A drafter's proposal as a ``Draft`` of at most ``num_tokens`` tokens."""
     draft = proposal if isinstance(proposal, Draft) else Draft([int(t) for t in proposal])
     return draft.truncated(num_tokens)
-
-
-def confident_prefix(draft: Draft, min_survival: float, min_drafts: int = 1) -> Draft:
-    """Confidence scheduling, the fixed-threshold form: the longest prefix whose survival probability stays at or
-    above ``min_survival`` (verifying a draft unlikely to be reached costs a token of the step and gains little),
-    but at least ``min_drafts``, so a request's calibration keeps hearing how its drafts fare (one that verified
-    none would never learn that they got better). Which drafts are verified changes speed, never tokens."""
-    n = 0
-    for p in draft.survival():
-        if p < min_survival and n >= min_drafts:
-            break
-        n += 1
-    return draft.truncated(n)

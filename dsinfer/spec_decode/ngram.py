@@ -64,6 +64,8 @@ class _RequestTokens:
 
 
 class NgramDrafter:
+    proposes_ahead = True  # drafts from the tokens it sees, so it may guess past a token still in flight
+
     def __init__(self, config: SpeculativeConfig):
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.calibrator = Calibrator(max(config.num_speculative_tokens, 1))

@@ -8,9 +8,9 @@ from dsinfer.server.metrics import VLLM_NAMES, ServerMetrics
 
 STATS = {"num_running": 3, "num_waiting": 2, "kv_cache_usage": 0.25, "num_preemptions": 4,
          "prefix_cache_queries": 100, "prefix_cache_hits": 40,
-         "spec_decode": {"num_drafts": 5, "num_proposed_tokens": 16, "num_draft_tokens": 15,
-                         "num_accepted_tokens": 9, "accepted_per_position": [5, 3, 1], "acceptance_rate": 0.6,
-                         "mean_acceptance_length": 2.8}}
+         "spec_decode": {"num_drafts": 5, "num_proposals": 6, "num_proposed_tokens": 16, "num_draft_tokens": 15,
+                         "num_verified_tokens": 15, "num_accepted_tokens": 9, "accepted_per_position": [5, 3, 1],
+                         "acceptance_rate": 0.6, "mean_acceptance_length": 2.8}}
 
 
 def _samples(metrics: ServerMetrics, stats: dict) -> dict[tuple[str, tuple], float]:
@@ -59,6 +59,8 @@ def test_every_dsinfer_metric_has_its_vllm_twin_with_the_same_values():
                if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
     assert per_pos == {"0": 5, "1": 3, "2": 1}
     assert samples[("dsinfer_spec_decode_num_proposed_tokens_total", ())] == 16
+    assert samples[("dsinfer_spec_decode_num_verified_tokens_total", ())] == 15
+    assert samples[("dsinfer_spec_decode_num_proposals_total", ())] == 6
     assert samples[("dsinfer_spec_decode_mean_acceptance_length", ())] == 2.8
 
 

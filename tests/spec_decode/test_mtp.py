@@ -103,6 +103,25 @@ def test_greedy_with_mtp_equals_greedy_without(v3_mtp, baseline, k):
         assert stats["accepted_per_position"][1] > 0  # the chained draft is kept too
 
 
+def test_confidence_scheduled_mtp_keeps_greedy_outputs(v3_mtp, baseline, tmp_path):
+    """The MTP model runs no dummy batches: the step-latency curve starts empty (every draft verified) and is
+    built from the real steps, after which a steep curve verifies only the likeliest drafts."""
+    from dsinfer.core.step_latency import StepLatencyCurve
+
+    ids, expected = baseline
+    llm = LLM(str(v3_mtp.path), step_latency_dir=str(tmp_path),
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2, "confidence_scheduling": True})
+    assert not llm.engine.step_latency.ready
+    assert run(llm, ids, GREEDY) == expected
+    assert llm.engine.step_latency.ready
+    llm.engine.scheduler.confidence.curve = StepLatencyCurve({1: 1.0, 64: 64.0})  # a draft costs what a token gives
+    before = llm.engine.get_stats()["spec_decode"]
+    assert run(llm, ids, GREEDY) == expected
+    after = llm.engine.get_stats()["spec_decode"]
+    verified = after["num_draft_tokens"] - before["num_draft_tokens"]
+    assert verified < after["num_proposed_tokens"] - before["num_proposed_tokens"]
+
+
 def test_chunked_prefill_and_preemption_keep_greedy_outputs(v3_mtp, baseline):
     ids, expected = baseline
     spec = {"method": "mtp", "num_speculative_tokens": 2}

@@ -8,7 +8,7 @@ import pytest
 from dsinfer.config import SpeculativeConfig
 from dsinfer.core.plan import RequestSampling
 from dsinfer.core.request import Request
-from dsinfer.spec_decode.base import Draft, confident_prefix
+from dsinfer.spec_decode.base import Draft
 from dsinfer.spec_decode.calibration import AcceptanceCounts
 from dsinfer.spec_decode.metrics import SpecDecodeStats
 from dsinfer.spec_decode.ngram import NgramDrafter, find_ngram_draft
@@ -63,9 +63,6 @@ def test_drafter_follows_a_growing_request_and_calibrates_by_position():
     assert second.token_ids == [1, 2, 3]
     c0, c1, c2 = second.confidence
     assert c0 > 0.8 and c1 < 0.2 and c2 == pytest.approx(0.5)  # position 2 was never reached
-    assert confident_prefix(second, 0.2).token_ids == [1]
-    assert confident_prefix(second, 0.99).token_ids == [1]  # one draft at least: calibration keeps learning
-    assert confident_prefix(second, 0.99, min_drafts=0).token_ids == []
 
 
 def test_acceptance_counts_reach_only_up_to_the_first_rejection():
@@ -77,7 +74,6 @@ def test_acceptance_counts_reach_only_up_to_the_first_rejection():
 
 def test_survival_is_the_product_of_confidences():
     assert Draft([1, 2, 3], [0.9, 0.5, 0.5]).survival() == pytest.approx([0.9, 0.45, 0.225])
-    assert confident_prefix(Draft([1, 2, 3], [0.9, 0.5, 0.5]), 0.3).token_ids == [1, 2]
 
 
 def test_stats_count_drafts_positions_and_mean_acceptance_length():

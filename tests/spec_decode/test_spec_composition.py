@@ -13,6 +13,7 @@ import random
 import pytest
 
 from dsinfer import LLM, SamplingParams
+from dsinfer.core.step_latency import StepLatencyCurve
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 ALLOWED = list(range(30, 38))
@@ -165,21 +166,27 @@ def test_abort_mid_run_leaves_the_others_untouched(plain, spec):
     assert accepted(spec) > 0 and all_blocks_free(spec)
 
 
-def test_confidence_scheduling_verifies_fewer_drafts_and_changes_no_token(tiny_llama_dir, plain):
+# a step costs 1 + t / 2 units for t tokens: a draft pays for its half token only if it is likely enough kept
+AFFINE_CURVE = {1: 1.5, 4: 3.0, 16: 9.0, 64: 33.0}
+
+
+def test_confidence_scheduling_verifies_fewer_drafts_and_changes_no_token(tiny_llama_dir, plain, tmp_path):
     prompts = repetitive_prompts(4, seed=8)
     params = [SamplingParams(max_tokens=20, seed=70 + i, allowed_token_ids=ALLOWED, logit_bias=BIAS,
                              **SAMPLED["filters"]) for i in range(len(prompts))]
-    scheduled = LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=4,
-                    speculative_config={**SPEC, "confidence_scheduling": True})
+    scheduled = LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=4, max_num_seqs=8,
+                    step_latency_dir=str(tmp_path), speculative_config={**SPEC, "confidence_scheduling": True})
+    scheduled.engine.scheduler.confidence.curve = StepLatencyCurve(AFFINE_CURVE)
     assert run(scheduled, prompts, params) == run(plain, prompts, params)
     stats = scheduled.engine.get_stats()["spec_decode"]
-    # a fresh drafter's confidence is 0.5 a position: the 3rd and 4th drafts (survival 1/8, 1/16) are not verified
+    # a fresh drafter's confidence is 0.5 a position: the later drafts (survival 1/8, 1/16) are not verified
     # until the requests' own rates say they pay
     assert 0 < stats["num_draft_tokens"] < stats["num_proposed_tokens"]
     assert stats["num_accepted_tokens"] > 0
+    assert stats["verified_per_proposal"] < SPEC["num_speculative_tokens"]
 
 
-def test_deterministic_mode_same_tokens_alone_batched_and_speculation_on_or_off(tiny_llama_dir):
+def test_deterministic_mode_same_tokens_alone_batched_and_speculation_on_or_off(tiny_llama_dir, tmp_path):
     """Batch-invariant kernels: a seeded request's tokens are one sequence whether it runs alone or among others,
     without speculation, with it, and with confidence scheduling choosing how many drafts to verify."""
     prompts = repetitive_prompts(4, seed=9)
@@ -188,7 +195,9 @@ def test_deterministic_mode_same_tokens_alone_batched_and_speculation_on_or_off(
     outputs = []
     for spec in (None, SPEC, {**SPEC, "confidence_scheduling": True}):
         llm = LLM(str(tiny_llama_dir), dtype="float32", deterministic=True, block_size=4, num_kv_blocks=256,
-                  speculative_config=spec)
+                  max_num_seqs=8, step_latency_dir=str(tmp_path), speculative_config=spec)
+        if llm.engine.scheduler.confidence is not None:
+            llm.engine.scheduler.confidence.curve = StepLatencyCurve(AFFINE_CURVE)
         outputs.append(run(llm, prompts, params))
         outputs.append(run(llm, prompts[:1], params[:1]) + run(llm, prompts[1:], params[1:]))
         if spec is not None:

@@ -1,0 +1,277 @@
+"""Speculative decoding with a draft oracle: speed against acceptance, and confidence scheduling on against off.
+
+    python benchmarks/spec_decode_oracle.py                        # CPU, the bundled SmolLM2, tiny batches
+    python benchmarks/spec_decode_oracle.py --device cuda --dtype bfloat16 --load-format dummy \
+        --model benchmarks/configs/llama-3.1-8b --part speedup --batch-sizes 1 64
+    python benchmarks/spec_decode_oracle.py --device cuda --dtype bfloat16 --load-format dummy \
+        --model benchmarks/configs/llama-3.1-8b --part confidence --batch-sizes 16 64 128
+
+Random weights (and a small model's own drafts) give no real acceptance, so the drafter here is an oracle (a
+benchmark's, plugged in with ``spec_decode.register_drafter``): it proposes the tokens the speculation-off run of
+the same prompts produced, each draft token corrupted (replaced by another id) with probability 1 - rate, the
+request's per-token acceptance rate, seeded by (request, position) so that a draft proposed again is the same.
+Its confidence is calibrated online per request and position, as the n-gram drafter's. Greedy decoding, EOS
+ignored, random prompts of ``--input-len`` tokens, ``--output-len`` tokens each.
+
+Parts: ``speedup``: decode tokens/s speculation off against on at ``--rate`` (k = ``--k``) per batch size;
+``confidence``: mixed acceptance (half the requests at ``--high``, half at ``--low``), speculation off, on, and
+on with confidence scheduling: decode tokens/s and drafts verified per request-step. Decode tokens/s: output
+tokens after each request's first / (the last token's time - the time every request had its first token), the
+median of ``--repeats`` alternating runs. Each engine runs the workload once untimed first (compiles, and feeds
+the step-latency curve real steps); the speculation-off engine's full run gives the references. Where
+bf16 batches round differently from the reference run, a draft the oracle thinks right may be rejected: the
+measured acceptance length (1 + accepted / verifying request-steps) is printed beside the speeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsinfer import LLM, SamplingParams  # noqa: E402
+from dsinfer.spec_decode import register_drafter  # noqa: E402
+from dsinfer.spec_decode.base import Draft  # noqa: E402
+from dsinfer.spec_decode.calibration import Calibrator  # noqa: E402
+
+METHOD = "oracle"
+
+
+@dataclass
+class OracleBook:
+    """What the oracle knows: each prompt's reference output and its per-token acceptance rate."""
+
+    vocab_size: int
+    seed: int = 0
+    references: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+    rates: dict[tuple[int, ...], float] = field(default_factory=dict)
+
+    def draft_token(self, key: tuple[int, ...], position: int) -> int | None:
+        ref = self.references.get(key)
+        if ref is None or position >= len(ref):
+            return None
+        token = ref[position]
+        digest = hashlib.blake2b(repr((self.seed, key, position)).encode(), digest_size=8).digest()
+        u = int.from_bytes(digest, "little") / 2 ** 64
+        if u < self.rates.get(key, 0.0):
+            return token
+        return (token + 1 + int(u * 1e6) % (self.vocab_size - 1)) % self.vocab_size  # any id but the right one
+
+
+class OracleDrafter:
+    """Proposes a request's reference continuation, corrupted to its acceptance rate; calibrated confidence."""
+
+    proposes_ahead = True
+
+    def __init__(self, book: OracleBook, k: int):
+        self.book = book
+        self.calibrator = Calibrator(k)
+        self._counts: dict[str, object] = {}
+
+    def propose(self, request, num_tokens: int) -> Draft:
+        key = tuple(request.prompt_token_ids)
+        start = request.num_output_tokens
+        ids = []
+        for position in range(start, start + min(num_tokens, self.calibrator.num_positions + 1)):
+            token = self.book.draft_token(key, position)
+            if token is None:
+                break
+            ids.append(token)
+        counts = self._state(request)
+        conf = self.calibrator.confidence(counts, min(len(ids), self.calibrator.num_positions))
+        conf += [conf[-1] if conf else 0.5] * (len(ids) - len(conf))  # one ahead: past the calibrated positions
+        return Draft(ids, conf)
+
+    def observe(self, request, num_verified: int, num_kept: int) -> None:
+        if num_verified:
+            self.calibrator.observe(self._state(request), num_verified, num_kept)
+
+    def _state(self, request):
+        counts = self._counts.get(request.request_id)
+        if counts is None:
+            counts = self._counts[request.request_id] = self.calibrator.new_request()
+        return counts
+
+
+def install(book: OracleBook) -> None:
+    """Register the oracle drafter (``speculative_config={"method": "oracle", ...}``) over ``book``."""
+    register_drafter(METHOD, lambda config: OracleDrafter(book, config.speculative.num_speculative_tokens))
+
+
+def make_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
+
+
+def decode_run(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[list[list[int]], float]:
+    """Run ``prompts`` together; -> their outputs and the decode tokens/s."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    tag = f"{time.perf_counter_ns()}-"
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}{i}", {"prompt_token_ids": prompt}, params)
+    outputs: dict[str, list[int]] = {}
+    all_first = last = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = list(out.outputs[0].token_ids)
+        now = time.perf_counter()
+        if all_first is None and len(outputs) == len(prompts) and all(outputs.values()):
+            all_first, counted = now, sum(len(o) for o in outputs.values())
+        last = now
+    total = sum(len(o) for o in outputs.values())
+    speed = (total - counted) / (last - all_first) if all_first is not None and last > all_first else float("nan")
+    return [outputs[f"{tag}{i}"] for i in range(len(prompts))], speed
+
+
+def spec_snapshot(llm: LLM) -> dict:
+    stats = llm.engine.get_stats()["spec_decode"]
+    return dict(stats) if stats else {}
+
+
+def spec_delta(after: dict, before: dict) -> dict:
+    keys = ("num_drafts", "num_proposals", "num_draft_tokens", "num_accepted_tokens")
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in keys}
+    d["verified_per_proposal"] = d["num_draft_tokens"] / d["num_proposals"] if d["num_proposals"] else 0.0
+    d["acceptance_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 0.0
+    return d
+
+
+def timed(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
+    before = spec_snapshot(llm)
+    outputs, speed = decode_run(llm, prompts, output_len)
+    return {"tok_s": speed, "outputs": outputs, **spec_delta(spec_snapshot(llm), before)}
+
+
+def engine(args: argparse.Namespace, spec: dict | None) -> LLM:
+    return LLM(**engine_kwargs(args, spec))
+
+
+def engine_kwargs(args: argparse.Namespace, spec: dict | None) -> dict:
+    """The LLM arguments of one engine of the run."""
+    kwargs = dict(dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes),
+                  speculative_config=spec)
+    if args.model is not None:
+        kwargs.update(model=args.model, load_format=args.load_format)
+    if args.step_latency_dir is not None:
+        kwargs["step_latency_dir"] = args.step_latency_dir
+    if args.max_model_len:
+        kwargs["max_model_len"] = args.max_model_len
+    if args.device == "cuda":  # two or three engines share the GPU: each a fixed KV budget, no prompt graphs
+        kwargs.update(kv_cache_memory_gb=args.kv_cache_memory_gb, max_prefill_graph_tokens=0)
+    return kwargs
+
+
+def set_rates(book: OracleBook, prompts: list[list[int]], rates: list[float]) -> None:
+    for prompt, rate in zip(prompts, rates):
+        book.rates[tuple(prompt)] = rate
+
+
+def run_part(args: argparse.Namespace, book: OracleBook, settings: dict[str, dict | None],
+             rates_of: Callable[[int], list[float]]) -> list[dict]:
+    llms = {name: engine(args, spec) for name, spec in settings.items()}
+    vocab = book.vocab_size = llms["off"].engine.model_config.vocab_size
+    rows = []
+    for b in args.batch_sizes:
+        prompts = make_prompts(b, args.input_len, vocab, args.seed + b)
+        set_rates(book, prompts, rates_of(b))
+        row: dict = {"batch": b}
+        for name, llm in llms.items():  # "off" first: its outputs are the oracle's references
+            decode_run(llm, prompts, min(args.output_len, 8))  # untimed: compiles, feeds the curve
+            outputs, _ = decode_run(llm, prompts, args.output_len) if name == "off" else (None, 0)
+            for prompt, out in zip(prompts, outputs or []):
+                book.references[tuple(prompt)] = out
+        runs: dict[str, list[dict]] = {name: [] for name in llms}
+        for _ in range(args.repeats):  # alternating, so a shared machine's load hits every setting alike
+            for name, llm in llms.items():
+                runs[name].append(timed(llm, prompts, args.output_len))
+        for name, results in runs.items():
+            best = sorted(results, key=lambda r: r["tok_s"])[len(results) // 2]  # the median run
+            row[name] = {k: v for k, v in best.items() if k != "outputs"}
+            row[name]["identical"] = all(r["outputs"] == [book.references[tuple(p)] for p in prompts]
+                                         for r in results)
+        rows.append(row)
+    for llm in llms.values():
+        llm.engine.shutdown()
+    return rows
+
+
+def print_rows(title: str, rows: list[dict], names: list[str]) -> None:
+    print(title)
+    head = " | ".join(f"{n} tok/s" for n in names)
+    extra = " | ".join(f"{n} verified/req-step | {n} accept len" for n in names if n != "off")
+    print(f"| batch | {head} | " + " | ".join(f"{n}/off" for n in names if n != "off") + f" | {extra} | identical |")
+    print("| --- " * (2 + 2 * (len(names) - 1) + 2 * (len(names) - 1)) + "| --- |")
+    for r in rows:
+        speeds = " | ".join(f"{r[n]['tok_s']:.1f}" for n in names)
+        ratios = " | ".join(f"{r[n]['tok_s'] / r['off']['tok_s']:.2f}x" for n in names if n != "off")
+        stats = " | ".join(f"{r[n]['verified_per_proposal']:.2f} | {r[n]['acceptance_length']:.2f}"
+                           for n in names if n != "off")
+        same = all(r[n]["identical"] for n in names)
+        print(f"| {r['batch']} | {speeds} | {ratios} | {stats} | {same} |")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF directory (default: the bundled SmolLM2)")
+    p.add_argument("--load-format", default="auto", help="auto | dummy (random weights at the config's shapes)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--part", choices=("speedup", "confidence", "both"), default="both")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    p.add_argument("--rate", type=float, default=0.7, help="per-token acceptance of the speedup part")
+    p.add_argument("--high", type=float, default=0.9, help="the confidence part: half the requests at this")
+    p.add_argument("--low", type=float, default=0.3, help="and half at this")
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=48)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per setting, alternating; the median kept")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=8.0, help="CUDA: each engine's KV cache")
+    p.add_argument("--step-latency-dir", default=None, help="where the curve is kept (default: the cache dir)")
+    p.add_argument("--json-out", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    book = OracleBook(vocab_size=0, seed=args.seed)
+    install(book)
+    spec = {"method": METHOD, "num_speculative_tokens": args.k}
+    model = args.model or "SmolLM2-135M (bundled)"
+    out: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
+    if args.part in ("speedup", "both"):
+        settings = {"off": None, "on": spec}
+        rows = run_part(args, book, settings, lambda b: [args.rate] * b)
+        print_rows(f"{model} {args.device} {args.dtype}: oracle drafts at {args.rate:.0%} per token, k={args.k}, "
+                   f"in {args.input_len} / out {args.output_len}", rows, list(settings))
+        out["speedup"] = rows
+    if args.part in ("confidence", "both"):
+        settings = {"off": None, "on": spec, "confidence": {**spec, "confidence_scheduling": True}}
+        rows = run_part(args, book, settings,
+                        lambda b: [args.high if i % 2 == 0 else args.low for i in range(b)])
+        print_rows(f"{model} {args.device} {args.dtype}: mixed acceptance (half {args.high:.0%}, half "
+                   f"{args.low:.0%}), k={args.k}, in {args.input_len} / out {args.output_len}", rows,
+                   list(settings))
+        out["confidence"] = rows
+    if args.json_out:
+        args.json_out.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
