@@ -29,6 +29,7 @@ from dsinfer.layers.linear import Linear
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, rope_parameters_of
 from dsinfer.models.mxfp4 import pair_mxfp4
+from dsinfer.models.stack import DecoderStack
 from dsinfer.models.weights import load_named_weights
 
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -136,7 +137,7 @@ class GptOssDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class GptOssForCausalLM(nn.Module):
+class GptOssForCausalLM(DecoderStack):
     # the experts read their row counts on the host: no CUDA-graph capture, no dummy-batch warm-up
     eager_only = True
     multi_token_decode_graphs = False
@@ -166,16 +167,6 @@ class GptOssForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, batch)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        return self.lm_head(hidden, upcast)
 
     def checkpoint_name(self, name: str) -> str | None:
         """Checkpoint tensor name -> ours (None: skip it)."""

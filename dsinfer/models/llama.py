@@ -19,6 +19,7 @@ from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, rope_parameters_of
+from dsinfer.models.stack import DecoderStack
 from dsinfer.models.weights import load_named_weights
 
 # FP8 KV-cache scales as quantizers write them: self_attn.{k,v,kv}_scale (compressed-tensors, AutoFP8),
@@ -113,7 +114,7 @@ def _qwen2_window(cfg: dict[str, Any], layer_idx: int) -> int | None:
     return (cfg.get("sliding_window") or None) if sliding else None
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DecoderStack):
     """The Llama family; subclasses only change the variant flags."""
 
     variant: dict[str, Any] = {"qkv_bias": False, "qk_norm": False, "sliding_window": _no_window}
@@ -149,16 +150,6 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, batch)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        return self.lm_head(hidden, upcast)
 
     def checkpoint_name(self, name: str) -> str | None:
         """Map a checkpoint tensor name to ours; None to skip it."""

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from dsinfer.config import KernelConfig
-from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.fp8_linear import Fp8Config
 from dsinfer.layers.indexer import IndexedMLAAttention
@@ -27,6 +26,7 @@ from dsinfer.layers.moe import SHARED, FusedExperts
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.streams import SideStream
 from dsinfer.models.deepseek.blocks import DeepseekDecoderLayer, check_config, fused_shared_experts, is_moe_layer
+from dsinfer.models.stack import DecoderStack
 from dsinfer.ops.fp8 import FP8_DTYPE
 
 logger = logging.getLogger("dsinfer")
@@ -50,7 +50,7 @@ def _stacked(mlp: str, proj: str, tensor: str) -> str:
     return f"{mlp}.experts.{'w2' if proj == 'down' else 'w13'}{'_scale_inv' if tensor == 'weight_scale_inv' else ''}"
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(DecoderStack):
     # MLA takes its prefill path for steps of more than one token a sequence, which reads the step's sequence
     # lengths on the host: steps that verify drafts run eagerly (measured on the H200: their capture fails)
     multi_token_decode_graphs = False
@@ -87,16 +87,6 @@ class DeepseekV2ForCausalLM(nn.Module):
     def attention_layers(self) -> list[MLAAttention]:
         """The main model's MLA layers (the MTP module's own layers are ``self.mtp.attention_layers()``)."""
         return [layer.self_attn for layer in self.layers]
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, batch)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        return self.lm_head(hidden, upcast)
 
     # ---- weights -------------------------------------------------------------------------------------------
 
