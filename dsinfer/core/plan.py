@@ -149,8 +149,10 @@ class KVSave:
     keys: list[bytes]
     block_ids: list[int]
     ttl_s: float  # the request's traffic class's TTL
-    # sliding-window groups: per grain boundary, (window state key, each sliding group's window blocks, -1 padding)
-    windows: list[tuple[bytes, list[int]]] = field(default_factory=list)
+    # sliding-window groups: per grain boundary saved, its window state's key and each sliding group's window
+    # blocks (-1 padding); plain lists, as they cross the wire
+    window_keys: list[bytes] = field(default_factory=list)
+    window_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

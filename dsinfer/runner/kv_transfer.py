@@ -93,7 +93,8 @@ class KVTransfer:
     def save(self, saves: list[KVSave]) -> None:
         for save in saves:
             entries = [(key, self._grain_segments(save.block_ids, i)) for i, key in enumerate(save.keys)]
-            entries += [(key, self._window_segments(ids)) for key, ids in save.windows]
+            entries += [(key, self._window_segments(ids))
+                        for key, ids in zip(save.window_keys, save.window_block_ids, strict=True)]
             for key, segments in entries:
                 if not self.store.has_room():  # dropped before any copy is made
                     continue

@@ -335,8 +335,9 @@ class Scheduler:
         if self.store.has_windows:  # the window states whose blocks are all still held
             for i in range(first, end):
                 if (ids := self.kv.window_block_ids(request, (i + 1) * self.store.grain)) is not None:
-                    save.windows.append((self.store.window_key(keys[i]), ids))
-        return save if save.keys or save.windows else None
+                    save.window_keys.append(self.store.window_key(keys[i]))
+                    save.window_block_ids.append(ids)
+        return save if save.keys or save.window_keys else None
 
     def _pick_victim(self) -> Request:
         if self.by_priority:
