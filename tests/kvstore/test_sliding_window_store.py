@@ -133,3 +133,19 @@ def test_a_load_without_its_window_state_recomputes_and_gives_cold_tokens(tiny_l
     assert token_ids(out) == cold and out[0].num_cached_tokens == 0
     assert_no_leak(llm)
     llm.engine.shutdown()
+
+
+def test_gpt_oss_store_extends_a_shorter_gpu_hit(gpt_oss_dir, tmp_path):
+    whole = make_prompts(6, n=1)
+    head = [{"prompt_token_ids": whole[0]["prompt_token_ids"][:50] + [7] * 10}]
+    cold = token_ids(run(LLM(str(gpt_oss_dir), enable_prefix_caching=False), whole))
+    llm = LLM(str(gpt_oss_dir), kv_store={"dir": str(tmp_path), "grain": 32})
+    run(llm, whole)
+    evict_gpu_cache(llm)
+    run(llm, head)  # one grain from the store; the GPU cache then holds the first 3 blocks of `whole`
+    before = llm.engine.kv_store_stats()["hit_tokens_dir"]
+    out = run(llm, whole)
+    assert token_ids(out) == cold and out[0].num_cached_tokens == 96
+    assert llm.engine.kv_store_stats()["hit_tokens_dir"] - before == 64  # grains 2 and 3: the first is on the GPU
+    assert_no_leak(llm)
+    llm.engine.shutdown()
