@@ -190,6 +190,13 @@ def max_blocks_held(windows: tuple[int | None, ...], num_tokens: int, block_size
     return sum(full if w is None else min(full, -(-(w + reach) // block_size) + 1) for w in windows)
 
 
+def window_blocks(window: int, block_size: int) -> int:
+    """Blocks a sliding group needs at a block-aligned position L >= ``window`` (``[(L - window + 1) // bs, L //
+    bs)``, the GPU prefix cache's rule): the bounded window state a KV store entry of the group holds (fewer when
+    L < window)."""
+    return -(-(window - 1) // block_size)
+
+
 def shares_tensors(specs: list[KVCacheSpec], groups: list[KVCacheGroup]) -> bool:
     """The k-th layers of the groups can share one cache tensor: several groups, all of one cache shape."""
     return len(groups) > 1 and len({(s.cache_shape(1), s.dtype) for s in specs if hasattr(s, "cache_shape")

@@ -127,11 +127,18 @@ class CachedRequestData:
 class KVLoad:
     """Read a request's stored grains into its blocks (``kvstore``): grain ``i`` of ``keys`` fills
     ``block_ids[i * blocks_per_grain:(i + 1) * blocks_per_grain]``, -1 for a block it already holds (a GPU prefix
-    hit). The worker reports how many leading grains it filled (``RunnerOutput.kv_loads_done``)."""
+    hit). The worker reports how many leading grains it filled (``RunnerOutput.kv_loads_done``).
+
+    Sliding-window groups: ``window_key`` names the bounded window state at the load's last boundary, read after
+    the grains into ``window_block_ids`` (each sliding group's window blocks, ``kv_cache_spec.window_blocks`` of
+    them, -1 for one already held or past the state); without it the load fills nothing (reported as 0 tokens)."""
 
     request_id: str
     keys: list[bytes]
     block_ids: list[int]
+    window_key: bytes | None = None
+    window_block_ids: list[int] = field(default_factory=list)
+    window_tokens: int = 0  # with a window key: the tokens the whole load serves (reported when it all came back)
 
 
 @dataclass
@@ -142,6 +149,10 @@ class KVSave:
     keys: list[bytes]
     block_ids: list[int]
     ttl_s: float  # the request's traffic class's TTL
+    # sliding-window groups: per grain boundary saved, its window state's key and each sliding group's window
+    # blocks (-1 padding); plain lists, as they cross the wire
+    window_keys: list[bytes] = field(default_factory=list)
+    window_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -11,12 +11,16 @@ and a sliding one) takes this manager, with the same interface and invariants, p
   the window, not the context;
 - prefix hits: a full group needs every block of the hit, a sliding group only those inside its window at the hit
   point (the ones before are left out: null entries); the hit is the longest length every group can serve;
+- KV store loads (``allocate_for_load``): every group's blocks up to the load's end, a sliding group's only from
+  the first its window at that end needs (null entries before); ``window_block_ids`` names a sliding group's
+  window blocks at a grain boundary, what the store saves and loads as the bounded window state;
 - each group registers its full blocks under its own key (the token hash chain, tagged with the group), so a
   block cached by one group is never handed to another as a hit; ``free`` and ``trim`` release every group's.
 """
 
 from __future__ import annotations
 
+from dsinfer.core.kv_cache_spec import window_blocks
 from dsinfer.core.request import Request
 from dsinfer.kvcache.block_pool import BlockHash, KVCacheBlock
 from dsinfer.kvcache.manager import KVCacheManager
@@ -140,6 +144,43 @@ class GroupedKVCacheManager(KVCacheManager):
             blocks.extend(self.pool.allocate(count))
         self._cache_full_blocks(request, end)
         return True
+
+    def allocate_for_load(self, request: Request, num_new_tokens: int, computed: list[list[KVCacheBlock]] = ()
+                          ) -> bool:
+        """As ``KVCacheManager.allocate_for_load`` in every group; a sliding group keeps only the blocks its window
+        needs at the load's end (the GPU hit's earlier ones go back), so no block without valid KV is held."""
+        if self.slots is not None or not self.can_allocate(request, num_new_tokens, computed):
+            return False
+        lists = self._lists(request)
+        for blocks, hits in zip(lists, computed):
+            self.pool.touch([b for b in hits if b is not self.null])
+            blocks.extend(hits)
+        count = self.num_blocks_needed(request, num_new_tokens)
+        for blocks in lists:
+            blocks.extend(self.pool.allocate(count))
+        end_token = request.num_computed_tokens + num_new_tokens
+        for g, blocks in enumerate(lists):
+            if self.windows[g] is not None:
+                end = self._first_needed(g, end_token)
+                self.pool.release([b for b in reversed(blocks[:end]) if b is not self.null])
+                blocks[:end] = [self.null] * end
+                request.num_freed_blocks[g] = end
+        return True
+
+    def window_block_ids(self, request: Request, num_tokens: int, num_held: int = 0) -> list[int] | None:
+        """Each sliding group's blocks its window needs at ``num_tokens`` (block-aligned), padded with -1 to
+        ``window_blocks`` per group, -1 also for the first ``num_held`` blocks; None when one was given back."""
+        ids: list[int] = []
+        for g, blocks in enumerate(self._lists(request)):
+            window = self.windows[g]
+            if window is None:
+                continue
+            first, end = self._first_needed(g, num_tokens), num_tokens // self.block_size
+            if end > len(blocks) or any(b is self.null for b in blocks[max(first, num_held):end]):
+                return None
+            group = [blocks[j].block_id if j >= num_held else -1 for j in range(first, end)]
+            ids += group + [-1] * (window_blocks(window, self.block_size) - len(group))
+        return ids
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_caching:

@@ -6,6 +6,7 @@
   step wait);
 - ``load(load_id, keys)`` queues the read of a run of grains; the loader thread takes each from the host tier,
   else from the directory (then also keeps it in the host tier: promotion), and stops at the first miss;
+  a sliding-window model's window state is read last, only when every grain was found;
   ``finished_loads`` hands back (load_id, payloads of the grains found, in order);
 - a GC thread sweeps both tiers every ``gc_interval_s`` (expired entries, the directory's watermark).
 Payloads are flat uint8 tensors (``runner.kv_transfer`` knows the layer layout inside).
@@ -93,8 +94,10 @@ class KVStore:
                 self._saves.task_done()
 
     # ----------------------------------------------------------------- loads
-    def load(self, load_id: str, keys: list[bytes]) -> None:
-        self._loads.put((load_id, keys, time.monotonic()))
+    def load(self, load_id: str, keys: list[bytes], window_key: bytes | None = None, window_tokens: int = 0) -> None:
+        """Read ``keys`` in order (stopping at the first miss), then ``window_key`` when every one was found; the
+        window entry's hit counts ``window_tokens`` tokens (a grain's counts ``grain``)."""
+        self._loads.put((load_id, keys, window_key, window_tokens, time.monotonic()))
 
     def finished_loads(self, timeout_s: float = 0.0) -> list[tuple[str, list[torch.Tensor]]]:
         """Loads read since the last call (waiting up to ``timeout_s`` for a first one)."""
@@ -112,33 +115,34 @@ class KVStore:
             job = self._loads.get()
             if job is None:
                 return
-            load_id, keys, start = job
+            load_id, keys, window_key, window_tokens, start = job
             payloads = []
-            for key in keys:
-                payload = self._read(key)
-                if payload is None:
+            reads = [(key, self.config.grain) for key in keys] + ([(window_key, window_tokens)] if window_key else [])
+            for key, tokens in reads:
+                found = self._read(key)
+                if found is None:
                     break
-                payloads.append(payload)
+                payloads.append(found[0])
+                self.counters.add(f"hit_tokens_{found[1]}", tokens)
             self.counters.add("loads")
             self.counters.add("load_seconds", time.monotonic() - start)
             self.counters.add("bytes_loaded", sum(p.numel() for p in payloads))
             self._done.put((load_id, payloads))
 
-    def _read(self, key: bytes) -> torch.Tensor | None:
+    def _read(self, key: bytes) -> tuple[torch.Tensor, str] | None:
+        """(payload, the tier it came from: host | dir), or None for a miss."""
         payload = self.host.get(key) if self.host is not None else None
         if payload is not None:
-            self.counters.add("hit_tokens_host", self.config.grain)
-            return payload
+            return payload, "host"
         if self.dir is None:
             return None
         found = self.dir.read(key)
         if found is None:
             return None
-        self.counters.add("hit_tokens_dir", self.config.grain)
         payload = torch.from_numpy(found[0])
         if self.host is not None:  # promotion: the next hit comes from host memory
             self.host.put(key, payload, found[1])
-        return payload
+        return payload, "dir"
 
     # ----------------------------------------------------------------- upkeep
     def _gc_loop(self) -> None:

@@ -157,7 +157,7 @@ class ModelRunner:
         self.kv_transfer: KVTransfer | None = None
         if config.kv_store.enabled:
             self.kv_transfer = KVTransfer([layer.kv_cache for layer in paged], self.kv_specs, config,
-                                          engine_fingerprint(config), bool(self.state_specs) or len(self.kv_groups) > 1)
+                                          engine_fingerprint(config), bool(self.state_specs))
         self.sampler = Sampler()
         self.requests = RequestTable()
         # the last launched step's sampled tokens (device) and each request's row in them: async scheduling

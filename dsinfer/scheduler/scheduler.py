@@ -8,7 +8,10 @@ prefill is just a request getting fewer tokens than it lacks. The scheduler neve
 The KV store (``store``, a ``kvstore.StoreIndex``): a waiting request whose prefix the store holds beyond the GPU
 hit is admitted LOADING (blocks allocated, a ``KVLoad`` in the plan), not scheduled until the worker reports the
 load (``loads_done``), while the others keep stepping; every step's ``KVSave`` entries name the full grains of
-known tokens its scheduled requests have computed and the store lacks (``num_stored_grains``).
+known tokens its scheduled requests have computed and the store lacks (``num_stored_grains``). Sliding-window
+groups: a save also carries each new boundary's window state (its window blocks, while all are held), a load the
+state at its last boundary (``StoreIndex.lookup`` backs off to one that is stored); a load that comes back
+without it frees the request's blocks and admits it again without the store (time lost, never tokens).
 
 Policies (vLLM's ``scheduling_policy``): "fcfs" admits in arrival order and preempts the most recently admitted
 request; "priority" admits by (``request.priority``, arrival), lower first, and preempts the running request
@@ -259,7 +262,7 @@ class Scheduler:
         keys = self.store.keys(request.block_hashes, request.store_keys)
         grain = self.store.grain
         max_grains = min((request.num_tokens - 1) // grain, len(keys))  # at least one token is computed
-        stored = self.store.lookup(keys[:max_grains])
+        stored = self.store.lookup(keys[:max_grains], num_cached // grain)
         request.num_stored_grains = max(request.num_stored_grains, stored)
         if stored * grain <= num_cached:
             return False
@@ -269,9 +272,17 @@ class Scheduler:
             return False
         self.waiting.popleft()
         first, bpg = num_cached // grain, self.store.blocks_per_grain
-        num_held = len(computed)
-        block_ids = [request.blocks[j].block_id if j >= num_held else -1 for j in range(first * bpg, stored * bpg)]
-        self._loads.append(KVLoad(request.request_id, keys[first:stored], block_ids))
+        num_held = len(computed[0]) if self.store.has_windows and computed else len(computed)
+        load = KVLoad(request.request_id, [], [])
+        if self.store.has_full:
+            load.keys = keys[first:stored]
+            load.block_ids = [request.blocks[j].block_id if j >= num_held else -1
+                              for j in range(first * bpg, stored * bpg)]
+        if self.store.has_windows:
+            load.window_key = self.store.window_key(keys[stored - 1])
+            load.window_block_ids = self.kv.window_block_ids(request, stored * grain, num_held)
+            load.window_tokens = (stored - first) * grain
+        self._loads.append(load)
         self.loading[request.request_id] = (request, (stored - first) * grain)
         request.status = RequestStatus.LOADING
         if request.first_scheduled_time is None:
@@ -285,6 +296,16 @@ class Scheduler:
             request, asked = self.loading.pop(request_id)
             if request.is_finished:
                 self.kv.free(request)
+                continue
+            if tokens < asked and self.store.has_windows:  # no window state: nothing usable, admitted anew
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                request.store_lookup = False
+                request.status = RequestStatus.WAITING
+                if self.by_priority:
+                    self._enqueue(request)
+                else:
+                    self.waiting.appendleft(request)
                 continue
             start = request.num_computed_tokens // self.store.grain * self.store.grain
             request.num_computed_tokens = max(request.num_computed_tokens, start + tokens)
@@ -307,7 +328,16 @@ class Scheduler:
             return None
         bpg = self.store.blocks_per_grain
         request.num_stored_grains = end
-        return KVSave(keys[first:end], [b.block_id for b in request.blocks[first * bpg:end * bpg]], request.kv_ttl_s)
+        save = KVSave([], [], request.kv_ttl_s)
+        if self.store.has_full:
+            save.keys = keys[first:end]
+            save.block_ids = [b.block_id for b in request.blocks[first * bpg:end * bpg]]
+        if self.store.has_windows:  # the window states whose blocks are all still held
+            for i in range(first, end):
+                if (ids := self.kv.window_block_ids(request, (i + 1) * self.store.grain)) is not None:
+                    save.window_keys.append(self.store.window_key(keys[i]))
+                    save.window_block_ids.append(ids)
+        return save if save.keys or save.window_keys else None
 
     def _pick_victim(self) -> Request:
         if self.by_priority:

@@ -1,4 +1,4 @@
-"""Two engine processes sharing one directory; start-up errors of a bad kv_store; models the store refuses."""
+"""Two engine processes sharing one directory; start-up errors of a bad kv_store; the model the store refuses (V4)."""
 
 from __future__ import annotations
 
@@ -67,21 +67,11 @@ def test_serve_refuses_a_bad_kv_store_with_exit_2(tiny_llama_dir, capsys):
     assert "kv_store.host_gb must be a number >= 0" in capsys.readouterr().err
 
 
-def test_sliding_window_models_are_refused(tiny_llama_dir):
-    mistral = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64}
-    with pytest.raises(ValueError, match="sliding-window or compressed layers"):
-        LLM(str(tiny_llama_dir), hf_overrides=mistral, kv_store={"host_gb": 0.01, "grain": GRAIN})
-
-
-def test_gpt_oss_sliding_and_full_groups_are_refused(tmp_path):
-    import torch
+def test_v4_compressed_layers_are_refused(tmp_path):
     import transformers
 
-    torch.manual_seed(0)
-    config = transformers.GptOssConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, num_local_experts=2, num_experts_per_tok=1, sliding_window=32,
-        max_position_embeddings=256)
-    transformers.GptOssForCausalLM(config).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="GptOssForCausalLM has sliding-window or compressed layers"):
-        LLM(str(tmp_path), kv_store={"host_gb": 0.01, "grain": GRAIN})
+    from tests.models.v4_fixture import write_checkpoint
+
+    write_checkpoint(transformers, tmp_path)
+    with pytest.raises(ValueError, match="has compressed layers or per-sequence state"):
+        LLM(str(tmp_path), kv_store={"host_gb": 0.01, "grain": 256})  # V4's block: its compression rate
