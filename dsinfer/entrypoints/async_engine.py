@@ -4,7 +4,9 @@ The event loop never runs engine work. Submissions and aborts go through lock-pr
 thread applies before each step; outputs come back to each request's ``asyncio.Queue`` through
 ``loop.call_soon_threadsafe``. An exception escaping the step loop (a dead worker's ``WorkerDiedError``
 included) marks the engine dead: every open stream fails with ``EngineCrashedError`` and new requests are refused
-with ``EngineDeadError``, both naming what died; the server then exits (``server.lifecycle``). Draining refuses
+with ``EngineDeadError``, both naming what died; the server then exits (``server.lifecycle``). A watchdog thread
+does the same when one step runs longer than ``step_timeout_s`` (``DSINFER_STEP_TIMEOUT_S``): a hung step cannot
+be interrupted, but its requests are answered and the server exits. Draining refuses
 new requests while in-flight ones finish. ``shutdown`` also stops the engine's own workers.
 """
 
@@ -18,6 +20,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from dsinfer import envs
 from dsinfer.engine.heap import startup_heap_frozen
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.sampling_params import SamplingParams
@@ -31,6 +34,10 @@ class EngineDeadError(RuntimeError):
 
 class EngineCrashedError(EngineDeadError):
     """The engine loop crashed while this request was in flight (its answer: 500, as vLLM's)."""
+
+
+class StepTimeoutError(RuntimeError):
+    """A step ran past the watchdog's timeout (the engine is then dead)."""
 
 
 class EngineDrainingError(RuntimeError):
@@ -70,15 +77,18 @@ class _Stream:
 
 class AsyncEngine:
     """Thread-stepped engine. ``max_waiting`` bounds requests not yet running (beyond it:
-    EngineOverloadedError).
+    EngineOverloadedError). ``step_timeout_s``: the watchdog's bound on one step (None: DSINFER_STEP_TIMEOUT_S).
     """
 
-    def __init__(self, engine: Any, max_waiting: int = 256, idle_wait_s: float = 0.5):
+    def __init__(self, engine: Any, max_waiting: int = 256, idle_wait_s: float = 0.5,
+                 step_timeout_s: float | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.max_waiting = max_waiting
         self._idle_wait_s = idle_wait_s
+        self.step_timeout_s = envs.STEP_TIMEOUT_S.get() if step_timeout_s is None else step_timeout_s
+        self._step_started: float | None = None  # time.monotonic() when the step in progress began
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._submissions: list[_Submission] = []
@@ -96,6 +106,7 @@ class AsyncEngine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="dsinfer-engine", daemon=True)
             self._thread.start()
+            threading.Thread(target=self._watch, name="dsinfer-watchdog", daemon=True).start()
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the step loop (waiting up to ``timeout`` for the step in progress), then the engine's workers
@@ -209,14 +220,16 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             with startup_heap_frozen():
-                while not self._stop:
+                while not self._stop and self.error is None:
                     self._wake.clear()
                     self._apply_queued()
                     if not self.engine.has_unfinished_requests():
                         self.stats = self.engine.get_stats()
                         self._wake.wait(self._idle_wait_s)
                         continue
+                    self._step_started = time.monotonic()
                     outputs = self.engine.step()
+                    self._step_started = None
                     self._dispatch(outputs)
                     self.stats = self.engine.get_stats()
         except BaseException as exc:  # noqa: BLE001 - any escape kills the engine; streams must learn it
@@ -255,10 +268,23 @@ class AsyncEngine:
             if stream is not None:
                 stream.put(out)
 
+    def _watch(self) -> None:
+        """The step watchdog: a step running past ``step_timeout_s`` kills the engine (its thread stays stuck)."""
+        poll_s = min(0.5, self.step_timeout_s / 10)
+        while not self._stop and self.error is None:
+            started = self._step_started
+            if started is not None and time.monotonic() - started > self.step_timeout_s:
+                self._die(StepTimeoutError(f"a step ran longer than {self.step_timeout_s:g}s "
+                                           "(DSINFER_STEP_TIMEOUT_S)"))
+                return
+            time.sleep(poll_s)
+
     def _die(self, exc: BaseException) -> None:
-        logger.exception("engine loop crashed; failing every open request", exc_info=exc)
         with self._lock:  # under the lock: a request that generate() adds after this sees the error
+            if self.error is not None:  # the watchdog got here first; the stuck step has since raised too
+                return
             self.error = exc
             streams, self._streams = list(self._streams.values()), {}
+        logger.error("engine loop crashed; failing every open request", exc_info=exc)
         for stream in streams:
             stream.put(EngineCrashedError(f"the engine died while serving this request ({self.death_reason})"))
