@@ -113,8 +113,8 @@ class AsyncEngine:
         (``engine.shutdown()``, where it has one): a thread still stuck in a step then gets its worker's death."""
         self._stop = True
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._thread is not None:  # a dead engine's thread may be stuck in a hung step: no wait for it
+            self._thread.join(0.1 if self.error is not None else timeout)
         stop_workers = getattr(self.engine, "shutdown", None)
         if stop_workers is not None:
             try:
