@@ -61,6 +61,12 @@ class _Submission:
     priority: int = 0
 
 
+def _num_prompt_tokens(prompt: str | dict[str, Any]) -> int:
+    """A queued prompt's size for ``max_waiting_tokens``: its token ids, or a text's characters (a bound on its
+    tokens for any tokenizer whose tokens are at least one character)."""
+    return len(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else len(prompt)
+
+
 class _Stream:
     """Outputs of one request, fed from the engine thread."""
 
@@ -77,15 +83,18 @@ class _Stream:
 
 class AsyncEngine:
     """Thread-stepped engine. ``max_waiting`` bounds requests not yet running (beyond it:
-    EngineOverloadedError). ``step_timeout_s``: the watchdog's bound on one step (None: DSINFER_STEP_TIMEOUT_S).
+    EngineOverloadedError); ``max_waiting_tokens`` (None: no bound) bounds the prompt tokens they still have to
+    compute, except that a request finding none queued is always taken (a long prompt is never refused forever).
+    ``step_timeout_s``: the watchdog's bound on one step (None: DSINFER_STEP_TIMEOUT_S).
     """
 
     def __init__(self, engine: Any, max_waiting: int = 256, idle_wait_s: float = 0.5,
-                 step_timeout_s: float | None = None):
+                 step_timeout_s: float | None = None, max_waiting_tokens: int | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.max_waiting = max_waiting
+        self.max_waiting_tokens = max_waiting_tokens
         self._idle_wait_s = idle_wait_s
         self.step_timeout_s = envs.STEP_TIMEOUT_S.get() if step_timeout_s is None else step_timeout_s
         self._step_started: float | None = None  # time.monotonic() when the step in progress began
@@ -166,7 +175,7 @@ class AsyncEngine:
         return len(cut)
 
     # ---- requests ----------
-    def _check_accepting(self) -> None:
+    def _check_accepting(self, prompt: str | dict[str, Any]) -> None:
         if self.dead:
             raise EngineDeadError(f"the engine is dead ({self.death_reason})")
         if self.draining:
@@ -174,6 +183,13 @@ class AsyncEngine:
         waiting = len(self._submissions) + int(self.stats.get("num_waiting", 0))
         if waiting >= self.max_waiting:
             raise EngineOverloadedError(f"{waiting} requests are already waiting (limit {self.max_waiting})")
+        if self.max_waiting_tokens is not None:
+            queued = sum(_num_prompt_tokens(sub.prompt) for sub in self._submissions)
+            queued += int(self.stats.get("num_waiting_tokens", 0))
+            if queued and queued + _num_prompt_tokens(prompt) > self.max_waiting_tokens:
+                raise EngineOverloadedError(
+                    f"{queued} prompt tokens are already waiting; this request's {_num_prompt_tokens(prompt)} "
+                    f"would pass the limit of {self.max_waiting_tokens} (--max-waiting-tokens)")
 
     def check_priority(self, priority: int) -> None:
         """A ValueError unless the engine takes ``priority`` (``LLMEngine.check_priority``)."""
@@ -184,7 +200,7 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the engine makes them; aborts the request if the consumer stops early.
         ``priority``: see ``LLMEngine.add_request``."""
-        self._check_accepting()
+        self._check_accepting(prompt)
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if self.error is not None:  # it died after the check: _die has already failed the open streams

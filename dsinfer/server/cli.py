@@ -125,6 +125,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     srv = parser.add_argument_group("server")
     srv.add_argument("--max-waiting-requests", type=int, default=256,
                      help="queued requests before 429 (529 on Anthropic routes)")
+    srv.add_argument("--max-waiting-tokens", type=int, default=None,
+                     help="queued prompt tokens (not yet computed) before 429 / 529; a request finding an empty "
+                          "queue is always taken (default: no bound)")
     srv.add_argument("--max-body-mb", type=float, default=8.0, help="request bodies above this get 413")
     srv.add_argument("--max-json-depth", type=int, default=64, help="deeper JSON nesting gets 400")
     srv.add_argument(
@@ -366,6 +369,7 @@ def settings_from_args(args: argparse.Namespace, engine: Any) -> Any:
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
         max_json_depth=args.max_json_depth,
         max_waiting_requests=args.max_waiting_requests,
+        max_waiting_tokens=args.max_waiting_tokens,
         drain_timeout_s=args.drain_timeout,
         chat_template=_template_text(args.chat_template),
         chat_format=args.chat_format if args.chat_format != "auto" else "auto",
@@ -432,7 +436,8 @@ def run_serve(
     )
     engine = (engine_factory or build_engine)(args)
     settings = settings_from_args(args, engine)
-    async_engine = AsyncEngine(engine, max_waiting=settings.max_waiting_requests)
+    async_engine = AsyncEngine(engine, max_waiting=settings.max_waiting_requests,
+                               max_waiting_tokens=settings.max_waiting_tokens)
     app = build_app(async_engine, settings)
     config = uvicorn.Config(app, **uvicorn_options(args), timeout_graceful_shutdown=5, access_log=False)
     server = DrainingServer(config, async_engine, settings.drain_timeout_s)
