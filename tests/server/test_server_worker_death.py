@@ -14,8 +14,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -32,7 +30,7 @@ from dsinfer.server.cli import add_serve_args, engine_args
 from dsinfer.server.lifecycle import DrainingServer
 
 from ..protocol.tiny_tokenizer import write_tiny_tokenizer
-from .live_server import API_KEY, REPO, free_port
+from .live_server import API_KEY, start_tiny_server
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 # long enough to be in flight when the worker is killed; the tiny model's vocabulary is 256 ids
@@ -140,28 +138,6 @@ def _worker_pid(server_pid: int) -> int:
     raise AssertionError(f"no spawned worker among the children {children} of the server {server_pid}")
 
 
-def _start(tmp: Path, model: Path, tokenizer: Path, backend: str = "mp",
-           env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str, Path]:
-    port, log = free_port(), tmp / "server.log"
-    cmd = [sys.executable, "-m", "dsinfer.server", str(model), "--tokenizer", str(tokenizer), "--device", "cpu",
-           "--distributed-executor-backend", backend, "--served-model-name", "tiny", "--host", "127.0.0.1",
-           "--port", str(port), "--api-key", API_KEY, "--max-model-len", "512", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 45
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url, log
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(f"server not healthy in 45s:\n{log.read_text()[-4000:]}")
-
-
 def _stream(url: str, first_chunk: threading.Event, out: dict) -> None:
     """A streamed completion: its data lines, until the server ends the stream."""
     with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}, headers=HEADERS,
@@ -192,7 +168,8 @@ TIMEOUT_S = "2"
 def test_an_engine_fault_fails_in_flight_requests_and_the_server_exits_non_zero(
         tiny_llama_dir, tmp_path, backend, fault, cause):
     env = {"DSINFER_STEP_TIMEOUT_S": TIMEOUT_S, **({"DSINFER_FAULT_INJECT": fault} if fault else {})}
-    proc, url, log = _start(tmp_path, tiny_llama_dir, write_tiny_tokenizer(tmp_path / "tok"), backend, env)
+    tokenizer = write_tiny_tokenizer(tmp_path / "tok")
+    proc, url, log = start_tiny_server(tmp_path, tiny_llama_dir, tokenizer, backend, env=env)
     try:
         first_chunk, streamed, whole = threading.Event(), {}, {}
         threads = [threading.Thread(target=_stream, args=(url, first_chunk, streamed)),
