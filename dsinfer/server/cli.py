@@ -129,6 +129,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="queued prompt tokens (not yet computed) before 429 / 529; a request finding an empty "
                           "queue is always taken (default: no bound)")
     srv.add_argument("--max-body-mb", type=float, default=8.0, help="request bodies above this get 413")
+    srv.add_argument("--header-timeout", type=float, default=10.0,
+                     help="seconds a request's headers may take to arrive (then 408 and the connection closed)")
+    srv.add_argument("--body-timeout", type=float, default=30.0,
+                     help="seconds a request body may pause between reads (then the connection is closed)")
+    srv.add_argument("--max-header-kb", type=float, default=32.0, help="request headers above this get 431")
+    srv.add_argument("--limit-concurrency", type=int, default=4096,
+                     help="connections and requests open at once before uvicorn answers 503")
     srv.add_argument("--max-json-depth", type=int, default=64, help="deeper JSON nesting gets 400")
     srv.add_argument(
         "--drain-timeout",
@@ -398,8 +405,13 @@ def _cors_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
     """``uvicorn.Config`` keyword arguments of the HTTP flags (``--root-path`` is the app's, see ``RootPath``)."""
+    from dsinfer.server.http_limits import bounded_h11
+
     options: dict[str, Any] = {"host": args.host, "port": args.port,
-                               "log_level": args.uvicorn_log_level or args.log_level}
+                               "log_level": args.uvicorn_log_level or args.log_level,
+                               "http": bounded_h11(args.header_timeout, args.body_timeout,
+                                                   int(args.max_header_kb * 1024)),
+                               "limit_concurrency": args.limit_concurrency}
     for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
