@@ -137,6 +137,14 @@ def _choice(ctx: ServingContext, req: CompletionRequest, c: Any, echo: str, offs
     return choice, offset
 
 
+def _usage(req: CompletionRequest, batch: Batch) -> dict[str, Any]:
+    """The batch's usage; with ``max_tokens: 0`` (echo only) none of the token the engine made is counted."""
+    usage = batch.usage()
+    if req.max_tokens == 0:
+        usage = {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
+    return usage
+
+
 def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, batch: Batch,
               outs: list[RequestOutput], echoes: list[str]) -> dict[str, Any]:
     choices = []
@@ -152,7 +160,7 @@ def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, batc
         "created": int(time.time()),
         "model": ctx.reported_model(req.model),
         "choices": choices,
-        "usage": batch.usage(),
+        "usage": _usage(req, batch),
         "system_fingerprint": None,
     }
 
@@ -183,10 +191,11 @@ async def _stream(
                 prefix = "" if echoed[index] else echoes[k]
                 echoed[index] = True
                 choice, offsets[index] = _choice(ctx, req, c, prefix, offsets[index], out)
-                yield sse_data({**base, "choices": [{**choice, "index": index}], **usage_now(req, batch)})
+                yield sse_data({**base, "choices": [{**choice, "index": index}],
+                                **usage_now(req, batch, before_output=req.max_tokens == 0)})
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
         yield sse_data(stream_error_payload(exc))
         return
     if req.stream_options is not None and req.stream_options.include_usage:
-        yield sse_data({**base, "choices": [], "usage": batch.usage()})
+        yield sse_data({**base, "choices": [], "usage": _usage(req, batch)})
     yield SSE_DONE

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -51,11 +52,21 @@ def test_echo_with_max_tokens_0_returns_the_prompt_scored(server):
     choice = r.json()["choices"][0]
     num_prompt = server.post("/tokenize", json={"prompt": prompt}).json()["count"]
     assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert r.json()["usage"]["completion_tokens"] == 0 and r.json()["usage"]["prompt_tokens"] == num_prompt
     logprobs = choice["logprobs"]
     assert "".join(logprobs["tokens"]) == prompt and len(logprobs["token_logprobs"]) == num_prompt
     assert logprobs["token_logprobs"][0] is None and all(lp <= 0 for lp in logprobs["token_logprobs"][1:])
     plain = server.post("/v1/completions", json={"prompt": prompt, "max_tokens": 0, "echo": True}).json()
     assert plain["choices"][0]["text"] == prompt and plain["choices"][0]["logprobs"] is None
+
+
+def test_echo_with_max_tokens_0_streams_the_prompt_once(server):
+    body = {"prompt": "Hello there", "max_tokens": 0, "echo": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    r = server.post("/v1/completions", json=body)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    text = "".join(c["text"] for e in events for c in e["choices"])
+    assert text == "Hello there" and events[-1]["usage"]["completion_tokens"] == 0
 
 
 def test_max_tokens_0_without_echo_is_a_400(server):
