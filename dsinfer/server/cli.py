@@ -268,6 +268,11 @@ def check_serve_args(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None:
             check_parallel_size(value, f"--{name.replace('_', '-')} {value}")
+    for flag, value in (("--max-waiting-tokens", args.max_waiting_tokens), ("--header-timeout", args.header_timeout),
+                        ("--body-timeout", args.body_timeout), ("--max-header-kb", args.max_header_kb),
+                        ("--limit-concurrency", args.limit_concurrency)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag} {value}: must be > 0")
     if args.enable_log_requests:
         raise ValueError("--enable-log-requests: dsinfer has no request log (GET /metrics counts requests by "
                          "path and status); drop the flag")

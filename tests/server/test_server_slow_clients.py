@@ -71,3 +71,17 @@ def test_ordinary_and_kept_alive_requests_are_unaffected(url):
                                                            "ignore_eos": True})
             assert r.status_code == 200, r.text
         assert client.get(f"{url}/health").status_code == 200
+
+
+def test_the_bounds_reach_uvicorn_and_non_positive_values_are_refused():
+    import argparse
+
+    from dsinfer.server.cli import add_serve_args, check_serve_args, uvicorn_options
+
+    parser = add_serve_args(argparse.ArgumentParser())
+    options = uvicorn_options(parser.parse_args(["m", "--limit-concurrency", "64"]))
+    assert options["limit_concurrency"] == 64 and options["http"].__name__ == "BoundedH11Protocol"
+    for flag in ("--max-waiting-tokens", "--header-timeout", "--body-timeout", "--max-header-kb",
+                 "--limit-concurrency"):
+        with pytest.raises(ValueError, match=f"{flag} 0(\\.0)?: must be > 0"):
+            check_serve_args(parser.parse_args(["m", flag, "0"]))
