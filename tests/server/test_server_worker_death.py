@@ -109,6 +109,32 @@ def test_a_crash_fails_the_request_in_flight_with_the_cause_and_refuses_new_ones
     assert fake.shutdowns == 1 and shutdown_s < 1.0  # the dead engine's workers are stopped, without a hang
 
 
+def test_the_watchdog_fails_a_request_stuck_in_a_hung_step_and_shutdown_does_not_wait_for_it():
+    fake = _DyingEngine()
+    release = threading.Event()
+    fake.step = lambda: release.wait(30) and []  # a step that hangs until the test releases it
+
+    async def main():
+        engine = AsyncEngine(fake, step_timeout_s=0.3)
+        engine.start()
+        started = time.monotonic()
+        with pytest.raises(EngineCrashedError, match=r"StepTimeoutError: a step ran longer than 0.3s"):
+            await asyncio.wait_for(_drain(engine, "a"), 5)
+        failed_s = time.monotonic() - started
+        assert engine.dead and not engine.is_healthy
+        with pytest.raises(EngineDeadError, match="the engine is dead"):
+            await _drain(engine, "b")
+        started = time.monotonic()
+        engine.shutdown()
+        return failed_s, time.monotonic() - started
+
+    try:
+        failed_s, shutdown_s = asyncio.run(main())
+    finally:
+        release.set()
+    assert 0.3 <= failed_s < 2 and shutdown_s < 1 and fake.shutdowns == 1
+
+
 def test_the_watcher_tells_uvicorn_to_exit_after_the_grace_period():
     engine = SimpleNamespace(dead=False, death_reason="")
     server = DrainingServer(uvicorn.Config(app=None), engine, drain_timeout_s=30, death_grace_s=0.2)
