@@ -95,6 +95,7 @@ class AsyncEngine:
         self.model_config = engine.model_config
         self.max_waiting = max_waiting
         self.max_waiting_tokens = max_waiting_tokens
+        self._in_transit_tokens = 0  # prompt tokens handed to the engine that its last stats do not count yet
         self._idle_wait_s = idle_wait_s
         self.step_timeout_s = envs.STEP_TIMEOUT_S.get() if step_timeout_s is None else step_timeout_s
         self._step_started: float | None = None  # time.monotonic() when the step in progress began
@@ -185,7 +186,7 @@ class AsyncEngine:
             raise EngineOverloadedError(f"{waiting} requests are already waiting (limit {self.max_waiting})")
         if self.max_waiting_tokens is not None:
             queued = sum(_num_prompt_tokens(sub.prompt) for sub in self._submissions)
-            queued += int(self.stats.get("num_waiting_tokens", 0))
+            queued += self._in_transit_tokens + int(self.stats.get("num_waiting_tokens", 0))
             if queued and queued + _num_prompt_tokens(prompt) > self.max_waiting_tokens:
                 raise EngineOverloadedError(
                     f"{queued} prompt tokens are already waiting; this request's {_num_prompt_tokens(prompt)} "
@@ -240,20 +241,22 @@ class AsyncEngine:
                     self._wake.clear()
                     self._apply_queued()
                     if not self.engine.has_unfinished_requests():
-                        self.stats = self.engine.get_stats()
+                        self._refresh_stats()
                         self._wake.wait(self._idle_wait_s)
                         continue
                     self._step_started = time.monotonic()
                     outputs = self.engine.step()
                     self._step_started = None
                     self._dispatch(outputs)
-                    self.stats = self.engine.get_stats()
+                    self._refresh_stats()
         except BaseException as exc:  # noqa: BLE001 - any escape kills the engine; streams must learn it
             self._die(exc)
 
     def _apply_queued(self) -> None:
         with self._lock:
             submissions, self._submissions = self._submissions, []
+            if self.max_waiting_tokens is not None:
+                self._in_transit_tokens += sum(_num_prompt_tokens(sub.prompt) for sub in submissions)
             aborts, self._aborts = self._aborts, []
         to_abort = [rid for rid in aborts if rid in self._in_engine]
         if to_abort:
@@ -283,6 +286,12 @@ class AsyncEngine:
                 self._in_engine.discard(out.request_id)
             if stream is not None:
                 stream.put(out)
+
+    def _refresh_stats(self) -> None:
+        """New engine stats; the prompt tokens handed to the engine since the last ones are in them now (counted
+        twice for a moment rather than not at all, so the bound never lets one through)."""
+        self.stats = self.engine.get_stats()
+        self._in_transit_tokens = 0
 
     def _watch(self) -> None:
         """The step watchdog: a step running past ``step_timeout_s`` kills the engine (its thread stays stuck)."""
