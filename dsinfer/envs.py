@@ -197,6 +197,32 @@ USE_TRITON = _declare(
 )
 
 
+def _parse_fault(raw: str) -> tuple[str, int] | None:
+    """``kind:step=N`` (kind: raise, stall or kill; N >= 1) as ``(kind, N)``; "" or "off" as None."""
+    if raw in ("", "off"):
+        return None
+    kind, _, rest = raw.partition(":")
+    key, _, number = rest.partition("=")
+    if kind not in ("raise", "stall", "kill") or key != "step" or not number.isdigit() or int(number) < 1:
+        raise ValueError(f"expected raise:step=N, stall:step=N or kill:step=N (N >= 1) or off, got {raw!r}")
+    return kind, int(number)
+
+
+FAULT_INJECT = _declare(
+    "DSINFER_FAULT_INJECT", "str", None,
+    "Testing only: a fault in the model's N-th step (counted from 1 by the executor, read at start-up): "
+    "raise:step=N raises in it, stall:step=N hangs in it (for DSINFER_STEP_TIMEOUT_S to catch), kill:step=N "
+    "kills the worker process with SIGKILL (mp executor only). Unset or off: no fault.",
+    _parse_fault,
+)
+STEP_TIMEOUT_S = _declare(
+    "DSINFER_STEP_TIMEOUT_S", "float", 600.0,
+    "Watchdog: a model step running longer than this many seconds kills the engine (every request in flight "
+    "fails, the server exits non-zero; offline, the mp executor's worker is killed and generate raises).",
+    _parse_positive_float,
+)
+
+
 def all_vars() -> list[EnvVar]:
     return list(_REGISTRY.values())
 

@@ -62,6 +62,13 @@ class Tokenizer:
     def backend(self) -> HFTokenizer:
         return self._tok
 
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The longest vocabulary entry's UTF-8 length: no token stands for more text than this (a byte-level or
+        metaspace entry is longer than the text it stands for), so a text of more bytes than ``n`` times this has
+        more than ``n`` tokens."""
+        return max((len(token.encode()) for token in self._tok.get_vocab(with_added_tokens=True)), default=1)
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)

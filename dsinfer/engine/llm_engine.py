@@ -436,6 +436,8 @@ class LLMEngine:
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            # prompt tokens the waiting requests still have to compute (the server's --max-waiting-tokens)
+            "num_waiting_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting),
             "kv_cache_usage": self.kv_manager.usage,
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": self.kv_manager.prefix_queries,

@@ -4,7 +4,9 @@ The event loop never runs engine work. Submissions and aborts go through lock-pr
 thread applies before each step; outputs come back to each request's ``asyncio.Queue`` through
 ``loop.call_soon_threadsafe``. An exception escaping the step loop (a dead worker's ``WorkerDiedError``
 included) marks the engine dead: every open stream fails with ``EngineCrashedError`` and new requests are refused
-with ``EngineDeadError``, both naming what died; the server then exits (``server.lifecycle``). Draining refuses
+with ``EngineDeadError``, both naming what died; the server then exits (``server.lifecycle``). A watchdog thread
+does the same when one step runs longer than ``step_timeout_s`` (``DSINFER_STEP_TIMEOUT_S``): a hung step cannot
+be interrupted, but its requests are answered and the server exits. Draining refuses
 new requests while in-flight ones finish. ``shutdown`` also stops the engine's own workers.
 """
 
@@ -18,6 +20,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from dsinfer import envs
 from dsinfer.engine.heap import startup_heap_frozen
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.sampling_params import SamplingParams
@@ -31,6 +34,10 @@ class EngineDeadError(RuntimeError):
 
 class EngineCrashedError(EngineDeadError):
     """The engine loop crashed while this request was in flight (its answer: 500, as vLLM's)."""
+
+
+class StepTimeoutError(RuntimeError):
+    """A step ran past the watchdog's timeout (the engine is then dead)."""
 
 
 class EngineDrainingError(RuntimeError):
@@ -54,6 +61,12 @@ class _Submission:
     priority: int = 0
 
 
+def _num_prompt_tokens(prompt: str | dict[str, Any]) -> int:
+    """A queued prompt's size for ``max_waiting_tokens``: its token ids, or a text's characters (a bound on its
+    tokens for any tokenizer whose tokens are at least one character)."""
+    return len(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else len(prompt)
+
+
 class _Stream:
     """Outputs of one request, fed from the engine thread."""
 
@@ -70,15 +83,22 @@ class _Stream:
 
 class AsyncEngine:
     """Thread-stepped engine. ``max_waiting`` bounds requests not yet running (beyond it:
-    EngineOverloadedError).
+    EngineOverloadedError); ``max_waiting_tokens`` (None: no bound) bounds the prompt tokens they still have to
+    compute, except that a request finding none queued is always taken (a long prompt is never refused forever).
+    ``step_timeout_s``: the watchdog's bound on one step (None: DSINFER_STEP_TIMEOUT_S).
     """
 
-    def __init__(self, engine: Any, max_waiting: int = 256, idle_wait_s: float = 0.5):
+    def __init__(self, engine: Any, max_waiting: int = 256, idle_wait_s: float = 0.5,
+                 step_timeout_s: float | None = None, max_waiting_tokens: int | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.max_waiting = max_waiting
+        self.max_waiting_tokens = max_waiting_tokens
+        self._in_transit_tokens = 0  # prompt tokens handed to the engine that its last stats do not count yet
         self._idle_wait_s = idle_wait_s
+        self.step_timeout_s = envs.STEP_TIMEOUT_S.get() if step_timeout_s is None else step_timeout_s
+        self._step_started: float | None = None  # time.monotonic() when the step in progress began
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._submissions: list[_Submission] = []
@@ -96,14 +116,15 @@ class AsyncEngine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="dsinfer-engine", daemon=True)
             self._thread.start()
+            threading.Thread(target=self._watch, name="dsinfer-watchdog", daemon=True).start()
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the step loop (waiting up to ``timeout`` for the step in progress), then the engine's workers
         (``engine.shutdown()``, where it has one): a thread still stuck in a step then gets its worker's death."""
         self._stop = True
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._thread is not None:  # a dead engine's thread may be stuck in a hung step: no wait for it
+            self._thread.join(0.1 if self.error is not None else timeout)
         stop_workers = getattr(self.engine, "shutdown", None)
         if stop_workers is not None:
             try:
@@ -155,7 +176,7 @@ class AsyncEngine:
         return len(cut)
 
     # ---- requests ----------
-    def _check_accepting(self) -> None:
+    def _check_accepting(self, prompt: str | dict[str, Any]) -> None:
         if self.dead:
             raise EngineDeadError(f"the engine is dead ({self.death_reason})")
         if self.draining:
@@ -163,6 +184,13 @@ class AsyncEngine:
         waiting = len(self._submissions) + int(self.stats.get("num_waiting", 0))
         if waiting >= self.max_waiting:
             raise EngineOverloadedError(f"{waiting} requests are already waiting (limit {self.max_waiting})")
+        if self.max_waiting_tokens is not None:
+            queued = sum(_num_prompt_tokens(sub.prompt) for sub in self._submissions)
+            queued += self._in_transit_tokens + int(self.stats.get("num_waiting_tokens", 0))
+            if queued and queued + _num_prompt_tokens(prompt) > self.max_waiting_tokens:
+                raise EngineOverloadedError(
+                    f"{queued} prompt tokens are already waiting; this request's {_num_prompt_tokens(prompt)} "
+                    f"would pass the limit of {self.max_waiting_tokens} (--max-waiting-tokens)")
 
     def check_priority(self, priority: int) -> None:
         """A ValueError unless the engine takes ``priority`` (``LLMEngine.check_priority``)."""
@@ -173,7 +201,7 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the engine makes them; aborts the request if the consumer stops early.
         ``priority``: see ``LLMEngine.add_request``."""
-        self._check_accepting()
+        self._check_accepting(prompt)
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if self.error is not None:  # it died after the check: _die has already failed the open streams
@@ -209,22 +237,26 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             with startup_heap_frozen():
-                while not self._stop:
+                while not self._stop and self.error is None:
                     self._wake.clear()
                     self._apply_queued()
                     if not self.engine.has_unfinished_requests():
-                        self.stats = self.engine.get_stats()
+                        self._refresh_stats()
                         self._wake.wait(self._idle_wait_s)
                         continue
+                    self._step_started = time.monotonic()
                     outputs = self.engine.step()
+                    self._step_started = None
                     self._dispatch(outputs)
-                    self.stats = self.engine.get_stats()
+                    self._refresh_stats()
         except BaseException as exc:  # noqa: BLE001 - any escape kills the engine; streams must learn it
             self._die(exc)
 
     def _apply_queued(self) -> None:
         with self._lock:
             submissions, self._submissions = self._submissions, []
+            if self.max_waiting_tokens is not None:
+                self._in_transit_tokens += sum(_num_prompt_tokens(sub.prompt) for sub in submissions)
             aborts, self._aborts = self._aborts, []
         to_abort = [rid for rid in aborts if rid in self._in_engine]
         if to_abort:
@@ -255,10 +287,29 @@ class AsyncEngine:
             if stream is not None:
                 stream.put(out)
 
+    def _refresh_stats(self) -> None:
+        """New engine stats; the prompt tokens handed to the engine since the last ones are in them now (counted
+        twice for a moment rather than not at all, so the bound never lets one through)."""
+        self.stats = self.engine.get_stats()
+        self._in_transit_tokens = 0
+
+    def _watch(self) -> None:
+        """The step watchdog: a step running past ``step_timeout_s`` kills the engine (its thread stays stuck)."""
+        poll_s = min(0.5, self.step_timeout_s / 10)
+        while not self._stop and self.error is None:
+            started = self._step_started
+            if started is not None and time.monotonic() - started > self.step_timeout_s:
+                self._die(StepTimeoutError(f"a step ran longer than {self.step_timeout_s:g}s "
+                                           "(DSINFER_STEP_TIMEOUT_S)"))
+                return
+            time.sleep(poll_s)
+
     def _die(self, exc: BaseException) -> None:
-        logger.exception("engine loop crashed; failing every open request", exc_info=exc)
         with self._lock:  # under the lock: a request that generate() adds after this sees the error
+            if self.error is not None:  # the watchdog got here first; the stuck step has since raised too
+                return
             self.error = exc
             streams, self._streams = list(self._streams.values()), {}
+        logger.error("engine loop crashed; failing every open request", exc_info=exc)
         for stream in streams:
             stream.put(EngineCrashedError(f"the engine died while serving this request ({self.death_reason})"))

@@ -8,8 +8,9 @@ output), ``["shutdown"]``. Worker -> engine: ``["ready", {...}]`` once the model
 scheduling the worker queues step N + 1 before it waits for step N, as the in-process runner does.
 
 A worker that dies (killed, crashed, out of memory) is noticed while the engine waits for it, through the
-process sentinel: ``WorkerDiedError`` at once, with its exit code, never a hang. The worker exits when the
-engine's end of the pipe closes, so no worker outlives its engine.
+process sentinel: ``WorkerDiedError`` at once, with its exit code, never a hang. A step whose result has not come
+within ``DSINFER_STEP_TIMEOUT_S`` (a hung worker) gets the worker killed and the same ``WorkerDiedError``. The
+worker exits when the engine's end of the pipe closes, so no worker outlives its engine.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from typing import Any
 import torch
 import torch.multiprocessing as torch_mp
 
+from dsinfer import envs
 from dsinfer.config import EngineConfig
 from dsinfer.core import wire
 from dsinfer.core.outputs import RunnerOutput
 from dsinfer.core.plan import StepPlan
 from dsinfer.executor.base import Executor, WorkerDiedError
+from dsinfer.executor.faults import FaultInjector
 
 logger = logging.getLogger("dsinfer")
 
@@ -52,6 +55,8 @@ class _StepFuture:
 
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig):
+        FaultInjector.from_env(in_worker=True)  # a bad DSINFER_FAULT_INJECT fails here, before the worker starts
+        self._step_timeout_s = envs.STEP_TIMEOUT_S.get()
         ctx = torch_mp.get_context("spawn")
         self._conn, child = ctx.Pipe(duplex=True)
         # the worker computes with as many threads as the engine's process would (a CPU matmul's sums follow
@@ -86,7 +91,7 @@ class MultiprocExecutor(Executor):
                 raise RuntimeError("a step's result was asked for twice, or after the executor shut down")
             head = self._pending.popleft()
             self._send(["result"])
-            kind, payload = self._receive()
+            kind, payload = self._receive(self._step_timeout_s)
             if kind == "error":
                 raise RuntimeError(f"the worker process failed in a step: {payload}")
             head.set(payload)
@@ -99,8 +104,13 @@ class MultiprocExecutor(Executor):
         except (BrokenPipeError, ConnectionResetError, OSError):
             raise self._died() from None
 
-    def _receive(self) -> tuple[str, Any]:
-        ready = multiprocessing.connection.wait([self._conn, self.process.sentinel])
+    def _receive(self, timeout_s: float | None = None) -> tuple[str, Any]:
+        ready = multiprocessing.connection.wait([self._conn, self.process.sentinel], timeout_s)
+        if not ready:
+            self.process.kill()
+            self._died()
+            raise WorkerDiedError(f"worker process 0 (pid {self.process.pid}) did not finish a step within "
+                                  f"{timeout_s:g}s (DSINFER_STEP_TIMEOUT_S) and was killed; the engine cannot go on")
         if self._conn not in ready:
             raise self._died()
         try:
@@ -139,6 +149,7 @@ def run_worker(config: EngineConfig, conn: multiprocessing.connection.Connection
     torch.set_num_threads(num_threads)
 
     try:
+        faults = FaultInjector.from_env(in_worker=True)
         runner = ModelRunner(config)
     except BaseException:  # noqa: BLE001 - the engine must learn why its worker could not start
         conn.send_bytes(wire.encode(["error", traceback.format_exc()]))
@@ -162,6 +173,7 @@ def run_worker(config: EngineConfig, conn: multiprocessing.connection.Connection
         kind = message[0]
         if kind == "step":
             try:
+                faults.before_step()
                 launched.append(runner.launch(message[1]))
             except Exception:  # noqa: BLE001 - reported with this step's result
                 launched.append(traceback.format_exc())

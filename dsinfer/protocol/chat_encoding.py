@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from dsinfer.chat_template import sandboxed_environment, tojson
+from dsinfer.chat_template import render_bounded, sandboxed_environment, tojson
 from dsinfer.protocol.chat_formats import tools_system_prompt
 from dsinfer.protocol.errors import ProtocolError
 
@@ -204,10 +204,10 @@ class ChatEncoder:
         from jinja2 import TemplateError
 
         try:
-            rendered = _compile(template).render(**ctx)
+            rendered = render_bounded(_compile(template), ctx)
         except TemplateError as exc:
             raise ProtocolError(f"chat template failed: {exc}") from None
-        except (TypeError, KeyError, AttributeError, IndexError, RecursionError) as exc:
+        except (TypeError, KeyError, AttributeError, IndexError, RecursionError, OverflowError, MemoryError) as exc:
             raise ProtocolError(f"chat template cannot render this conversation: {exc}") from None
         if continue_final_message and plain:  # as HF: cut after the last place the final text appears
             final = messages[-1]["content"]

@@ -18,6 +18,7 @@ INT64_MAX = 2**63 - 1
 
 StrictInt = Annotated[int, Strict()]
 MaxTokens = Annotated[int, Strict(), Field(ge=1, le=INT64_MAX)]
+EchoMaxTokens = Annotated[int, Strict(), Field(ge=0, le=INT64_MAX)]  # /v1/completions: 0 with echo is allowed
 NumChoices = Annotated[int, Strict(), Field(ge=1, le=128)]
 # bounded by the vocabulary only: the engine's max_logprobs (--max-logprobs) is the limit, checked per request
 TopLogprobs = Annotated[int, Strict(), Field(ge=0, le=1 << 31)]

@@ -8,6 +8,7 @@ from pydantic import Field, StrictBool, StrictStr, ValidationInfo, field_validat
 
 from dsinfer.protocol.fields import (
     Bias,
+    EchoMaxTokens,
     KVRetention,
     MaxTokens,
     MinP,
@@ -182,7 +183,8 @@ Prompt = (
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: MaxTokens | None = 16
+    # 0 only with echo: the prompt back (scored when logprobs asks), nothing generated (lm-eval's loglikelihood)
+    max_tokens: EchoMaxTokens | None = 16
     logprobs: TopLogprobs | None = None
     echo: StrictBool = False
     best_of: NumChoices | None = None

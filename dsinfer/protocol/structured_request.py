@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from dsinfer.protocol.errors import ProtocolError
+from dsinfer.structured.finite import unproductive_rules
 from dsinfer.structured.lark import grammar_from_text
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -96,6 +97,9 @@ def check_grammar_syntax(constraint: dict[str, Any]) -> None:
             grammar = xgr.Grammar.from_regex(constraint["regex"])
         elif "grammar" in constraint:
             grammar = grammar_from_text(constraint["grammar"])  # EBNF, or Lark translated to it
+            if "root" in unproductive_rules(str(grammar)):
+                raise ValueError("the grammar can never finish: its root derives no finite string (every "
+                                 "alternative recurses without end)")
         elif "structural_tag" in constraint:
             tag = constraint["structural_tag"]
             grammar = xgr.Grammar.from_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))

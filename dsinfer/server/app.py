@@ -41,7 +41,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
-        openapi_url=None,
+        openapi_url="/openapi.json",  # the schema, for client generators and schemathesis (no docs pages)
     )
     app.state.ctx = ctx = ServingContext(engine, settings)
     for module in (openai_chat, openai_completions, openai_responses, anthropic_messages, tokenize, health):

@@ -125,7 +125,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     srv = parser.add_argument_group("server")
     srv.add_argument("--max-waiting-requests", type=int, default=256,
                      help="queued requests before 429 (529 on Anthropic routes)")
+    srv.add_argument("--max-waiting-tokens", type=int, default=None,
+                     help="queued prompt tokens (not yet computed) before 429 / 529; a request finding an empty "
+                          "queue is always taken (default: no bound)")
     srv.add_argument("--max-body-mb", type=float, default=8.0, help="request bodies above this get 413")
+    srv.add_argument("--header-timeout", type=float, default=10.0,
+                     help="seconds a request's headers may take to arrive (then 408 and the connection closed)")
+    srv.add_argument("--body-timeout", type=float, default=30.0,
+                     help="seconds a request body may pause between reads (then the connection is closed)")
+    srv.add_argument("--max-header-kb", type=float, default=32.0, help="request headers above this get 431")
+    srv.add_argument("--limit-concurrency", type=int, default=4096,
+                     help="connections and requests open at once before uvicorn answers 503")
     srv.add_argument("--max-json-depth", type=int, default=64, help="deeper JSON nesting gets 400")
     srv.add_argument(
         "--drain-timeout",
@@ -258,6 +268,11 @@ def check_serve_args(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None:
             check_parallel_size(value, f"--{name.replace('_', '-')} {value}")
+    for flag, value in (("--max-waiting-tokens", args.max_waiting_tokens), ("--header-timeout", args.header_timeout),
+                        ("--body-timeout", args.body_timeout), ("--max-header-kb", args.max_header_kb),
+                        ("--limit-concurrency", args.limit_concurrency)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag} {value}: must be > 0")
     if args.enable_log_requests:
         raise ValueError("--enable-log-requests: dsinfer has no request log (GET /metrics counts requests by "
                          "path and status); drop the flag")
@@ -366,6 +381,7 @@ def settings_from_args(args: argparse.Namespace, engine: Any) -> Any:
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
         max_json_depth=args.max_json_depth,
         max_waiting_requests=args.max_waiting_requests,
+        max_waiting_tokens=args.max_waiting_tokens,
         drain_timeout_s=args.drain_timeout,
         chat_template=_template_text(args.chat_template),
         chat_format=args.chat_format if args.chat_format != "auto" else "auto",
@@ -394,8 +410,13 @@ def _cors_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
     """``uvicorn.Config`` keyword arguments of the HTTP flags (``--root-path`` is the app's, see ``RootPath``)."""
+    from dsinfer.server.http_limits import bounded_h11
+
     options: dict[str, Any] = {"host": args.host, "port": args.port,
-                               "log_level": args.uvicorn_log_level or args.log_level}
+                               "log_level": args.uvicorn_log_level or args.log_level,
+                               "http": bounded_h11(args.header_timeout, args.body_timeout,
+                                                   int(args.max_header_kb * 1024)),
+                               "limit_concurrency": args.limit_concurrency}
     for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
@@ -432,7 +453,8 @@ def run_serve(
     )
     engine = (engine_factory or build_engine)(args)
     settings = settings_from_args(args, engine)
-    async_engine = AsyncEngine(engine, max_waiting=settings.max_waiting_requests)
+    async_engine = AsyncEngine(engine, max_waiting=settings.max_waiting_requests,
+                               max_waiting_tokens=settings.max_waiting_tokens)
     app = build_app(async_engine, settings)
     config = uvicorn.Config(app, **uvicorn_options(args), timeout_graceful_shutdown=5, access_log=False)
     server = DrainingServer(config, async_engine, settings.drain_timeout_s)

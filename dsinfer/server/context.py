@@ -28,6 +28,9 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex}"
 
 
+PROMPT_BYTES_MARGIN = 2  # check_prompt_text's factor over the bytes the longest tokens of a full context hold
+
+
 class ServingContext:
     def __init__(self, engine: AsyncEngine, settings: ServerSettings):
         self.engine = engine
@@ -55,6 +58,21 @@ class ServingContext:
         self.reasoning = settings.reasoning_parser == "think" or (
             settings.reasoning_parser == "auto" and has_think
         )
+
+    def check_prompt_text(self, text: str, param: str = "prompt") -> None:
+        """400 before tokenizing a text too long for the context whatever its tokens: more UTF-8 bytes than
+        ``PROMPT_BYTES_MARGIN`` x max_model_len x the longest token's bytes (the margin leaves room for a
+        normalizer that shortens text, as NFKC's ligatures). Bounds the CPU a prompt or /tokenize can cost."""
+        limit = PROMPT_BYTES_MARGIN * self.max_model_len * self.tokenizer.max_token_bytes
+        if len(text) > limit // 4 and len(text.encode(errors="surrogatepass")) > limit:
+            raise ProtocolError(f"the text is too long for the model's context of {self.max_model_len} tokens "
+                                f"(over {limit} bytes)", param=param)
+
+    def check_prompt_tokens(self, num_tokens: int, param: str = "prompt") -> None:
+        """400 for a prompt of more tokens than the context holds."""
+        if num_tokens > self.max_model_len:
+            raise ProtocolError(f"the prompt has {num_tokens} tokens, more than the model's context of "
+                                f"{self.max_model_len}", param=param)
 
     def check_priority(self, priority: int) -> None:
         """400 (param "priority") for a priority other than 0 when the engine does not schedule by priority."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -55,12 +56,14 @@ def _prepared(ctx: ServingContext, req: CompletionRequest,
     prepared = []
     for k, prompt in enumerate(prompts):
         try:
+            if isinstance(prompt, str):
+                ctx.check_prompt_text(prompt)
             ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             check_prompt_ids(ids, ctx.vocab_size)
             ids = prompt_ids(ctx, req, ids)
             # an unset max_tokens is the completions' 16 (vLLM's too): the model's max_new_tokens fills in only
             # an explicit null
-            max_tokens = ctx.max_tokens(req.max_tokens, len(ids), "max_tokens", "prompt",
+            max_tokens = ctx.max_tokens(1 if req.max_tokens == 0 else req.max_tokens, len(ids), "max_tokens", "prompt",
                                         clamp="max_tokens" not in req.model_fields_set)
         except ProtocolError as exc:
             if len(prompts) > 1 and exc.param in ("prompt", "max_tokens"):
@@ -88,6 +91,9 @@ async def completions(request: Request):
     ctx.check_priority(req.priority)
     if req.suffix:
         raise ProtocolError("suffix is not supported", param="suffix")
+    if req.max_tokens == 0 and not req.echo:
+        raise ProtocolError("max_tokens must be at least 1 (0 only with echo: the prompt back, nothing generated)",
+                            param="max_tokens")
     if req.best_of is not None and req.best_of != req.n:
         raise ProtocolError(f"best_of must equal n ({req.n}), got {req.best_of}", param="best_of")
     structured, field = structured_outputs_of(req)
@@ -110,7 +116,11 @@ def _choice(ctx: ServingContext, req: CompletionRequest, c: Any, echo: str, offs
             prompt: RequestOutput | None = None) -> tuple[dict[str, Any], int]:
     """One choice, and the text offset after its generated tokens' logprobs (a stream's next offset: the text
     itself may hold back what could begin a stop string, the logprobs never do); ``prompt`` (with ``echo``): the
-    output whose prompt logprobs lead the logprobs."""
+    output whose prompt logprobs lead the logprobs. With ``max_tokens: 0`` (echo only) the one token the engine
+    made is dropped: the choice is the prompt alone, as vLLM's and the OpenAI legacy API's."""
+    if req.max_tokens == 0:
+        c = dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                                finish_reason="length" if c.finish_reason else None, stop_reason=None)
     logprobs = None
     if req.logprobs is not None:
         as_ids = ctx.tokens_as_ids(req.return_tokens_as_token_ids)
@@ -125,6 +135,14 @@ def _choice(ctx: ServingContext, req: CompletionRequest, c: Any, echo: str, offs
     choice = {"index": c.index, "text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
               "stop_reason": c.stop_reason}  # vLLM's: the stop string or token id that ended it
     return choice, offset
+
+
+def _usage(req: CompletionRequest, batch: Batch) -> dict[str, Any]:
+    """The batch's usage; with ``max_tokens: 0`` (echo only) none of the token the engine made is counted."""
+    usage = batch.usage()
+    if req.max_tokens == 0:
+        usage = {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
+    return usage
 
 
 def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, batch: Batch,
@@ -142,7 +160,7 @@ def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, batc
         "created": int(time.time()),
         "model": ctx.reported_model(req.model),
         "choices": choices,
-        "usage": batch.usage(),
+        "usage": _usage(req, batch),
         "system_fingerprint": None,
     }
 
@@ -173,10 +191,11 @@ async def _stream(
                 prefix = "" if echoed[index] else echoes[k]
                 echoed[index] = True
                 choice, offsets[index] = _choice(ctx, req, c, prefix, offsets[index], out)
-                yield sse_data({**base, "choices": [{**choice, "index": index}], **usage_now(req, batch)})
+                yield sse_data({**base, "choices": [{**choice, "index": index}],
+                                **usage_now(req, batch, before_output=req.max_tokens == 0)})
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
         yield sse_data(stream_error_payload(exc))
         return
     if req.stream_options is not None and req.stream_options.include_usage:
-        yield sse_data({**base, "choices": [], "usage": batch.usage()})
+        yield sse_data({**base, "choices": [], "usage": _usage(req, batch)})
     yield SSE_DONE

@@ -14,6 +14,7 @@ class ServerSettings:
     max_body_bytes: int = 8 << 20  # larger request bodies are answered 413
     max_json_depth: int = 64  # deeper JSON nesting is answered 400 before parsing
     max_waiting_requests: int = 256  # requests queued beyond this are answered 429 (529 on Anthropic routes)
+    max_waiting_tokens: int | None = None  # queued prompt tokens beyond this: the same 429 / 529; None: no bound
     drain_timeout_s: float = 30.0  # on SIGTERM, how long in-flight requests may finish
     chat_template: str | None = None  # template text overriding the model's
     chat_format: str = "auto"  # built-in format when the model has no template: auto | chatml | deepseek_v3

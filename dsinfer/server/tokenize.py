@@ -1,4 +1,7 @@
-"""vLLM-compatible POST /tokenize and POST /detokenize."""
+"""vLLM-compatible POST /tokenize, POST /detokenize and GET /tokenizer_info.
+
+/tokenize is bounded as a generation request is: a text too long for the context whatever its tokens is refused
+before it is tokenized, and a result of more tokens than the context holds is a 400."""
 
 from __future__ import annotations
 
@@ -62,7 +65,9 @@ async def tokenize(request: Request) -> JSONResponse:
         )
         tokens = encoded.token_ids
     else:
+        ctx.check_prompt_text(req.prompt)
         tokens = await asyncio.to_thread(ctx.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
+    ctx.check_prompt_tokens(len(tokens), "messages" if req.messages is not None else "prompt")
     result: dict[str, Any] = {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
     if req.return_token_strs:
         result["token_strs"] = await asyncio.to_thread(lambda: [ctx.tokenizer.id_to_token(t) for t in tokens])
@@ -79,3 +84,15 @@ async def detokenize(request: Request) -> dict[str, Any]:
     if req.tokens:
         check_prompt_ids(req.tokens, ctx.vocab_size, param="tokens")
     return {"prompt": ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> JSONResponse:
+    """vLLM's /tokenizer_info (lm-eval-harness's remote tokenizer reads it): the tokenizer's configuration
+    (tokenizer_config.json), its class, and the chat template the server applies."""
+    ctx: ServingContext = request.app.state.ctx
+    config = {key: value for key, value in ctx.tokenizer.config.items() if key != "added_tokens_decoder"}
+    info = {**config, "tokenizer_class": config.get("tokenizer_class") or "PreTrainedTokenizerFast",
+            "chat_template": ctx.chat.template, "model_max_length": ctx.max_model_len,
+            "bos_token": ctx.tokenizer.bos_token, "eos_token": ctx.tokenizer.eos_token}
+    return JSONResponse(info)

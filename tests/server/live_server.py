@@ -92,3 +92,27 @@ def stop_server(server: LiveServer) -> None:
     if server.proc.poll() is None:
         server.proc.kill()
         server.proc.wait(30)
+
+
+def start_tiny_server(tmp: Path, model: Path, tokenizer: Path, backend: str = "uni", *extra: str,
+                      env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str, Path]:
+    """A server of a tiny random model (``tiny_llama_dir``, ``write_tiny_tokenizer``) named "tiny", on CPU;
+    ``env``: variables added to the server's environment. Returns the process, its URL and its log."""
+    port, log = free_port(), tmp / "server.log"
+    cmd = [sys.executable, "-m", "dsinfer.server", str(model), "--tokenizer", str(tokenizer), "--device", "cpu",
+           "--distributed-executor-backend", backend, "--served-model-name", "tiny", "--host", "127.0.0.1",
+           "--port", str(port), "--api-key", API_KEY, "--max-model-len", "512", "--log-level", "warning", *extra]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 45
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url, log
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"server not healthy in 45s:\n{log.read_text()[-4000:]}")

@@ -181,3 +181,19 @@ def test_request_metrics_through_the_async_engine_are_on_the_monotonic_clock(tin
     m = out.metrics
     assert out.finished
     assert before <= m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time <= after
+
+
+def test_the_queued_prompt_token_bound_refuses_past_it_but_always_takes_a_request_into_an_empty_queue():
+    async def queue_and_refuse():
+        engine = AsyncEngine(FakeEngine(), max_waiting_tokens=10)  # not started yet: submissions stay queued
+        big = asyncio.ensure_future(_collect(engine, "big", prompt=[1] * 25))  # over the bound, but the queue is empty
+        await asyncio.sleep(0.01)
+        with pytest.raises(EngineOverloadedError, match=r"25 prompt tokens are already waiting; this request's 1 "
+                                                        r"would pass the limit of 10 \(--max-waiting-tokens\)"):
+            await _collect(engine, "small", prompt=[1])
+        engine.start()  # the engine takes "big"; the queue empties and a new request is taken again
+        await asyncio.wait_for(big, 5)
+        assert len(await _collect(engine, "after", prompt=[1] * 5)) >= 1
+        engine.shutdown()
+
+    asyncio.run(queue_and_refuse())

@@ -1,8 +1,10 @@
 """A dead engine ends the server: its in-flight requests fail naming what died, /health and new requests get 503,
 and the process exits non-zero soon after, for an orchestrator to restart it (as vLLM's).
 
-The live test kills the model's worker process (``--distributed-executor-backend mp``) of a real ``dsinfer serve``
-mid-generation; the fast ones drive AsyncEngine and DrainingServer's watcher with a fake engine."""
+The live tests run a real ``dsinfer serve`` and, mid-generation, kill its model's worker process
+(``--distributed-executor-backend mp``) or inject a fault with ``DSINFER_FAULT_INJECT`` (a step that raises,
+hangs past ``DSINFER_STEP_TIMEOUT_S`` or kills the worker, in-process and mp); the fast ones drive AsyncEngine
+and DrainingServer's watcher with a fake engine."""
 
 from __future__ import annotations
 
@@ -10,9 +12,8 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from dsinfer.server.cli import add_serve_args, engine_args
 from dsinfer.server.lifecycle import DrainingServer
 
 from ..protocol.tiny_tokenizer import write_tiny_tokenizer
-from .live_server import API_KEY, REPO, free_port
+from .live_server import API_KEY, start_tiny_server
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 # long enough to be in flight when the worker is killed; the tiny model's vocabulary is 256 ids
@@ -108,6 +109,32 @@ def test_a_crash_fails_the_request_in_flight_with_the_cause_and_refuses_new_ones
     assert fake.shutdowns == 1 and shutdown_s < 1.0  # the dead engine's workers are stopped, without a hang
 
 
+def test_the_watchdog_fails_a_request_stuck_in_a_hung_step_and_shutdown_does_not_wait_for_it():
+    fake = _DyingEngine()
+    release = threading.Event()
+    fake.step = lambda: release.wait(30) and []  # a step that hangs until the test releases it
+
+    async def main():
+        engine = AsyncEngine(fake, step_timeout_s=0.3)
+        engine.start()
+        started = time.monotonic()
+        with pytest.raises(EngineCrashedError, match=r"StepTimeoutError: a step ran longer than 0.3s"):
+            await asyncio.wait_for(_drain(engine, "a"), 5)
+        failed_s = time.monotonic() - started
+        assert engine.dead and not engine.is_healthy
+        with pytest.raises(EngineDeadError, match="the engine is dead"):
+            await _drain(engine, "b")
+        started = time.monotonic()
+        engine.shutdown()
+        return failed_s, time.monotonic() - started
+
+    try:
+        failed_s, shutdown_s = asyncio.run(main())
+    finally:
+        release.set()
+    assert 0.3 <= failed_s < 2 and shutdown_s < 1 and fake.shutdowns == 1
+
+
 def test_the_watcher_tells_uvicorn_to_exit_after_the_grace_period():
     engine = SimpleNamespace(dead=False, death_reason="")
     server = DrainingServer(uvicorn.Config(app=None), engine, drain_timeout_s=30, death_grace_s=0.2)
@@ -137,27 +164,6 @@ def _worker_pid(server_pid: int) -> int:
     raise AssertionError(f"no spawned worker among the children {children} of the server {server_pid}")
 
 
-def _start(tmp: Path, model: Path, tokenizer: Path) -> tuple[subprocess.Popen, str, Path]:
-    port, log = free_port(), tmp / "server.log"
-    cmd = [sys.executable, "-m", "dsinfer.server", str(model), "--tokenizer", str(tokenizer), "--device", "cpu",
-           "--distributed-executor-backend", "mp", "--served-model-name", "tiny", "--host", "127.0.0.1",
-           "--port", str(port), "--api-key", API_KEY, "--max-model-len", "512", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 45
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url, log
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(f"server not healthy in 45s:\n{log.read_text()[-4000:]}")
-
-
 def _stream(url: str, first_chunk: threading.Event, out: dict) -> None:
     """A streamed completion: its data lines, until the server ends the stream."""
     with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}, headers=HEADERS,
@@ -173,8 +179,23 @@ def _whole(url: str, out: dict) -> None:
     out["response"] = httpx.post(f"{url}/v1/completions", json=LONG, headers=HEADERS, timeout=20)
 
 
-def test_killing_the_worker_fails_in_flight_requests_and_the_server_exits_non_zero(tiny_llama_dir, tmp_path):
-    proc, url, log = _start(tmp_path, tiny_llama_dir, write_tiny_tokenizer(tmp_path / "tok"))
+FAULT_STEP = 150  # both requests (400 tokens each) are in flight by then, and far from done
+TIMEOUT_S = "2"
+
+
+@pytest.mark.parametrize("backend, fault, cause", [
+    ("mp", None, r"WorkerDiedError: worker process 0 \(pid \d+\) died \(signal 9\)"),  # killed from outside
+    ("mp", f"kill:step={FAULT_STEP}", r"WorkerDiedError: worker process 0 \(pid \d+\) died \(signal 9\)"),
+    ("mp", f"stall:step={FAULT_STEP}",
+     r"WorkerDiedError: .*did not finish a step within 2s|StepTimeoutError: a step ran longer than 2s"),
+    ("uni", f"raise:step={FAULT_STEP}", r"InjectedFault: injected fault: raise in step 150"),
+    ("uni", f"stall:step={FAULT_STEP}", r"StepTimeoutError: a step ran longer than 2s \(DSINFER_STEP_TIMEOUT_S\)"),
+], ids=["mp-sigkill", "mp-kill", "mp-stall", "uni-raise", "uni-stall"])
+def test_an_engine_fault_fails_in_flight_requests_and_the_server_exits_non_zero(
+        tiny_llama_dir, tmp_path, backend, fault, cause):
+    env = {"DSINFER_STEP_TIMEOUT_S": TIMEOUT_S, **({"DSINFER_FAULT_INJECT": fault} if fault else {})}
+    tokenizer = write_tiny_tokenizer(tmp_path / "tok")
+    proc, url, log = start_tiny_server(tmp_path, tiny_llama_dir, tokenizer, backend, env=env)
     try:
         first_chunk, streamed, whole = threading.Event(), {}, {}
         threads = [threading.Thread(target=_stream, args=(url, first_chunk, streamed)),
@@ -182,13 +203,14 @@ def test_killing_the_worker_fails_in_flight_requests_and_the_server_exits_non_ze
         for t in threads:
             t.start()
         assert first_chunk.wait(20), f"no streamed token in 20s:\n{log.read_text()[-4000:]}"
-        time.sleep(0.2)  # the non-streamed one is in the engine by now
-        os.kill(_worker_pid(proc.pid), signal.SIGKILL)
-        killed = time.monotonic()
+        faulted = time.monotonic()
+        if fault is None:
+            time.sleep(0.2)  # the non-streamed one is in the engine by now
+            os.kill(_worker_pid(proc.pid), signal.SIGKILL)
         for t in threads:
             t.join(20)
-        assert not any(t.is_alive() for t in threads), "a request in flight hung after the worker died"
-        checked_at = time.monotonic() - killed
+        assert not any(t.is_alive() for t in threads), "a request in flight hung after the engine died"
+        checked_at = time.monotonic() - faulted
         try:  # within the grace period the server still answers, with 503s
             health = httpx.get(f"{url}/health", timeout=5)
             assert (health.status_code, health.json()) == (503, {"status": "dead"})
@@ -197,22 +219,22 @@ def test_killing_the_worker_fails_in_flight_requests_and_the_server_exits_non_ze
         except httpx.ConnectError:  # or it has already gone
             assert checked_at > 0.5, f"the server stopped listening only {checked_at:.2f}s after the death"
         code = proc.wait(30)
+        exited_s = time.monotonic() - faulted
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
     text = log.read_text()
-    assert code == 1, text[-4000:]
-    assert "engine died: WorkerDiedError: worker process 0" in text, text[-4000:]
+    assert code == 1 and exited_s < 30, text[-4000:]
+    assert re.search(f"engine died: (?:{cause})", text), text[-4000:]
 
     assert streamed["status"] == 200 and streamed["lines"][-1] != "[DONE]"
     error = json.loads(streamed["lines"][-1])["error"]  # the stream's last event names what died
-    assert "worker process 0" in error["message"] and "died (signal 9)" in error["message"]
+    assert re.search(cause, error["message"]), error
 
     response = whole["response"]  # not streamed: a 500 in OpenAI's envelope, naming what died
     body = response.json()
     message = body["error"]["message"]
     assert response.status_code == 500, body
     assert body == {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
-    assert message.startswith("the engine died while serving this request (WorkerDiedError: worker process 0 (pid ")
-    assert message.endswith(" died (signal 9); the engine cannot go on)")
+    assert message.startswith("the engine died while serving this request (") and re.search(cause, message)
