@@ -163,8 +163,9 @@ def engine_kwargs(args: argparse.Namespace, spec: dict | None) -> dict:
         kwargs.update(model=args.model, load_format=args.load_format)
     if args.step_latency_dir is not None:
         kwargs["step_latency_dir"] = args.step_latency_dir
-    if args.max_model_len:
-        kwargs["max_model_len"] = args.max_model_len
+    # the KV budget of each engine must hold one whole sequence: by default the longest this run makes (the
+    # checkpoint's own limit, 131,072 for Llama-3.1, does not fit an 8 GiB budget)
+    kwargs["max_model_len"] = args.max_model_len or args.input_len + args.output_len + 2 * args.k + 16
     if args.device == "cuda":  # two or three engines share the GPU: each a fixed KV budget, no prompt graphs
         kwargs.update(kv_cache_memory_gb=args.kv_cache_memory_gb, max_prefill_graph_tokens=0)
     return kwargs
