@@ -122,42 +122,28 @@ class GroupedKVCacheManager(KVCacheManager):
     def allocate_slots(self, request: Request, num_new_tokens: int, computed: list[list[KVCacheBlock]] = ()
                        ) -> bool:
         """As ``KVCacheManager.allocate_slots``, in every group; first gives back what fell behind the windows."""
+        self._free_behind_windows(request, self._lists(request))
+        return super().allocate_slots(request, num_new_tokens, computed)
+
+    def _take_blocks(self, request: Request, num_new_tokens: int, computed) -> None:
+        """Every group: its hit's blocks (the null entries of a hit count as given back), then fresh ones."""
         lists = self._lists(request)
-        self._free_behind_windows(request, lists)
-        end = request.num_computed_tokens + num_new_tokens
-        has_slot = self.slots is None or request.state_slot >= 0
-        if not computed and has_slot and end <= len(request.blocks) * self.block_size:
-            if self.enable_caching and end // self.block_size > request.num_offered_blocks:
-                self._cache_full_blocks(request, end)
-            return True
-        if not self.can_allocate(request, num_new_tokens, computed):
-            return False
-        if self.slots is not None and request.state_slot < 0:
-            request.state_slot = self.slots.allocate()
         for blocks, hits in zip(lists, computed):
             self.pool.touch([b for b in hits if b is not self.null])
             blocks.extend(hits)
-        if computed:  # the null entries of a hit count as given back
+        if computed:
             request.num_freed_blocks = [sum(1 for b in hits if b is self.null) for hits in computed]
         count = self.num_blocks_needed(request, num_new_tokens)
         for blocks in lists:
             blocks.extend(self.pool.allocate(count))
-        self._cache_full_blocks(request, end)
-        return True
 
     def allocate_for_load(self, request: Request, num_new_tokens: int, computed: list[list[KVCacheBlock]] = ()
                           ) -> bool:
         """As ``KVCacheManager.allocate_for_load`` in every group; a sliding group keeps only the blocks its window
         needs at the load's end (the GPU hit's earlier ones go back), so no block without valid KV is held."""
-        if self.slots is not None or not self.can_allocate(request, num_new_tokens, computed):
+        if not super().allocate_for_load(request, num_new_tokens, computed):
             return False
         lists = self._lists(request)
-        for blocks, hits in zip(lists, computed):
-            self.pool.touch([b for b in hits if b is not self.null])
-            blocks.extend(hits)
-        count = self.num_blocks_needed(request, num_new_tokens)
-        for blocks in lists:
-            blocks.extend(self.pool.allocate(count))
         end_token = request.num_computed_tokens + num_new_tokens
         for g, blocks in enumerate(lists):
             if self.windows[g] is not None:

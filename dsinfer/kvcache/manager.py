@@ -80,22 +80,23 @@ class KVCacheManager:
             return False
         if self.slots is not None and request.state_slot < 0:
             request.state_slot = self.slots.allocate()
+        self._take_blocks(request, num_new_tokens, computed)
+        self._cache_full_blocks(request, end)
+        return True
+
+    def _take_blocks(self, request: Request, num_new_tokens: int, computed) -> None:
+        """Append the prefix hit's blocks and fresh ones for ``num_new_tokens`` (room already checked)."""
         if computed:
             self.pool.touch(list(computed))
             request.blocks.extend(computed)
         request.blocks.extend(self.pool.allocate(self.num_blocks_needed(request, num_new_tokens)))
-        self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)
-        return True
 
     def allocate_for_load(self, request: Request, num_new_tokens: int, computed: list[KVCacheBlock] = ()) -> bool:
         """Blocks for ``num_new_tokens`` tokens past ``request.num_computed_tokens`` that a KV store load will fill:
         as ``allocate_slots``, but none joins the prefix cache before its KV is there (``cache_loaded``)."""
         if self.slots is not None or not self.can_allocate(request, num_new_tokens, computed):
             return False
-        if computed:
-            self.pool.touch(list(computed))
-            request.blocks.extend(computed)
-        request.blocks.extend(self.pool.allocate(self.num_blocks_needed(request, num_new_tokens)))
+        self._take_blocks(request, num_new_tokens, computed)
         return True
 
     def cache_loaded(self, request: Request) -> None:
