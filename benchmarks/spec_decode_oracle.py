@@ -158,7 +158,7 @@ def engine(args: argparse.Namespace, spec: dict | None) -> LLM:
 def engine_kwargs(args: argparse.Namespace, spec: dict | None) -> dict:
     """The LLM arguments of one engine of the run."""
     kwargs = dict(dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes),
-                  speculative_config=spec)
+                  speculative_config=spec, deterministic=args.deterministic)
     if args.model is not None:
         kwargs.update(model=args.model, load_format=args.load_format)
     if args.step_latency_dir is not None:
@@ -236,6 +236,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=48)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels: a step's shape cannot flip a near-tie, so a bfloat16 run keeps "
+                        "the speculation-off run's tokens (the oracle's references) on random weights")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per setting, alternating; the median kept")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=8.0, help="CUDA: each engine's KV cache")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from dsinfer import LLM, SamplingParams
 
@@ -79,7 +80,12 @@ def test_gpt_oss_on_cuda_in_bfloat16_stays_close(checkpoint):  # noqa: F811
     prompts = _prompts(model.config.vocab_size)
     _, outputs = _generate(path, prompts, dtype="bfloat16")
     assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in outputs)
-    assert _worst_logprob_gap(model, prompts, outputs) < 0.25
+    # the checkpoint's clamped, 8x-scaled experts make bfloat16 itself far from float32 (transformers' own bfloat16
+    # run: 1.54 nats at worst): ours must be no farther than that, with a margin for rounding in another order
+    hf_bf16 = transformers.GptOssForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    hf_gap = max((hf_prompt_logprobs(hf_bf16, ids).float() - hf_prompt_logprobs(model, ids)).abs().max().item()
+                 for ids in prompts)
+    assert _worst_logprob_gap(model, prompts, outputs) < max(0.25, 1.25 * hf_gap)
 
 
 @pytest.mark.gpu
