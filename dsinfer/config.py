@@ -21,11 +21,13 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-# vLLM's distributed_executor_backend: "uni" runs the model in the engine's process, "mp" in a worker process
+# vLLM's distributed_executor_backend: "uni" runs the model in the engine's process, "mp" in worker processes
+# (one per tensor-parallel rank)
 EXECUTOR_BACKENDS = ("uni", "mp")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-# vLLM's parallel sizes: dsinfer runs one GPU per engine, so 1 is the only value (``check_parallel_size``)
-PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+# vLLM's parallel sizes that dsinfer does not split a model by yet: 1 is the only value (``check_parallel_size``);
+# tensor_parallel_size is ParallelConfig's
+PARALLEL_SIZES = ("pipeline_parallel_size", "data_parallel_size")
 # vLLM's --kv-cache-dtype values: "auto" keeps the model's dtype; "fp8" is e4m3 (per-layer scales, see Attention)
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}
@@ -110,7 +112,14 @@ class DeviceConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    distributed_executor_backend: str = "uni"  # uni (in process) | mp (a worker process): dsinfer/executor/
+    distributed_executor_backend: str = "uni"  # uni (in process) | mp (worker processes): dsinfer/executor/
+    # ranks the model's heads, MLP columns and vocabulary are split over (one GPU each; "mp" above 1); the world
+    # size of the torch.distributed group (dsinfer/distributed/)
+    tensor_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
 
 
 SPEC_METHODS = ("ngram", "mtp")  # vLLM's names: n-gram prompt lookup, the checkpoint's multi-token prediction layers
@@ -345,8 +354,10 @@ class EngineConfig:
 
 
 def check_parallel_size(value: Any, spelled: str) -> None:
-    """One of ``PARALLEL_SIZES`` as the user gave it (``spelled``: "tensor_parallel_size=2" or
-    "--tensor-parallel-size 2"): a ValueError unless it is 1."""
+    """One of ``PARALLEL_SIZES`` as the user gave it (``spelled``: "pipeline_parallel_size=2" or
+    "--pipeline-parallel-size 2"): a ValueError unless it is 1."""
     if type(value) is not int or value != 1:
-        raise ValueError(f"{spelled}: dsinfer serves one GPU per process (only 1 is accepted); run one engine per "
-                         "GPU (behind a load balancer when serving)")
+        kind = spelled.lstrip("-").split("_")[0].split("-")[0]  # pipeline | data
+        raise ValueError(f"{spelled}: dsinfer has no {kind} parallelism yet (only 1 is accepted); spread a model "
+                         "over GPUs with tensor_parallel_size (-tp), or run one engine per GPU behind a load "
+                         "balancer")

@@ -231,3 +231,36 @@ def validate_all() -> None:
     """Parse every variable that is set; raise a ValueError naming the first bad one."""
     for var in _REGISTRY.values():
         var.get()
+DIST_TIMEOUT_S = _declare(
+    "DSINFER_DIST_TIMEOUT_S", "float", 120.0,
+    "Tensor parallelism: a collective (all-reduce, all-gather) that has not completed within this many seconds "
+    "fails its rank, so a rank that died or hangs is noticed (ranks spawned by dsinfer are also watched through "
+    "their processes, at once).",
+    _parse_positive_float,
+)
+NUMA_BIND = _declare(
+    "DSINFER_NUMA_BIND", "bool", True,
+    "Tensor parallelism: bind each rank's CPU threads to the NUMA node of its GPU (CPU runs: disjoint core sets "
+    "per rank); off: leave the affinity as inherited.",
+    _parse_bool,
+)
+
+
+# The launcher's variables (torchrun, SLURM wrappers, Kubernetes): standard names, not dsinfer's, read here as
+# every variable is. ``launcher_env()`` gives those that are set.
+LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def launcher_env() -> dict[str, str]:
+    """The launcher's rendezvous variables that are set (``LAUNCHER_VARS``), unparsed."""
+    return {name: os.environ[name] for name in LAUNCHER_VARS if os.environ.get(name)}
+
+
+def torchelastic_agent_store() -> bool:
+    """torchrun's agent hosts the rendezvous store on MASTER_PORT (``TORCHELASTIC_USE_AGENT_STORE``)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def cuda_visible_devices() -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` as set (None: every GPU is visible)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("spec_decode",),               # drafters (n-gram), draft confidence, spec-decode counters: core + config only
     ("models",),                    # registry, loaders, llama, deepseek, mtp
     ("layers",),                    # nn.Modules over ops
+    ("distributed",),               # ParallelState and its collectives, rendezvous, process groups, NUMA binding
     ("ops",),                       # one public function per op: torch reference + dispatch to a kernel
     ("batch_invariant",),           # the deterministic mode's kernels, which the ops pick in that mode
     ("ops.triton",),                # the Triton kernels

@@ -75,8 +75,12 @@ class EngineArgs:
     override_generation_config: dict[str, Any] | None = None
     # the most logprobs / prompt_logprobs a request may ask for (vLLM's --max-logprobs); -1: up to the vocab size
     max_logprobs: int = 20
-    # vLLM's distributed_executor_backend: "uni" (in process, the default) or "mp" (the model in a worker process)
+    # vLLM's distributed_executor_backend: "uni" (in process, the default at one rank) or "mp" (the model in
+    # worker processes; the default, and the only choice, above one rank)
     distributed_executor_backend: str | None = None
+    # vLLM's tensor_parallel_size: ranks (GPUs) the model is split over; dsinfer spawns them, or joins a
+    # torchrun / SLURM job's (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
+    tensor_parallel_size: int = 1
     # vLLM's speculative_config: {"method": "ngram" | "mtp", "num_speculative_tokens": k, "prompt_lookup_min",
     # "prompt_lookup_max", "acceptance": "rejection" | "exact", "confidence_scheduling"} (``SpeculativeConfig``)
     speculative_config: dict[str, Any] | None = None
@@ -141,7 +145,8 @@ class EngineArgs:
             # the invariant kernels give a row the same result whatever the (padded) batch around it
             device=DeviceConfig(device, bool(deterministic), bool(async_sched), self.enforce_eager,
                                 self.max_prefill_graph_tokens),
-            parallel=ParallelConfig(self.distributed_executor_backend or "uni"),
+            parallel=ParallelConfig(self.distributed_executor_backend or ("mp" if self.tensor_parallel_size > 1
+                                                                          else "uni"), self.tensor_parallel_size),
             speculative=speculative,
             kernel=KernelConfig.from_envs(),
             kv_store=kv_store,
@@ -194,6 +199,13 @@ class EngineArgs:
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got "
                              f"{self.distributed_executor_backend!r}")
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 1 << 12)
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} runs one worker process per rank: "
+                             "distributed_executor_backend='uni' (in process) cannot; use 'mp' or leave it unset")
+        if self.tensor_parallel_size > 1 and self.kv_store:
+            raise ValueError("kv_store is not supported with tensor_parallel_size > 1 yet (each rank holds a slice "
+                             "of the KV cache)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

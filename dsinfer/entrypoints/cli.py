@@ -18,6 +18,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e4m3 | fp8_e5m2")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="split the model over this many GPUs (under torchrun / SLURM: the job's WORLD_SIZE)")
+    parser.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -27,11 +30,24 @@ def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None
     parser.add_argument("--top-k", type=int, default=-1)
 
 
+def _engine_kwargs(args) -> dict:
+    return dict(dtype=args.dtype, max_model_len=args.max_model_len, load_format=args.load_format, seed=args.seed,
+                kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
+                device=args.device)
+
+
 def _make_llm(args):
     from dsinfer.entrypoints.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, load_format=args.load_format,
-               seed=args.seed, kv_cache_dtype=args.kv_cache_dtype)
+    return LLM(args.model, **_engine_kwargs(args))
+
+
+def _follow(args) -> int | None:
+    """A launched job's rank >= 1 follows rank 0's engine (-> its exit code); None: this process runs it."""
+    from dsinfer.engine.arg_utils import EngineArgs
+    from dsinfer.entrypoints.launch import follow_if_launched
+
+    return follow_if_launched(EngineArgs(model=args.model, **_engine_kwargs(args)), "offline")
 
 
 def _sampling(args):
@@ -43,6 +59,9 @@ def _sampling(args):
 
 def cmd_generate(args) -> int:
     params = _sampling(args)  # bad flag values fail before the model loads
+    followed = _follow(args)
+    if followed is not None:
+        return followed
     llm = _make_llm(args)
     started = time.perf_counter()
     out = llm.generate(args.text, params, use_tqdm=False)[0]
@@ -55,6 +74,9 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     params = _sampling(args)
+    followed = _follow(args)
+    if followed is not None:
+        return followed
     llm = _make_llm(args)
     if args.text:
         print(llm.chat([{"role": "user", "content": args.text}], params, use_tqdm=False)[0].outputs[0].text)

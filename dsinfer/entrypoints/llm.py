@@ -284,8 +284,9 @@ def _final_only(params: SamplingParams) -> SamplingParams:
 
 
 def _take_vllm_only_args(kwargs: dict[str, Any]) -> None:
-    """vLLM's LLM arguments that dsinfer answers as ``dsinfer serve`` answers the flags: a parallel size of 1 (one
-    GPU per engine), and trust_remote_code, which changes nothing (dsinfer never runs a model's own Python code)."""
+    """vLLM's LLM arguments that dsinfer answers as ``dsinfer serve`` answers the flags: a pipeline or data
+    parallel size of 1 (``tensor_parallel_size`` is an ``EngineArgs`` field), and trust_remote_code, which changes
+    nothing (dsinfer never runs a model's own Python code)."""
     for name in PARALLEL_SIZES:
         value = kwargs.pop(name, 1)
         check_parallel_size(value, f"{name}={value!r}")

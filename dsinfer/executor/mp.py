@@ -1,16 +1,24 @@
-"""The multi-process executor: the model lives in a worker process (``torch.multiprocessing``, spawn), which gets
-each step plan over a pipe as msgpack bytes (``core.wire``; nothing is unpickled from the pipe) and answers with
-the step's ``RunnerOutput``.
+"""The multi-process executor: the model lives in worker processes (``torch.multiprocessing``, spawn), one per
+tensor-parallel rank. Rank 0's worker gets each step plan over a pipe as msgpack bytes (``core.wire``; nothing
+is unpickled from the pipe), hands the same bytes to the other ranks over the control channel
+(``distributed.groups``), runs the step with them and answers with the step's ``RunnerOutput``; the other ranks
+run the same step and answer nothing.
 
-Messages, engine -> worker: ``["step", plan]`` (launch it), ``["result"]`` (send the oldest launched step's
-output), ``["shutdown"]``. Worker -> engine: ``["ready", {...}]`` once the model is loaded, then
-``["output", RunnerOutput]`` or ``["error", text]`` per ``result``. Steps are launched as they come, so with async
-scheduling the worker queues step N + 1 before it waits for step N, as the in-process runner does.
+Messages, engine -> rank 0: ``["step", plan]`` (launch it), ``["result"]`` (send the oldest launched step's
+output), ``["shutdown"]``; rank 0 -> the other ranks: the same messages, and ``["ping"]`` while the engine is idle.
+Worker -> engine: ``["ready", {...}]`` once the model is loaded, then (rank 0) ``["output", RunnerOutput]`` or
+``["error", text]`` per ``result``; another rank writes only ``["error", text]``, when it fails, and exits. Steps are
+launched as they come, so with async scheduling the workers queue step N + 1 before they wait for step N, as the
+in-process runner does.
 
-A worker that dies (killed, crashed, out of memory) is noticed while the engine waits for it, through the
-process sentinel: ``WorkerDiedError`` at once, with its exit code, never a hang. A step whose result has not come
-within ``DSINFER_STEP_TIMEOUT_S`` (a hung worker) gets the worker killed and the same ``WorkerDiedError``. The
-worker exits when the engine's end of the pipe closes, so no worker outlives its engine.
+A worker that dies (killed, crashed, out of memory) is noticed while the engine waits for any of them, through the
+process sentinels: ``WorkerDiedError`` at once, with its rank and exit code, never a hang; the other ranks are then
+killed (they would wait in a collective). A step whose result has not come within ``DSINFER_STEP_TIMEOUT_S`` (a
+hung worker) gets the workers killed and the same ``WorkerDiedError``. A worker exits when the engine's end of its
+pipe closes (the other ranks: when rank 0's control channel breaks), so no worker outlives its engine.
+
+Ranks started by a launcher (torchrun, SLURM: ``distributed.rendezvous``) are not children: ``RANK`` 0's engine
+spawns rank 0's worker only, and each other launched process runs ``run_launched_rank`` (``dsinfer serve`` does).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import gc
 import logging
 import multiprocessing.connection
 import os
+import sys
 import traceback
 from typing import Any
 
@@ -31,6 +40,10 @@ from dsinfer.config import EngineConfig
 from dsinfer.core import wire
 from dsinfer.core.outputs import RunnerOutput
 from dsinfer.core.plan import StepPlan
+from dsinfer.distributed import numa
+from dsinfer.distributed.groups import PING_S, ControlChannel, destroy, init_parallel_state
+from dsinfer.distributed.rendezvous import Rendezvous
+from dsinfer.distributed.state import SINGLE, ParallelState
 from dsinfer.executor.base import Executor, WorkerDiedError
 from dsinfer.executor.faults import FaultInjector
 
@@ -53,30 +66,87 @@ class _StepFuture:
         return self._output
 
 
+class _Worker:
+    """One spawned rank: its process and the engine's end of its pipe."""
+
+    def __init__(self, ctx: Any, config: EngineConfig, rank: int, num_threads: int, rdv: Rendezvous | None):
+        self.rank = rank
+        self.conn, child = ctx.Pipe(duplex=True)
+        # the worker computes with as many threads as the engine's process would (a CPU matmul's sums follow
+        # the thread count, and the outputs must be the in-process executor's)
+        self.process = ctx.Process(target=run_worker, args=(config, child, rank, num_threads, rdv),
+                                   name=f"dsinfer-worker-{rank}", daemon=True)
+        self.process.start()
+        child.close()
+
+    def describe(self) -> str:
+        return f"worker process {self.rank} (pid {self.process.pid})"
+
+    def exit_status(self) -> str:
+        self.process.join(timeout=1.0)
+        code = self.process.exitcode
+        return f"exit code {code}" if code is None or code >= 0 else f"signal {-code}"
+
+
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig):
         FaultInjector.from_env(in_worker=True)  # a bad DSINFER_FAULT_INJECT fails here, before the worker starts
         self._step_timeout_s = envs.STEP_TIMEOUT_S.get()
+        world = config.parallel.tensor_parallel_size
+        rdv = None
+        if world > 1:
+            from dsinfer.models.loader.model_loader import check_parallel_shapes
+
+            rdv = Rendezvous.resolve(world)  # a launcher's mismatch or a busy port: refused before any spawn
+            if rdv.launched and rdv.launched_rank != 0:
+                raise ValueError(f"RANK={rdv.launched_rank}: only RANK 0 of a launched job runs the engine; the "
+                                 "others follow it (dsinfer serve / generate do so by themselves)")
+            check_parallel_shapes(config, world)
         ctx = torch_mp.get_context("spawn")
-        self._conn, child = ctx.Pipe(duplex=True)
-        # the worker computes with as many threads as the engine's process would (a CPU matmul's sums follow
-        # the thread count, and the outputs must be the in-process executor's)
-        self.process = ctx.Process(target=run_worker, args=(config, child, 0, torch.get_num_threads()),
-                                   name="dsinfer-worker-0", daemon=True)
-        self.process.start()
-        child.close()
+        ranks = [0] if rdv is None else rdv.spawned_ranks
+        self._workers = [_Worker(ctx, config, rank, torch.get_num_threads(), rdv) for rank in ranks]
         self._pending: collections.deque[_StepFuture] = collections.deque()
         self._closed = False
-        kind, info = self._receive()
-        if kind == "error":
-            self.shutdown()
-            raise RuntimeError(f"the worker process failed to start: {info}")
+        info = self._await_ready()
         self.num_kv_blocks = int(info["num_kv_blocks"])
         self.num_state_slots = int(info["num_state_slots"])
         self.kv_group_windows = tuple(info["kv_group_windows"])
         self.kv_bytes_per_token = int(info["kv_bytes_per_token"])
         self.step_latency_points = {int(t): float(s) for t, s in info["step_latency_points"]}
-        logger.info("worker process 0 (pid %d) ready", self.process.pid)
+        logger.info("%d worker process(es) ready (rank 0: pid %d)", len(self._workers), self.process.pid)
+
+    def _await_ready(self) -> dict[str, Any]:
+        """Every worker's "ready" (in any order); -> rank 0's. A worker that fails or dies first: every worker is
+        stopped and a RuntimeError says why."""
+        waiting = {w.conn: w for w in self._workers}
+        sentinels = {w.process.sentinel: w for w in self._workers}
+        infos: dict[int, dict[str, Any]] = {}
+        while waiting:
+            ready = multiprocessing.connection.wait([*waiting, *sentinels])
+            conn = next((c for c in ready if c in waiting), None)
+            if conn is None:  # a process ended without a word
+                worker = sentinels[ready[0]]
+                self._kill_all()
+                self.shutdown()
+                raise RuntimeError(f"{worker.describe()} failed to start: it died ({worker.exit_status()})")
+            worker = waiting.pop(conn)
+            message = self._read(worker) or ("error", f"it died ({worker.exit_status()})")
+            if message[0] == "error":
+                self._kill_all()  # the others may wait for it in the rendezvous
+                self.shutdown()
+                raise RuntimeError(f"{worker.describe()} failed to start: {message[1]}")
+            infos[worker.rank] = message[1]
+            del sentinels[worker.process.sentinel]
+        return infos[0]
+
+    @property
+    def process(self) -> multiprocessing.Process:
+        """Rank 0's worker process (the one that answers)."""
+        return self._workers[0].process
+
+    @property
+    def processes(self) -> list[multiprocessing.Process]:
+        return [worker.process for worker in self._workers]
 
     def launch(self, plan: StepPlan) -> _StepFuture:
         self._send(["step", plan])
@@ -91,7 +161,7 @@ class MultiprocExecutor(Executor):
                 raise RuntimeError("a step's result was asked for twice, or after the executor shut down")
             head = self._pending.popleft()
             self._send(["result"])
-            kind, payload = self._receive(self._step_timeout_s)
+            kind, payload = self._receive(self._workers[0], self._step_timeout_s)
             if kind == "error":
                 raise RuntimeError(f"the worker process failed in a step: {payload}")
             head.set(payload)
@@ -100,90 +170,191 @@ class MultiprocExecutor(Executor):
         if self._closed:
             raise WorkerDiedError("the executor was shut down")
         try:
-            self._conn.send_bytes(wire.encode(message))
+            self._workers[0].conn.send_bytes(wire.encode(message))
         except (BrokenPipeError, ConnectionResetError, OSError):
-            raise self._died() from None
+            raise self._died(self._workers[0]) from None
 
-    def _receive(self, timeout_s: float | None = None) -> tuple[str, Any]:
-        ready = multiprocessing.connection.wait([self._conn, self.process.sentinel], timeout_s)
+    def _receive(self, worker: _Worker, timeout_s: float | None = None) -> tuple[str, Any]:
+        """``worker``'s next message, while watching every worker: one that exits or reports an error (the other
+        ranks speak only then) is a ``WorkerDiedError``."""
+        others = [w for w in self._workers if w is not worker]
+        waits = {worker.conn: worker, worker.process.sentinel: worker}
+        waits.update({w.conn: w for w in others} | {w.process.sentinel: w for w in others})
+        ready = multiprocessing.connection.wait(list(waits), timeout_s)
         if not ready:
-            self.process.kill()
-            self._died()
-            raise WorkerDiedError(f"worker process 0 (pid {self.process.pid}) did not finish a step within "
-                                  f"{timeout_s:g}s (DSINFER_STEP_TIMEOUT_S) and was killed; the engine cannot go on")
-        if self._conn not in ready:
-            raise self._died()
+            for w in self._workers:
+                w.process.kill()
+            self._died(worker)
+            raise WorkerDiedError(f"{worker.describe()} did not finish a step within {timeout_s:g}s "
+                                  "(DSINFER_STEP_TIMEOUT_S) and was killed; the engine cannot go on")
+        if worker.conn not in ready:
+            source = waits[ready[0]]
+            if ready[0] is source.conn and not self._closed:
+                failure = self._read(source)
+                if failure is not None and failure[0] == "error" and source is not worker:
+                    self._kill_all()
+                    raise WorkerDiedError(f"{source.describe()} failed: {failure[1]}; the engine cannot go on")
+            raise self._died(source)
+        message = self._read(worker)
+        if message is None:
+            raise self._died(worker)
+        return message
+
+    def _read(self, worker: _Worker) -> tuple[str, Any] | None:
         try:
-            kind, payload = wire.decode(self._conn.recv_bytes())
+            kind, payload = wire.decode(worker.conn.recv_bytes())
         except (EOFError, ConnectionResetError, OSError):
-            raise self._died() from None
+            return None
         return kind, payload
 
-    def _died(self) -> WorkerDiedError:
-        self.process.join(timeout=1.0)
-        code = self.process.exitcode
-        how = f"exit code {code}" if code is None or code >= 0 else f"signal {-code}"
+    def _died(self, worker: _Worker) -> WorkerDiedError:
+        how = worker.exit_status()
+        self._kill_all()
+        return WorkerDiedError(f"{worker.describe()} died ({how}); the engine cannot go on")
+
+    def _kill_all(self) -> None:
+        """The ranks left cannot go on without the one lost (they would wait in its collectives)."""
         self._closed = True
-        return WorkerDiedError(f"worker process 0 (pid {self.process.pid}) died ({how}); the engine cannot go on")
+        for w in self._workers:
+            if w.process.is_alive():
+                w.process.kill()
 
     def shutdown(self) -> None:
-        if self.process.is_alive() and not self._closed:
+        rank0 = self._workers[0]
+        if rank0.process.is_alive() and not self._closed:
             try:
-                self._conn.send_bytes(wire.encode(["shutdown"]))
+                rank0.conn.send_bytes(wire.encode(["shutdown"]))
             except OSError:
                 pass
         self._closed = True
-        self.process.join(timeout=_SHUTDOWN_WAIT_S)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(timeout=_SHUTDOWN_WAIT_S)
-        self._conn.close()
+        for w in self._workers:
+            w.process.join(timeout=_SHUTDOWN_WAIT_S)
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join(timeout=_SHUTDOWN_WAIT_S)
+            w.conn.close()
 
 
-def run_worker(config: EngineConfig, conn: multiprocessing.connection.Connection, rank: int,
-               num_threads: int) -> None:
-    """A worker process's main loop (the spawn target): load the model, then serve step plans until told to stop
-    or until the engine's end of the pipe closes."""
+def _join(config: EngineConfig, rdv: Rendezvous | None, rank: int) -> tuple[ParallelState, ControlChannel | None]:
+    """Pin this rank to its GPU and its CPU cores, then join the other ranks (nothing to join at one rank)."""
+    if rdv is None:
+        return SINGLE, None
+    device = config.device.device
+    local_rank = rdv.local_rank(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank)
+    if envs.NUMA_BIND.get():
+        local_world = rdv.world_size if not rdv.launched else int(envs.launcher_env().get("LOCAL_WORLD_SIZE", 1))
+        numa.bind_rank(local_rank, local_world, device.type, visible=envs.cuda_visible_devices())
+    return init_parallel_state(rdv, rank, device, envs.DIST_TIMEOUT_S.get())
+
+
+def _ready_info(runner: Any, rank: int) -> dict[str, Any]:
+    return {"num_kv_blocks": runner.num_blocks, "rank": rank, "pid": os.getpid(),
+            "kv_bytes_per_token": runner.kv_bytes_per_token, "num_state_slots": runner.num_state_slots,
+            "kv_group_windows": list(runner.kv_group_windows),
+            "step_latency_points": [[t, s] for t, s in runner.step_latency_points.items()]}
+
+
+def run_worker(config: EngineConfig, conn: multiprocessing.connection.Connection | None, rank: int,
+               num_threads: int, rdv: Rendezvous | None = None) -> None:
+    """A worker process's main loop (the spawn target; ``conn`` None: a launched rank other than 0): load the
+    model, then serve step plans until told to stop or until the engine's end of the pipe closes."""
     from dsinfer.runner.model_runner import ModelRunner
 
     torch.set_num_threads(num_threads)
-
     try:
         faults = FaultInjector.from_env(in_worker=True)
-        runner = ModelRunner(config)
+        parallel, control = _join(config, rdv, rank)
+        runner = ModelRunner(config, parallel)
     except BaseException:  # noqa: BLE001 - the engine must learn why its worker could not start
-        conn.send_bytes(wire.encode(["error", traceback.format_exc()]))
-        return
-    conn.send_bytes(wire.encode(["ready", {"num_kv_blocks": runner.num_blocks, "rank": rank, "pid": os.getpid(),
-                                           "kv_bytes_per_token": runner.kv_bytes_per_token,
-                                           "num_state_slots": runner.num_state_slots,
-                                           "kv_group_windows": list(runner.kv_group_windows),
-                                           "step_latency_points": [[t, s] for t, s in
-                                                                   runner.step_latency_points.items()]}]))
+        _report(conn, traceback.format_exc())
+        sys.exit(1)
+    if conn is not None:
+        conn.send_bytes(wire.encode(["ready", _ready_info(runner, rank)]))
     # the worker's own objects live as long as it does: its collections walk only what steps make
     gc.collect()
     gc.freeze()
+    try:
+        _serve(runner, faults, conn if rank == 0 else None, control)
+    except BaseException:  # noqa: BLE001 - a rank other than 0 failed: it cannot go on, the engine must know
+        _report(conn, traceback.format_exc())
+        sys.exit(1)
+    finally:
+        runner.close()
+        destroy()
+
+
+def run_launched_rank(config: EngineConfig) -> int:
+    """The main of a launched process whose RANK is not 0 (torchrun, SLURM): join rank 0's engine and follow it
+    until it shuts down; -> the exit code."""
+    rdv = Rendezvous.resolve(config.parallel.tensor_parallel_size)
+    if not rdv.launched or rdv.launched_rank == 0:
+        raise ValueError("run_launched_rank is for a launched job's ranks other than 0 (RANK >= 1)")
+    logger.info("rank %d of %d: following the engine of rank 0 at %s:%d", rdv.launched_rank, rdv.world_size,
+                rdv.master_addr, rdv.master_port)
+    try:
+        run_worker(config, None, rdv.launched_rank, torch.get_num_threads(), rdv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
+
+
+def _report(conn: multiprocessing.connection.Connection | None, text: str) -> None:
+    if conn is None:
+        logger.error("this rank failed:\n%s", text)
+        return
+    try:
+        conn.send_bytes(wire.encode(["error", text]))
+    except OSError:
+        pass
+
+
+def _serve(runner: Any, faults: FaultInjector, conn: multiprocessing.connection.Connection | None,
+           control: ControlChannel | None) -> None:
+    """Run messages until "shutdown": rank 0 (``conn``) reads them from the engine and passes each on over
+    ``control``; the other ranks read them from ``control``."""
     launched: collections.deque[Any] = collections.deque()  # step handles, or the exception a launch raised
     while True:
-        try:
-            message = wire.decode(conn.recv_bytes())
-        except (EOFError, OSError):
-            runner.close()
+        data = _next_message(conn, control)
+        if data is None:
             return  # the engine is gone
+        message = wire.decode(data)
         kind = message[0]
         if kind == "step":
             try:
-                faults.before_step()
+                if conn is not None:  # injected faults strike rank 0 (a test kills another rank by its pid)
+                    faults.before_step()
                 launched.append(runner.launch(message[1]))
             except Exception:  # noqa: BLE001 - reported with this step's result
+                if conn is None:
+                    raise
                 launched.append(traceback.format_exc())
         elif kind == "result":
             handle = launched.popleft()
+            if conn is None:
+                handle.result()  # the other ranks run what rank 0's result runs (MTP drafts), and answer nothing
+                continue
             try:
                 reply = ["error", handle] if isinstance(handle, str) else ["output", handle.result()]
             except Exception:  # noqa: BLE001
                 reply = ["error", traceback.format_exc()]
             conn.send_bytes(wire.encode(reply))
         elif kind == "shutdown":
-            runner.close()
             return
+
+
+def _next_message(conn: multiprocessing.connection.Connection | None, control: ControlChannel | None) -> bytes | None:
+    """Rank 0: the engine's next message (pinging the other ranks while it is idle), passed on to them; the other
+    ranks: rank 0's. None: the engine's pipe closed (the other ranks are told to shut down)."""
+    if conn is None:
+        return control.receive()
+    while control is not None and not conn.poll(PING_S):
+        control.broadcast(wire.encode(["ping"]))
+    try:
+        data = conn.recv_bytes()
+    except (EOFError, OSError):
+        data = None
+    if control is not None:
+        control.broadcast(data if data is not None else wire.encode(["shutdown"]))
+    return data

@@ -16,6 +16,7 @@ from torch import nn
 from dsinfer import ops
 from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
+from dsinfer.distributed.state import SINGLE, ParallelState
 from dsinfer.layers.graph_pieces import attention_piece
 from dsinfer.layers.rotary import RotaryEmbedding
 from dsinfer.ops.attention import AttentionPlan
@@ -25,7 +26,9 @@ from dsinfer.ops.rotary import RotaryAngles
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 sliding_window: int | None = None, sinks: bool = False):
+                 sliding_window: int | None = None, sinks: bool = False, tp: ParallelState = SINGLE):
+        """``num_heads`` / ``num_kv_heads``: this rank's (with tensor parallelism, its slice of the heads: the
+        KV cache holds only those); ``tp``: the split, for the sinks' loader."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads "
@@ -35,6 +38,9 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
         self.k_scale, self.v_scale = 1.0, 1.0
         self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None
+        if self.sinks is not None and tp.tp_size > 1:
+            self.sinks.weight_loader = lambda param, loaded: param.data.copy_(
+                loaded.narrow(0, tp.tp_rank * num_heads, num_heads))
         self.kv_group = 0  # the KV cache group whose block table it reads (the runner sets it)
 
     def load_kv_scale(self, which: str, value: torch.Tensor) -> None:

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsinfer.layers.linear import Linear
+from dsinfer.distributed.state import ParallelState
+from dsinfer.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from dsinfer.ops.activation import silu_and_mul
 from dsinfer.ops.fp8 import FP8_DTYPE, block_dequantize, block_quantize, fp8_block_linear, scale_grid
 
@@ -57,8 +58,20 @@ def make_linear(
     quant: Fp8Config | None,
     bias: bool = False,
     shard_names: list[str] | None = None,
+    tp: ParallelState | None = None,
+    split: str | None = None,
+    **parallel: Any,
 ) -> nn.Module:
-    """A plain ``Linear``, or an ``Fp8BlockLinear`` when the checkpoint is FP8 block-quantized."""
+    """A plain ``Linear``, or an ``Fp8BlockLinear`` when the checkpoint is FP8 block-quantized. With ``tp`` of
+    several ranks and ``split`` "column" or "row": a ``ColumnParallelLinear`` / ``RowParallelLinear`` (``parallel``:
+    their further arguments); at one rank the very layer of one process (its own fast paths kept)."""
+    if tp is not None and tp.tp_size > 1 and split is not None:
+        if quant is not None:
+            raise ValueError("FP8 block-quantized checkpoints are not supported with tensor_parallel_size > 1 yet "
+                             "(the block scales would need splitting too): use a bf16 checkpoint")
+        if split == "column":
+            return ColumnParallelLinear(in_features, output_sizes, tp, bias, shard_names, **parallel)
+        return RowParallelLinear(in_features, output_sizes, tp, bias, **parallel)
     if quant is None:
         return Linear(in_features, output_sizes, bias=bias, shard_names=shard_names)
     return Fp8BlockLinear(in_features, output_sizes, quant.block_size, bias=bias, shard_names=shard_names)

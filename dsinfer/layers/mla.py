@@ -26,6 +26,7 @@ from torch import nn
 from dsinfer import batch_invariant
 from dsinfer.core.forward_batch import ForwardBatch
 from dsinfer.core.kv_cache_spec import MLASpec
+from dsinfer.distributed.state import SINGLE, ParallelState, split_evenly
 from dsinfer.layers.fp8_linear import Fp8BlockLinear, Fp8Config, make_linear
 from dsinfer.layers.graph_pieces import attention_piece
 from dsinfer.layers.norm import RMSNorm
@@ -117,33 +118,43 @@ class MLAAttention(nn.Module):
     """One MLA layer: projections, rope, the latent cache (``kv_cache``, bound by the runner), attention."""
 
     def __init__(self, cfg: dict[str, Any], quant: Fp8Config | None, rope_is_neox: bool,
-                 side_stream: SideStream | None = None):
+                 side_stream: SideStream | None = None, tp: ParallelState = SINGLE):
         """``side_stream``: the model's, to overlap rope and the cache store with the query absorption in CUDA
-        graphs (None: one stream, ``KernelConfig.side_stream`` off)."""
+        graphs (None: one stream, ``KernelConfig.side_stream`` off). ``tp``: the heads split across its ranks
+        (q / q_b_proj and kv_b_proj by rows, o_proj by columns); the latent and its cache are every rank's."""
         super().__init__()
-        hidden, self.num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        self.num_heads = split_evenly(cfg["num_attention_heads"], tp.tp_size, "num_attention_heads")  # this rank's
+        heads = cfg["num_attention_heads"]
         self.q_lora_rank, self.kv_lora_rank = cfg.get("q_lora_rank"), cfg["kv_lora_rank"]
         self.nope_dim, self.rope_dim = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
         self.v_dim = cfg["v_head_dim"]
         bias = bool(cfg.get("attention_bias"))
-        q_out = self.num_heads * (self.nope_dim + self.rope_dim)
+        q_out = heads * (self.nope_dim + self.rope_dim)
         kv_a = self.kv_lora_rank + self.rope_dim
         # the two projections of the layer input, q_a_proj (or q_proj) and kv_a_proj_with_mqa, run as one GEMM
-        # (the checkpoint's tensors load into its two row ranges: see ``fuses_q_kv_a``)
+        # (the checkpoint's tensors load into its two row ranges: see ``fuses_q_kv_a``); q_proj's rows are split by
+        # heads, the latents are every rank's
         q_first = self.q_lora_rank or q_out
         self.fused_qkv_a_proj = self.q_proj = None
         if fuses_q_kv_a(cfg):
-            self.fused_qkv_a_proj = make_linear(hidden, [q_first, kv_a], quant, bias=bias)
+            split = None if self.q_lora_rank else "column"
+            self.fused_qkv_a_proj = make_linear(hidden, [q_first, kv_a], quant, bias=bias, tp=tp, split=split,
+                                                shard_parts={1: (1, 0)}, what="num_attention_heads")
         else:  # a bias on kv_a_proj_with_mqa but none on q_proj: kept apart
-            self.q_proj = make_linear(hidden, q_out, quant)
+            self.q_proj = make_linear(hidden, q_out, quant, tp=tp, split="column", what="num_attention_heads")
             self.kv_a_proj_with_mqa = make_linear(hidden, kv_a, quant, bias=bias)
-        self.q_split = [q_first, kv_a]
+        local_q = self.num_heads * (self.nope_dim + self.rope_dim)
+        self.q_split = [self.q_lora_rank or local_q, kv_a]
         if self.q_lora_rank:
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LORA_NORM_EPS)
-            self.q_b_proj = make_linear(self.q_lora_rank, q_out, quant)
+            self.q_b_proj = make_linear(self.q_lora_rank, q_out, quant, tp=tp, split="column",
+                                        what="num_attention_heads")
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LORA_NORM_EPS)
-        self.kv_b_proj = make_linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), quant)
-        self.o_proj = make_linear(self.num_heads * self.v_dim, hidden, quant, bias=bias)
+        self.kv_b_proj = make_linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), quant, tp=tp,
+                                     split="column", what="num_attention_heads")
+        self.o_proj = make_linear(heads * self.v_dim, hidden, quant, bias=bias, tp=tp, split="row",
+                                  what="num_attention_heads * v_head_dim")
         rope = rope_parameters_of(cfg)
         self.rotary = RotaryEmbedding(
             self.rope_dim, cfg.get("max_position_embeddings", 4096), rope, rope_is_neox

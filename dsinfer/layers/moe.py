@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from dsinfer import batch_invariant
+from dsinfer.distributed.state import SINGLE, ParallelState, split_evenly
 from dsinfer.layers.fp8_linear import BlockScaledShards, Fp8Config
 from dsinfer.ops.activation import silu_and_mul
 from dsinfer.ops.fp8 import FP8_DTYPE, fp8_block_linear
@@ -119,8 +120,15 @@ class FusedExperts(nn.Module):
     0..E-1 the routed experts, E..E+S-1 the shared ones (``num_shared``, see the module doc)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, quant: Fp8Config | None,
-                 num_shared: int = 0):
+                 num_shared: int = 0, tp: ParallelState = SINGLE):
+        """``tp``: every expert's intermediate columns split across its ranks (each holds I / tp of them; its
+        output is then its part of the sum, for the caller to all-reduce)."""
         super().__init__()
+        if tp.tp_size > 1 and quant:
+            raise ValueError("FP8 experts are not supported with tensor_parallel_size > 1 yet (the block scales "
+                             "would need splitting too): use a bf16 checkpoint")
+        intermediate_size = split_evenly(intermediate_size, tp.tp_size, "moe_intermediate_size")
+        self.tp = tp
         self.num_routed, self.num_shared, self.quant = num_experts, num_shared, quant
         self.num_experts = slots = num_experts + num_shared  # what the stacked weights hold
         dtype = FP8_DTYPE if quant else None
@@ -166,6 +174,8 @@ class FusedExperts(nn.Module):
             """``shard``: (expert, 'gate' | 'up' | 'down') for a per-expert tensor, ("shared", kind) for the
             shared experts' MLP; None: the routed experts stacked."""
             targets, dim = self._targets(name, is_scale, param.data, shard)
+            if self.tp.tp_size > 1:
+                loaded = self._rank_slice(loaded, name, shard is None, len(targets))
             size, want = targets[0].shape[dim], list(targets[0].shape)
             want[dim] *= len(targets)
             if tuple(loaded.shape) != tuple(want):
@@ -214,6 +224,19 @@ class FusedExperts(nn.Module):
             size = data.shape[1] // 2
             return [data[e].narrow(0, index * size, size) for e in slots], dim
         return [data[e] for e in slots], dim
+
+    def _rank_slice(self, loaded: torch.Tensor, name: str, stacked: bool, chunks: int) -> torch.Tensor:
+        """This rank's intermediate columns of a checkpoint tensor: w13's rows (an expert's gate or up
+        [chunks * I, H], or the stacked [E, 2I, H]) or w2's columns ([H, chunks * I], or [E, H, I]), each chunk of
+        I cut to its I / tp."""
+        if name == "w13":
+            dim, chunks = (1, 2) if stacked else (0, chunks)
+        else:
+            dim, chunks = loaded.dim() - 1, 1 if stacked else chunks
+        size = loaded.shape[dim] // chunks
+        local = size // self.tp.tp_size
+        parts = loaded.unflatten(dim, (chunks, size)).narrow(dim + 1, self.tp.tp_rank * local, local)
+        return parts.flatten(dim, dim + 1)
 
     def checkpoint_tensor(self, leaf: str, shard: tuple[int | str, str] | None = None) -> torch.Tensor:
         """The weight loader read backwards: the tensor a checkpoint stores for ``shard`` of the parameter

@@ -23,9 +23,10 @@ from torch import nn
 
 from dsinfer.config import KernelConfig
 from dsinfer.core.forward_batch import ForwardBatch
+from dsinfer.distributed.state import SINGLE, ParallelState, split_evenly
 from dsinfer.layers.attention import Attention
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
-from dsinfer.layers.linear import Linear
+from dsinfer.layers.linear import Linear, QKVParallelLinear, RowParallelLinear
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, rope_parameters_of
 from dsinfer.models.mxfp4 import pair_mxfp4
@@ -48,18 +49,20 @@ def swiglu_clamped(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
 
 
 class GptOssAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layer_idx: int):
+    def __init__(self, cfg: dict[str, Any], layer_idx: int, tp: ParallelState = SINGLE):
         super().__init__()
         hidden, self.head_dim = cfg["hidden_size"], cfg["head_dim"]
-        self.num_heads, self.num_kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        num_heads = cfg["num_attention_heads"]
         bias = bool(cfg.get("attention_bias", True))
-        self.qkv_proj = Linear(hidden, [q_size, kv_size, kv_size], bias=bias, shard_names=["q", "k", "v"])
-        self.o_proj = Linear(q_size, hidden, bias=bias)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, cfg["num_key_value_heads"], tp, bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, tp, bias=bias,
+                                        what="num_attention_heads * head_dim")
         self.rotary = RotaryEmbedding(self.head_dim, cfg.get("max_position_embeddings", 131072),
                                       rope_parameters_of(cfg))
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5,
-                              _sliding_window(cfg, layer_idx), sinks=True)
+                              _sliding_window(cfg, layer_idx), sinks=True, tp=tp)
         self.split = [q_size, kv_size, kv_size]
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -70,19 +73,33 @@ class GptOssAttention(nn.Module):
 
 
 class GptOssExperts(nn.Module):
-    """The experts in HF's layout: ``gate_up_proj [E, H, 2I]`` (x @ W), ``down_proj [E, I, H]``, with biases."""
+    """The experts in HF's layout: ``gate_up_proj [E, H, 2I]`` (x @ W), ``down_proj [E, I, H]``, with biases.
+    With ``tp`` each rank holds I / tp of every expert's intermediate columns (interleaved gate/up pairs kept
+    together) and returns its part of the sum (down_proj's bias on rank 0's part), for the caller to reduce."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, alpha: float, limit: float):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, alpha: float, limit: float,
+                 tp: ParallelState = SINGLE):
         super().__init__()
         self.num_experts, self.alpha, self.limit = num_experts, alpha, limit
+        local = split_evenly(intermediate, tp.tp_size, "intermediate_size")
 
-        def param(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape), requires_grad=False)
+        def param(*shape: int, dim: int | None = None, pairs: bool = False) -> nn.Parameter:
+            """``dim``: the intermediate dimension this rank takes its slice of (``pairs``: gate/up columns)."""
+            p = nn.Parameter(torch.empty(*shape), requires_grad=False)
+            if tp.tp_size > 1 and dim is not None:
+                def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
+                    part = loaded.unflatten(dim, (intermediate, 2)) if pairs else loaded
+                    part = part.narrow(dim, tp.tp_rank * local, local)
+                    param.data.copy_(part.flatten(dim, dim + 1) if pairs else part)
 
-        self.gate_up_proj = param(num_experts, hidden, 2 * intermediate)
-        self.gate_up_proj_bias = param(num_experts, 2 * intermediate)
-        self.down_proj = param(num_experts, intermediate, hidden)
+                p.weight_loader = load
+            return p
+
+        self.gate_up_proj = param(num_experts, hidden, 2 * local, dim=2, pairs=True)
+        self.gate_up_proj_bias = param(num_experts, 2 * local, dim=1, pairs=True)
+        self.down_proj = param(num_experts, local, hidden, dim=1)
         self.down_proj_bias = param(num_experts, hidden)
+        self.adds_down_bias = tp.tp_rank == 0  # the bias joins the sum once
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights / ids [T, k] -> [T, H]: the (token, expert) pairs sorted by expert, one matmul pair
@@ -100,29 +117,31 @@ class GptOssExperts(nn.Module):
             start += count
             tokens = pairs // top_k
             gate_up = x[tokens] @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
-            y = swiglu_clamped(gate_up, self.alpha, self.limit) @ self.down_proj[expert] + self.down_proj_bias[expert]
+            y = swiglu_clamped(gate_up, self.alpha, self.limit) @ self.down_proj[expert]
+            y = y + self.down_proj_bias[expert] if self.adds_down_bias else y
             out.index_add_(0, tokens, (y * flat_weights[pairs, None]).to(x.dtype))
         return out
 
 
 class GptOssMLP(nn.Module):
-    def __init__(self, cfg: dict[str, Any]):
+    def __init__(self, cfg: dict[str, Any], tp: ParallelState = SINGLE):
         super().__init__()
         self.top_k = cfg["num_experts_per_tok"]
-        self.router = Linear(cfg["hidden_size"], cfg["num_local_experts"], bias=True)
+        self.router = Linear(cfg["hidden_size"], cfg["num_local_experts"], bias=True)  # every rank routes
         self.experts = GptOssExperts(cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"],
-                                     float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)))
+                                     float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)), tp)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top, ids = self.router(x).topk(self.top_k, dim=-1)
-        return self.experts(x, top.softmax(dim=-1), ids)
+        return self.tp.all_reduce(self.experts(x, top.softmax(dim=-1), ids))
 
 
 class GptOssDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layer_idx: int):
+    def __init__(self, cfg: dict[str, Any], layer_idx: int, tp: ParallelState = SINGLE):
         super().__init__()
-        self.self_attn = GptOssAttention(cfg, layer_idx)
-        self.mlp = GptOssMLP(cfg)
+        self.self_attn = GptOssAttention(cfg, layer_idx, tp)
+        self.mlp = GptOssMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
@@ -143,7 +162,10 @@ class GptOssForCausalLM(DecoderStack):
     multi_token_decode_graphs = False
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
 
-    def __init__(self, cfg: dict[str, Any], kernel: KernelConfig | None = None):
+    supports_tensor_parallel = True
+
+    def __init__(self, cfg: dict[str, Any], kernel: KernelConfig | None = None, parallel: ParallelState = SINGLE):
+        """``parallel``: this rank's tensor-parallel state (heads, expert columns and vocabulary split)."""
         super().__init__()
         missing = [k for k in _REQUIRED if cfg.get(k) is None]
         if missing:
@@ -159,11 +181,11 @@ class GptOssForCausalLM(DecoderStack):
                              "supported: 'mxfp4' (experts dequantized on load) or none")
         cfg.setdefault("rms_norm_eps", 1e-5)
         self.cfg = cfg
-        self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(GptOssDecoderLayer(cfg, i) for i in range(cfg["num_hidden_layers"]))
+        self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"], parallel)
+        self.layers = nn.ModuleList(GptOssDecoderLayer(cfg, i, parallel) for i in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         tied = cfg.get("tie_word_embeddings", False)
-        self.lm_head = LMHead(cfg["vocab_size"], cfg["hidden_size"], self.embed_tokens if tied else None)
+        self.lm_head = LMHead(cfg["vocab_size"], cfg["hidden_size"], self.embed_tokens if tied else None, parallel)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]

@@ -14,9 +14,10 @@ from torch import nn
 
 from dsinfer.config import KernelConfig
 from dsinfer.core.forward_batch import ForwardBatch
+from dsinfer.distributed.state import SINGLE, ParallelState
 from dsinfer.layers.attention import Attention
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
-from dsinfer.layers.linear import Linear
+from dsinfer.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, rope_parameters_of
 from dsinfer.models.stack import DecoderStack
@@ -35,17 +36,23 @@ def _require(cfg: dict[str, Any], *keys: str) -> None:
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: dict[str, Any], layer_idx: int, qkv_bias: bool, qk_norm: bool,
-                 sliding_window: int | None):
+                 sliding_window: int | None, tp: ParallelState = SINGLE):
         super().__init__()
         hidden = cfg["hidden_size"]
-        self.num_heads = cfg["num_attention_heads"]
-        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
-        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        num_heads = cfg["num_attention_heads"]
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads "
+                             f"({num_kv_heads})")
+        self.head_dim = cfg.get("head_dim") or hidden // num_heads
         attention_bias = bool(cfg.get("attention_bias"))  # Llama: bias on q/k/v/o; Qwen2: q/k/v always
-        self.qkv_proj = Linear(hidden, [q_size, kv_size, kv_size], bias=qkv_bias or attention_bias,
-                               shard_names=["q", "k", "v"])
-        self.o_proj = Linear(q_size, hidden, bias=attention_bias)
+        # this rank's heads (all of them at one rank)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, tp,
+                                          bias=qkv_bias or attention_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, tp, bias=attention_bias,
+                                        what="num_attention_heads * head_dim")
         self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"]) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"]) if qk_norm else None
         rotary_dim = int(self.head_dim * cfg.get("partial_rotary_factor", 1.0))
@@ -63,25 +70,28 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False, fused_silu_mul: bool = True):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, fused_silu_mul: bool = True,
+                 tp: ParallelState = SINGLE):
         super().__init__()
         self.fused_silu_mul = fused_silu_mul  # KernelConfig.fused_silu_mul
         if hidden <= 0 or intermediate <= 0:
             raise ValueError(f"hidden_size and intermediate_size must be > 0, got {hidden}, {intermediate}")
-        self.gate_up_proj = Linear(hidden, [intermediate, intermediate], bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], tp, bias=bias,
+                                                 what="intermediate_size")
+        self.down_proj = RowParallelLinear(intermediate, hidden, tp, bias=bias, what="intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.silu_mul(x, self.fused_silu_mul))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layer_idx: int, variant: dict[str, Any], kernel: KernelConfig):
+    def __init__(self, cfg: dict[str, Any], layer_idx: int, variant: dict[str, Any], kernel: KernelConfig,
+                 tp: ParallelState = SINGLE):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, variant["qkv_bias"], variant["qk_norm"],
-                                        variant["sliding_window"](cfg, layer_idx))
+                                        variant["sliding_window"](cfg, layer_idx), tp)
         self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"], bool(cfg.get("mlp_bias")),
-                            kernel.fused_silu_mul)
+                            kernel.fused_silu_mul, tp)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
@@ -127,8 +137,11 @@ class LlamaForCausalLM(DecoderStack):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: dict[str, Any], kernel: KernelConfig | None = None):
-        """``kernel``: the engine's kernel choices (None: ``KernelConfig()``'s defaults)."""
+    supports_tensor_parallel = True
+
+    def __init__(self, cfg: dict[str, Any], kernel: KernelConfig | None = None, parallel: ParallelState = SINGLE):
+        """``kernel``: the engine's kernel choices (None: ``KernelConfig()``'s defaults); ``parallel``: this
+        rank's tensor-parallel state (heads, MLP columns and the vocabulary split across its ranks)."""
         super().__init__()
         kernel = kernel or KernelConfig()
         _require(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -141,12 +154,12 @@ class LlamaForCausalLM(DecoderStack):
                              f"{cfg['num_hidden_layers']} layers, got {types!r:.120}")
         cfg.setdefault("rms_norm_eps", 1e-6)
         self.cfg = cfg
-        self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"], parallel)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, self.variant, kernel) for i in range(cfg["num_hidden_layers"]))
+            LlamaDecoderLayer(cfg, i, self.variant, kernel, parallel) for i in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         tied = cfg.get("tie_word_embeddings", False)
-        self.lm_head = LMHead(cfg["vocab_size"], cfg["hidden_size"], self.embed_tokens if tied else None)
+        self.lm_head = LMHead(cfg["vocab_size"], cfg["hidden_size"], self.embed_tokens if tied else None, parallel)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]

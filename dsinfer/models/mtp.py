@@ -22,6 +22,7 @@ from torch import nn
 
 from dsinfer.config import KernelConfig
 from dsinfer.core.forward_batch import ForwardBatch
+from dsinfer.distributed.state import SINGLE, ParallelState
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.fp8_linear import Fp8Config
 from dsinfer.layers.linear import Linear
@@ -32,10 +33,10 @@ from dsinfer.models.deepseek.blocks import DeepseekDecoderLayer
 
 
 class SharedHead(nn.Module):
-    def __init__(self, cfg: dict[str, Any]):
+    def __init__(self, cfg: dict[str, Any], tp: ParallelState = SINGLE):
         super().__init__()
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
-        self.head = LMHead(cfg["vocab_size"], cfg["hidden_size"])
+        self.head = LMHead(cfg["vocab_size"], cfg["hidden_size"], tp=tp)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(hidden))
@@ -43,15 +44,16 @@ class SharedHead(nn.Module):
 
 class DeepseekMTPLayer(nn.Module):
     def __init__(self, cfg: dict[str, Any], layer_idx: int, quant: Fp8Config | None, variant: dict[str, Any],
-                 kernel: KernelConfig | None = None, side_stream: SideStream | None = None):
+                 kernel: KernelConfig | None = None, side_stream: SideStream | None = None,
+                 tp: ParallelState = SINGLE):
         super().__init__()
         hidden = cfg["hidden_size"]
-        self.embed_tokens = VocabEmbedding(cfg["vocab_size"], hidden)
+        self.embed_tokens = VocabEmbedding(cfg["vocab_size"], hidden, tp)
         self.enorm = RMSNorm(hidden, cfg["rms_norm_eps"])
         self.hnorm = RMSNorm(hidden, cfg["rms_norm_eps"])
         self.eh_proj = Linear(2 * hidden, hidden)  # kept unquantized in FP8 checkpoints
-        self.block = DeepseekDecoderLayer(cfg, layer_idx, quant, variant, kernel, side_stream)
-        self.shared_head = SharedHead(cfg)
+        self.block = DeepseekDecoderLayer(cfg, layer_idx, quant, variant, kernel, side_stream, tp)
+        self.shared_head = SharedHead(cfg, tp)
 
     def forward(
         self,
@@ -69,12 +71,13 @@ class DeepseekMTP(nn.Module):
     """The model's MTP layers (usually one); ``forward`` runs one of them."""
 
     def __init__(self, cfg: dict[str, Any], quant: Fp8Config | None, variant: dict[str, Any],
-                 kernel: KernelConfig | None = None, side_stream: SideStream | None = None):
-        """``kernel`` / ``side_stream``: the main model's (None: the defaults / one stream)."""
+                 kernel: KernelConfig | None = None, side_stream: SideStream | None = None,
+                 tp: ParallelState = SINGLE):
+        """``kernel`` / ``side_stream`` / ``tp``: the main model's (None: the defaults / one stream; one rank)."""
         super().__init__()
         first = cfg["num_hidden_layers"]
         self.layers = nn.ModuleList(
-            DeepseekMTPLayer(cfg, first + k, quant, variant, kernel, side_stream)
+            DeepseekMTPLayer(cfg, first + k, quant, variant, kernel, side_stream, tp)
             for k in range(cfg["num_nextn_predict_layers"])
         )
 

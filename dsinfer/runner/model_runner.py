@@ -45,9 +45,9 @@ from dsinfer.core.kv_cache_spec import (
 )
 from dsinfer.core.outputs import RunnerOutput, TokenLogprobs
 from dsinfer.core.plan import StepPlan
+from dsinfer.distributed.state import SINGLE, ParallelState
 from dsinfer.kvstore.keys import engine_fingerprint
-from dsinfer.models.loader.model_loader import _default_dtype_and_device, load_model
-from dsinfer.models.registry import model_class
+from dsinfer.models.loader.model_loader import _default_dtype_and_device, build_model, load_model
 from dsinfer.runner.cuda_graphs import DecodeGraphs
 from dsinfer.runner.input_batch import SampleRow, StepInputs, build_sampling_batch, build_step_inputs, to_device_packed
 from dsinfer.runner.kv_transfer import KVTransfer
@@ -115,14 +115,17 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, parallel: ParallelState = SINGLE):
+        """``parallel``: this rank's tensor-parallel state (its worker joined the group): the model holds this
+        rank's slice of the weights and its heads' KV cache; every rank runs every step."""
         self.config = config
+        self.parallel = parallel
         self.device = config.device.device
         if self.device.type == "cpu" and envs.CPU_THREADS.get():
             torch.set_num_threads(envs.CPU_THREADS.get())
         if self.device.type == "cuda":
-            _check_weights_fit(config)
-        self.model = load_model(config)
+            _check_weights_fit(config, parallel)
+        self.model = load_model(config, parallel)
         self.vocab_size = config.model.vocab_size
         self.block_size = config.cache.block_size
         layers = self.model.attention_layers()
@@ -147,7 +150,8 @@ class ModelRunner:
                                                  if hasattr(layer, "state_spec")]
         # every running request holds one slot: as many as the scheduler runs at once
         self.num_state_slots = config.scheduler.max_num_seqs if self.state_specs else 0
-        self.num_blocks = self._num_kv_blocks()
+        # every rank sizes its own cache from its own memory; all must page the same blocks
+        self.num_blocks = parallel.min_over_ranks(self._num_kv_blocks(), self.device)
         for layer in layers:
             layer.kv_cache = None
             if hasattr(layer, "state_spec"):
@@ -444,12 +448,12 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def _check_weights_fit(config: EngineConfig) -> None:
-    """Fail before loading when the weights alone exceed what gpu_memory_utilization allows, saying by how much."""
-    cls = model_class(config.model.architecture)
+def _check_weights_fit(config: EngineConfig, parallel: ParallelState) -> None:
+    """Fail before loading when the weights alone (this rank's slice) exceed what gpu_memory_utilization allows,
+    saying by how much."""
     try:
         with _default_dtype_and_device(config.model.dtype, torch.device("meta")):
-            meta = cls(dict(config.model.hf_config))
+            meta = build_model(config, ParallelState(tp_size=parallel.tp_size, tp_rank=parallel.tp_rank))
     except Exception:  # a model that cannot be built on the meta device: loading will tell
         return
     weight_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(meta.parameters(), meta.buffers()))

@@ -48,6 +48,7 @@ _ENGINE_ARGS = (
     "kv_cache_dtype",
     "scheduling_policy",
     "distributed_executor_backend",
+    "tensor_parallel_size",
     "speculative_config",
 )
 
@@ -97,8 +98,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     eng.add_argument("--seed", type=int, default=None, help="engine seed")
     eng.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     eng.add_argument("--distributed-executor-backend", default=None, choices=list(EXECUTOR_BACKENDS),
-                     help="where the model runs: uni (default: in the server's process) or mp (in a worker "
-                          "process; should it die, the server exits with code 1)")
+                     help="where the model runs: uni (default at one rank: in the server's process) or mp (in "
+                          "worker processes, one per rank; should one die, the server exits with code 1)")
+    eng.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int, default=None,
+                     help="split the model over this many GPUs (ranks spawned here; under torchrun / SLURM the "
+                          "job's WORLD_SIZE, RANK 0 serving; see the README)")
     eng.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None, help="no CUDA graphs")
     eng.add_argument("--max-prefill-graph-tokens", type=int, default=None,
                      help="steps with prompt tokens up to this many replay piecewise CUDA graphs (0: eager)")
@@ -206,8 +210,7 @@ _SWITCHES = (
 
 
 def _add_vllm_args(grp: Any) -> None:
-    for flags, dest in ((("--tensor-parallel-size", "-tp"), "tensor_parallel_size"),
-                        (("--pipeline-parallel-size", "-pp"), "pipeline_parallel_size"),
+    for flags, dest in ((("--pipeline-parallel-size", "-pp"), "pipeline_parallel_size"),
                         (("--data-parallel-size", "-dp"), "data_parallel_size")):
         grp.add_argument(*flags, dest=dest, type=int, default=None, help="1 only: one GPU per process")
     grp.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=None,
@@ -268,6 +271,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None:
             check_parallel_size(value, f"--{name.replace('_', '-')} {value}")
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: must be >= 1")
     for flag, value in (("--max-waiting-tokens", args.max_waiting_tokens), ("--header-timeout", args.header_timeout),
                         ("--body-timeout", args.body_timeout), ("--max-header-kb", args.max_header_kb),
                         ("--limit-concurrency", args.limit_concurrency)):
@@ -441,6 +446,11 @@ def run_serve(
     """Build the engine, then serve until SIGTERM/SIGINT (drained gracefully: exit code 0) or until the engine
     dies (exit code 1, for an orchestrator to restart the server)."""
     check_serve_args(args)  # before the model loads: a refused flag costs nothing
+    from dsinfer.entrypoints.launch import follow_if_launched
+
+    followed = follow_if_launched(engine_args(args), "server")  # a launched job's rank >= 1 serves no HTTP
+    if followed is not None:
+        return followed
     check_address_free(args.host, args.port)  # and a taken port
     import uvicorn
 

@@ -72,7 +72,7 @@ def test_a_killed_worker_fails_generate_at_once(tiny_llama_dir):
 def test_a_worker_that_cannot_start_says_why(tmp_path, tiny_llama_dir):
     with pytest.raises(ValueError, match="num_kv_blocks"):  # refused before any process starts
         LLM(str(tiny_llama_dir), device="cpu", distributed_executor_backend="mp", num_kv_blocks=1)
-    with pytest.raises(RuntimeError, match="worker process failed to start"):  # the model's failure, from the worker
+    with pytest.raises(RuntimeError, match=r"worker process 0 \(pid \d+\) failed to start"):  # the model's failure
         LLM(str(tiny_llama_dir), device="cpu", distributed_executor_backend="mp", kv_cache_memory_gb=1e-9)
 
 

@@ -107,11 +107,12 @@ def test_use_tqdm_may_be_a_tqdm_factory_as_in_vllm(tiny_llm):
 
 def test_vllms_single_gpu_arguments_are_taken(tiny_llama_dir):
     """``LLM(..., tensor_parallel_size=1, trust_remote_code=True)`` as vLLM scripts write it; ``llm.llm_engine``
-    is the engine; a parallel size past 1 is refused before anything loads, naming the argument."""
+    is the engine; a pipeline or data parallel size past 1 is refused before anything loads, naming the argument
+    (tensor_parallel_size: tests/distributed)."""
     llm = LLM(str(tiny_llama_dir), tensor_parallel_size=1, pipeline_parallel_size=1, trust_remote_code=True)
     assert llm.llm_engine is llm.engine
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-        with pytest.raises(ValueError, match=f"{name}=2: dsinfer serves one GPU per process"):
+    for name in ("pipeline_parallel_size", "data_parallel_size"):
+        with pytest.raises(ValueError, match=f"{name}=2: dsinfer has no {name.split('_')[0]} parallelism"):
             LLM(str(tiny_llama_dir), **{name: 2})
     with pytest.raises(ValueError, match="trust_remote_code must be a bool"):
         LLM(str(tiny_llama_dir), trust_remote_code="yes")

@@ -78,9 +78,9 @@ def test_a_model_swallowed_by_a_list_flag_is_an_error_not_the_bundled_model():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (("-tp", "2"), "--tensor-parallel-size 2: dsinfer serves one GPU per process"),
-    (("--pipeline-parallel-size", "4"), "--pipeline-parallel-size 4: dsinfer serves one GPU per process"),
-    (("-dp", "2"), "--data-parallel-size 2: dsinfer serves one GPU per process"),
+    (("-tp", "0"), "--tensor-parallel-size 0: must be >= 1"),
+    (("--pipeline-parallel-size", "4"), "--pipeline-parallel-size 4: dsinfer has no pipeline parallelism"),
+    (("-dp", "2"), "--data-parallel-size 2: dsinfer has no data parallelism"),
     (("--enable-log-requests",), "--enable-log-requests: dsinfer has no request log"),
     (("--kv-cache-dtype", "fp8_inc"), "--kv-cache-dtype fp8_inc: dsinfer's KV cache dtypes are auto, fp8, "),
     (("--max-logprobs", "-2"), r"--max-logprobs -2: must be >= 0, or -1 \(up to the vocabulary size\)"),
@@ -95,6 +95,12 @@ def test_a_model_swallowed_by_a_list_flag_is_an_error_not_the_bundled_model():
 def test_values_dsinfer_cannot_honour_are_refused_naming_the_flag(argv, message):
     with pytest.raises(ValueError, match=message):
         _parse("/m", *argv)
+
+
+def test_tensor_parallel_size_reaches_the_engine():
+    assert engine_args(_parse("/m", "-tp", "2")).tensor_parallel_size == 2
+    assert engine_args(_parse("/m", "--tensor_parallel_size=4")).tensor_parallel_size == 4  # vLLM spelling
+    assert engine_args(_parse("/m")).tensor_parallel_size == 1
 
 
 def test_answer_flags_reach_the_engine_and_the_settings():
@@ -135,11 +141,11 @@ def test_http_flags_reach_uvicorn_and_the_settings():
 
 @pytest.mark.parametrize("entry", [["dsinfer.entrypoints.cli", "serve"], ["dsinfer.server"]])
 def test_both_entry_points_refuse_with_exit_2_before_loading_a_model(entry):
-    result = subprocess.run([sys.executable, "-m", *entry, "--model", "/no/such/model", "--tensor_parallel_size=2"],
+    result = subprocess.run([sys.executable, "-m", *entry, "--model", "/no/such/model", "--pipeline_parallel_size=2"],
                             capture_output=True, text=True, timeout=120, cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 2
-    assert "error: --tensor-parallel-size 2: dsinfer serves one GPU per process" in result.stderr
+    assert "error: --pipeline-parallel-size 2: dsinfer has no pipeline parallelism" in result.stderr
     assert "Traceback" not in result.stderr
 
 

@@ -152,16 +152,17 @@ def test_the_watcher_tells_uvicorn_to_exit_after_the_grace_period():
     assert server.should_exit and not server.force_exit
 
 
-def _worker_pid(server_pid: int) -> int:
-    """The spawned model worker among the server's children (not multiprocessing's resource tracker)."""
+def _worker_pid(server_pid: int, rank: int = 0) -> int:
+    """The spawned model worker of ``rank`` among the server's children (not multiprocessing's resource tracker):
+    the workers are spawned in rank order, so their pids rise with the rank."""
     children = []
     for task in Path(f"/proc/{server_pid}/task").iterdir():
         children += (task / "children").read_text().split()
-    for pid in children:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-            return int(pid)
-    raise AssertionError(f"no spawned worker among the children {children} of the server {server_pid}")
+    workers = sorted(int(pid) for pid in children if b"spawn_main" in (cmdline := Path(
+        f"/proc/{pid}/cmdline").read_bytes()) and b"resource_tracker" not in cmdline)
+    if len(workers) <= rank:
+        raise AssertionError(f"no spawned worker of rank {rank} among the children {children} of {server_pid}")
+    return workers[rank]
 
 
 def _stream(url: str, first_chunk: threading.Event, out: dict) -> None:
@@ -185,17 +186,20 @@ TIMEOUT_S = "2"
 
 @pytest.mark.parametrize("backend, fault, cause", [
     ("mp", None, r"WorkerDiedError: worker process 0 \(pid \d+\) died \(signal 9\)"),  # killed from outside
+    ("mp-tp2", None, r"WorkerDiedError: worker process 1 \(pid \d+\) died \(signal 9\)"),  # rank 1 of two
     ("mp", f"kill:step={FAULT_STEP}", r"WorkerDiedError: worker process 0 \(pid \d+\) died \(signal 9\)"),
     ("mp", f"stall:step={FAULT_STEP}",
      r"WorkerDiedError: .*did not finish a step within 2s|StepTimeoutError: a step ran longer than 2s"),
     ("uni", f"raise:step={FAULT_STEP}", r"InjectedFault: injected fault: raise in step 150"),
     ("uni", f"stall:step={FAULT_STEP}", r"StepTimeoutError: a step ran longer than 2s \(DSINFER_STEP_TIMEOUT_S\)"),
-], ids=["mp-sigkill", "mp-kill", "mp-stall", "uni-raise", "uni-stall"])
+], ids=["mp-sigkill", "tp2-sigkill-rank1", "mp-kill", "mp-stall", "uni-raise", "uni-stall"])
 def test_an_engine_fault_fails_in_flight_requests_and_the_server_exits_non_zero(
         tiny_llama_dir, tmp_path, backend, fault, cause):
     env = {"DSINFER_STEP_TIMEOUT_S": TIMEOUT_S, **({"DSINFER_FAULT_INJECT": fault} if fault else {})}
     tokenizer = write_tiny_tokenizer(tmp_path / "tok")
-    proc, url, log = start_tiny_server(tmp_path, tiny_llama_dir, tokenizer, backend, env=env)
+    backend, _, tp = backend.partition("-tp")
+    extra = ("-tp", tp) if tp else ()
+    proc, url, log = start_tiny_server(tmp_path, tiny_llama_dir, tokenizer, backend, *extra, env=env)
     try:
         first_chunk, streamed, whole = threading.Event(), {}, {}
         threads = [threading.Thread(target=_stream, args=(url, first_chunk, streamed)),
@@ -206,7 +210,7 @@ def test_an_engine_fault_fails_in_flight_requests_and_the_server_exits_non_zero(
         faulted = time.monotonic()
         if fault is None:
             time.sleep(0.2)  # the non-streamed one is in the engine by now
-            os.kill(_worker_pid(proc.pid), signal.SIGKILL)
+            os.kill(_worker_pid(proc.pid, rank=1 if tp else 0), signal.SIGKILL)
         for t in threads:
             t.join(20)
         assert not any(t.is_alive() for t in threads), "a request in flight hung after the engine died"

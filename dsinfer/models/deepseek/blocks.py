@@ -11,6 +11,7 @@ from torch import nn
 from dsinfer import batch_invariant
 from dsinfer.config import KernelConfig
 from dsinfer.core.forward_batch import ForwardBatch
+from dsinfer.distributed.state import SINGLE, ParallelState
 from dsinfer.layers.fp8_linear import Fp8Config, make_linear
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.mla import MLAAttention
@@ -117,10 +118,16 @@ def is_moe_layer(cfg: dict[str, Any], layer_idx: int) -> bool:
 
 
 class DeepseekMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, quant: Fp8Config | None, fused_silu_mul: bool = True):
+    def __init__(self, hidden: int, intermediate: int, quant: Fp8Config | None, fused_silu_mul: bool = True,
+                 tp: ParallelState = SINGLE, reduce_results: bool = True):
+        """``tp``: the intermediate columns split across its ranks; ``reduce_results`` False leaves the output
+        this rank's partial sum (the shared experts, reduced with the routed ones in one all-reduce)."""
         super().__init__()
-        self.gate_up_proj = make_linear(hidden, [intermediate, intermediate], quant)
-        self.down_proj = make_linear(intermediate, hidden, quant)
+        what = "intermediate_size" if reduce_results else "moe_intermediate_size * n_shared_experts"
+        self.gate_up_proj = make_linear(hidden, [intermediate, intermediate], quant, tp=tp, split="column",
+                                        what=what)
+        self.down_proj = make_linear(intermediate, hidden, quant, tp=tp, split="row", what=what,
+                                     reduce_results=reduce_results)
         self.fused_silu_mul = fused_silu_mul  # KernelConfig.fused_silu_mul
 
     def forward(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
@@ -142,21 +149,29 @@ class DeepseekMoE(nn.Module):
     grouped GEMM (``fused_shared_experts``), else a separate ``shared_experts`` MLP added to their output."""
 
     def __init__(self, cfg: dict[str, Any], quant: Fp8Config | None, router: RouterConfig,
-                 kernel: KernelConfig | None = None, side_stream: SideStream | None = None):
+                 kernel: KernelConfig | None = None, side_stream: SideStream | None = None,
+                 tp: ParallelState = SINGLE):
         """``side_stream``: the model's, to run separate shared experts beside the routed ones in CUDA graphs
-        (None: in sequence)."""
+        (None: in sequence). ``tp``: every expert's intermediate columns split across its ranks (each rank routes
+        every token); the routed and shared partial sums are all-reduced once, as the block's output."""
         super().__init__()
         kernel = kernel or KernelConfig()
         hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
         router = replace(router, num_shared=fused_shared_experts(cfg, quant, kernel.fuse_shared_experts))
         self.gate = Router(hidden, router)
-        self.experts = FusedExperts(router.num_experts, hidden, inter, quant, num_shared=router.num_shared)
+        self.experts = FusedExperts(router.num_experts, hidden, inter, quant, num_shared=router.num_shared, tp=tp)
         shared = 0 if router.num_shared else cfg.get("n_shared_experts") or 0
-        self.shared_experts = DeepseekMLP(hidden, inter * shared, quant, kernel.fused_silu_mul) if shared else None
+        self.shared_experts = DeepseekMLP(hidden, inter * shared, quant, kernel.fused_silu_mul, tp,
+                                          reduce_results=False) if shared else None
         self.side_stream = side_stream  # separate shared experts beside, in CUDA graphs
+        self.tp = tp
 
     def forward(self, x: torch.Tensor, graphed: bool = False) -> torch.Tensor:
         """``graphed``: this forward is captured into a CUDA graph or warms a capture up (``in_graphs``)."""
+        return self.tp.all_reduce(self._experts(x, graphed))
+
+    def _experts(self, x: torch.Tensor, graphed: bool) -> torch.Tensor:
+        """The routed and shared experts' sum (this rank's part of it)."""
         has_slots = self.experts.num_shared > 0  # shared experts stacked with the routed ones
         # Past a few dozen tokens the shared experts' rows in the grouped GEMM (every token, tiles of a decode
         # config) cost more than dense GEMMs (see FUSED_SHARED_MAX_TOKENS). The deterministic mode always fuses:
@@ -184,20 +199,22 @@ class DeepseekMoE(nn.Module):
 
 class DeepseekDecoderLayer(nn.Module):
     def __init__(self, cfg: dict[str, Any], layer_idx: int, quant: Fp8Config | None, variant: dict[str, Any],
-                 kernel: KernelConfig | None = None, side_stream: SideStream | None = None):
+                 kernel: KernelConfig | None = None, side_stream: SideStream | None = None,
+                 tp: ParallelState = SINGLE):
         """``kernel``: the engine's kernel choices (None: the defaults); ``side_stream``: the model's (None: one
-        stream)."""
+        stream); ``tp``: the tensor-parallel split of its attention heads and MLP columns."""
         super().__init__()
         kernel = kernel or KernelConfig()
         hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
         attention = variant.get("attention", MLAAttention)  # V3.2: MLA over the indexer's selection
-        self.self_attn = attention(cfg, quant, variant["rope_is_neox"](cfg), side_stream)
+        parallel = {"tp": tp} if tp.tp_size > 1 else {}  # V3.2's attention runs on one rank only
+        self.self_attn = attention(cfg, quant, variant["rope_is_neox"](cfg), side_stream, **parallel)
         self.is_moe = is_moe_layer(cfg, layer_idx)
         if self.is_moe:
             router = router_config(cfg, variant["router"], kernel.router_gemv)
-            self.mlp = DeepseekMoE(cfg, quant, router, kernel, side_stream)
+            self.mlp = DeepseekMoE(cfg, quant, router, kernel, side_stream, tp)
         else:
-            self.mlp = DeepseekMLP(hidden, cfg["intermediate_size"], quant, kernel.fused_silu_mul)
+            self.mlp = DeepseekMLP(hidden, cfg["intermediate_size"], quant, kernel.fused_silu_mul, tp)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 

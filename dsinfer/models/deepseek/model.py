@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dsinfer.config import KernelConfig
+from dsinfer.distributed.state import SINGLE, ParallelState
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.fp8_linear import Fp8Config
 from dsinfer.layers.indexer import IndexedMLAAttention
@@ -60,8 +61,12 @@ class DeepseekV2ForCausalLM(DecoderStack):
                    "topk_methods": ("greedy", "group_limited_greedy")},
     }
 
-    def __init__(self, cfg: dict[str, Any], kernel: KernelConfig | None = None):
-        """``kernel``: the engine's kernel choices (None: ``KernelConfig()``'s defaults)."""
+    supports_tensor_parallel = True
+
+    def __init__(self, cfg: dict[str, Any], kernel: KernelConfig | None = None, parallel: ParallelState = SINGLE):
+        """``kernel``: the engine's kernel choices (None: ``KernelConfig()``'s defaults); ``parallel``: this
+        rank's tensor-parallel state (attention heads, every MLP's and expert's intermediate columns and the
+        vocabulary split across its ranks)."""
         super().__init__()
         check_config(cfg)
         cfg.setdefault("rms_norm_eps", 1e-6)
@@ -70,19 +75,19 @@ class DeepseekV2ForCausalLM(DecoderStack):
         self.fuses_shared_experts = fused_shared_experts(cfg, self.quant, kernel.fuse_shared_experts) > 0
         # one side stream for every layer that overlaps work in CUDA graphs (streams made on first use)
         self.side_stream = SideStream() if kernel.side_stream else None
-        self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"], parallel)
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(cfg, i, self.quant, self.variant, kernel, self.side_stream)
+            DeepseekDecoderLayer(cfg, i, self.quant, self.variant, kernel, self.side_stream, parallel)
             for i in range(cfg["num_hidden_layers"])
         )
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         tied = cfg.get("tie_word_embeddings", False)
-        self.lm_head = LMHead(cfg["vocab_size"], cfg["hidden_size"], self.embed_tokens if tied else None)
+        self.lm_head = LMHead(cfg["vocab_size"], cfg["hidden_size"], self.embed_tokens if tied else None, parallel)
         self.mtp = None
         if cfg.get("num_nextn_predict_layers"):
             from dsinfer.models.mtp import DeepseekMTP
 
-            self.mtp = DeepseekMTP(cfg, self.quant, self.variant, kernel, self.side_stream)
+            self.mtp = DeepseekMTP(cfg, self.quant, self.variant, kernel, self.side_stream, parallel)
 
     def attention_layers(self) -> list[MLAAttention]:
         """The main model's MLA layers (the MTP module's own layers are ``self.mtp.attention_layers()``)."""
@@ -183,6 +188,7 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
         "rope_is_neox": lambda cfg: False,
         "attention": IndexedMLAAttention,
     }
+    supports_tensor_parallel = False  # the indexer's heads are not split yet
 
     def __init__(self, cfg: dict[str, Any], kernel: KernelConfig | None = None):
         types = cfg.get("mlp_layer_types")

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from dsinfer.config import EngineConfig
+from dsinfer.distributed.state import SINGLE, ParallelState
 from dsinfer.models.registry import model_class
 from dsinfer.models.weights import init_dummy_weights, iterate_safetensors
 from dsinfer.ops import options
@@ -24,13 +25,34 @@ def _default_dtype_and_device(dtype: torch.dtype, device: torch.device):
         torch.set_default_dtype(old_dtype)
 
 
-def load_model(config: EngineConfig) -> nn.Module:
-    """The model of ``config``, built with its ``KernelConfig`` (whose process-wide kernel options are set here,
-    once, before any forward: ``ops.options.configure``)."""
-    options.configure(config.kernel)
+def build_model(config: EngineConfig, parallel: ParallelState = SINGLE) -> nn.Module:
+    """The model class of ``config`` built (weights uninitialized) on the current default device; ``parallel``:
+    this rank's tensor-parallel state. A model class without ``supports_tensor_parallel`` is refused at more
+    than one rank; a size the ranks do not divide is the layers' ValueError."""
     cls = model_class(config.model.architecture)
+    if parallel.tp_size == 1:
+        return cls(dict(config.model.hf_config), config.kernel)
+    if not getattr(cls, "supports_tensor_parallel", False):
+        raise ValueError(f"{config.model.architecture} does not support tensor_parallel_size > 1 yet (got "
+                         f"{parallel.tp_size}); supported: Llama, Qwen2, Qwen3, Mistral, GPT-OSS, DeepSeek-V2/V3")
+    return cls(dict(config.model.hf_config), config.kernel, parallel)
+
+
+def check_parallel_shapes(config: EngineConfig, tp_size: int) -> None:
+    """Build the model on the meta device as one of ``tp_size`` ranks: the sizes that do not split (heads,
+    key/value heads, intermediate sizes, vocabulary) fail here, as ValueErrors naming them, before any process
+    starts or any weight loads."""
+    with _default_dtype_and_device(config.model.dtype, torch.device("meta")):
+        build_model(config, ParallelState(tp_size=tp_size))
+
+
+def load_model(config: EngineConfig, parallel: ParallelState = SINGLE) -> nn.Module:
+    """The model of ``config``, built with its ``KernelConfig`` (whose process-wide kernel options are set here,
+    once, before any forward: ``ops.options.configure``); ``parallel``: this rank's tensor-parallel state (each
+    weight loader keeps this rank's slice)."""
+    options.configure(config.kernel)
     with _default_dtype_and_device(config.model.dtype, config.device.device):
-        model = cls(dict(config.model.hf_config), config.kernel)
+        model = build_model(config, parallel)
     if config.load.load_format == "dummy":
         init_dummy_weights(model, float(config.model.hf_config.get("initializer_range", 0.02)), config.load.seed)
     else:
