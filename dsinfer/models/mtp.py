@@ -26,6 +26,7 @@ from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.fp8_linear import Fp8Config
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.mla import MLAAttention
+from dsinfer.layers.moe import ExpertSlots
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.streams import SideStream
 from dsinfer.models.deepseek.blocks import DeepseekDecoderLayer
@@ -43,14 +44,15 @@ class SharedHead(nn.Module):
 
 class DeepseekMTPLayer(nn.Module):
     def __init__(self, cfg: dict[str, Any], layer_idx: int, quant: Fp8Config | None, variant: dict[str, Any],
-                 kernel: KernelConfig | None = None, side_stream: SideStream | None = None):
+                 kernel: KernelConfig | None = None, side_stream: SideStream | None = None,
+                 expert_slots: ExpertSlots | None = None):
         super().__init__()
         hidden = cfg["hidden_size"]
         self.embed_tokens = VocabEmbedding(cfg["vocab_size"], hidden)
         self.enorm = RMSNorm(hidden, cfg["rms_norm_eps"])
         self.hnorm = RMSNorm(hidden, cfg["rms_norm_eps"])
         self.eh_proj = Linear(2 * hidden, hidden)  # kept unquantized in FP8 checkpoints
-        self.block = DeepseekDecoderLayer(cfg, layer_idx, quant, variant, kernel, side_stream)
+        self.block = DeepseekDecoderLayer(cfg, layer_idx, quant, variant, kernel, side_stream, expert_slots)
         self.shared_head = SharedHead(cfg)
 
     def forward(
@@ -69,12 +71,14 @@ class DeepseekMTP(nn.Module):
     """The model's MTP layers (usually one); ``forward`` runs one of them."""
 
     def __init__(self, cfg: dict[str, Any], quant: Fp8Config | None, variant: dict[str, Any],
-                 kernel: KernelConfig | None = None, side_stream: SideStream | None = None):
-        """``kernel`` / ``side_stream``: the main model's (None: the defaults / one stream)."""
+                 kernel: KernelConfig | None = None, side_stream: SideStream | None = None,
+                 expert_slots: ExpertSlots | None = None):
+        """``kernel`` / ``side_stream`` / ``expert_slots``: the main model's (None: the defaults / one stream /
+        no redundant experts)."""
         super().__init__()
         first = cfg["num_hidden_layers"]
         self.layers = nn.ModuleList(
-            DeepseekMTPLayer(cfg, first + k, quant, variant, kernel, side_stream)
+            DeepseekMTPLayer(cfg, first + k, quant, variant, kernel, side_stream, expert_slots)
             for k in range(cfg["num_nextn_predict_layers"])
         )
 

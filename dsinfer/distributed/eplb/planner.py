@@ -89,6 +89,16 @@ def moe_lb(loads: np.ndarray, placement: Placement, num_ranks: int) -> np.ndarra
     return np.where(mean > 0, ranks.max(axis=1) / np.where(mean > 0, mean, 1.0), 1.0)
 
 
+def balancedness(physical_load: np.ndarray, num_ranks: int) -> tuple[np.ndarray, float]:
+    """(moe_lb per layer, overall) of measured loads per physical expert [L, P] (rank-major): a layer's slowest
+    rank over its mean rank; overall, the layers' slowest ranks summed over their means summed (each layer
+    waits for its slowest rank, so that is the share of MoE time lost to imbalance). 1.0 where nothing ran."""
+    ranks = np.asarray(physical_load, dtype=np.float64).reshape(physical_load.shape[0], num_ranks, -1).sum(axis=2)
+    peak, mean = ranks.max(axis=1), ranks.mean(axis=1)
+    per_layer = np.where(mean > 0, peak / np.where(mean > 0, mean, 1.0), 1.0)
+    return per_layer, float(peak.sum() / mean.sum()) if mean.sum() > 0 else 1.0
+
+
 def rebalance_experts(loads: np.ndarray, num_physical: int, num_groups: int, num_nodes: int, num_gpus: int,
                       policy: str = "auto") -> Placement:
     """The placement of ``num_physical`` physical experts per layer on ``num_gpus`` ranks for ``loads [L, E]``
