@@ -110,12 +110,60 @@ class DeviceConfig:
     max_prefill_graph_tokens: int = 2048
 
 
+EPLB_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+
+
+@dataclass(frozen=True)
+class EplbConfig:
+    """Expert-parallel load balancing (vLLM's ``eplb_config``): redundant experts and periodic rebalancing
+    (``distributed/eplb``). ``from_dict`` validates the user's dict (a ValueError naming the field)."""
+
+    window_size: int = 1000  # steps of expert loads the planner reads (the ring buffer's length)
+    step_interval: int = 3000  # steps between rebalances (the first comes after a quarter of it)
+    num_redundant_experts: int = 0  # physical experts per MoE layer beyond the logical ones (replicas)
+    log_balancedness: bool = False  # log moe_lb (max rank load / mean) of the window at each rebalance
+
+    @classmethod
+    def from_dict(cls, value: Any) -> EplbConfig:
+        if value is None or isinstance(value, EplbConfig):
+            return value or cls()
+        if not isinstance(value, dict):
+            raise ValueError(f"eplb_config must be a dict, got {type(value).__name__}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"eplb_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        out = cls()
+        for name, low in (("window_size", 1), ("step_interval", 1), ("num_redundant_experts", 0)):
+            got = value.get(name, getattr(out, name))
+            if isinstance(got, bool) or not isinstance(got, int) or got < low:
+                raise ValueError(f"eplb_config.{name} must be an integer >= {low}, got {got!r}")
+        log = value.get("log_balancedness", False)
+        if not isinstance(log, bool):
+            raise ValueError(f"eplb_config.log_balancedness must be true or false, got {log!r}")
+        return cls(**{**value, "log_balancedness": log})
+
+    def check_model(self, enable_eplb: bool, hf_config: dict[str, Any]) -> None:
+        """ValueErrors for EPLB settings this model cannot take."""
+        if not enable_eplb:
+            if self.num_redundant_experts:
+                raise ValueError(f"eplb_config.num_redundant_experts={self.num_redundant_experts} needs "
+                                 "enable_eplb=True (redundant experts are EPLB's)")
+            return
+        arch = (hf_config.get("architectures") or ["?"])[0]
+        if arch not in EPLB_ARCHITECTURES or not hf_config.get("n_routed_experts"):
+            raise ValueError(f"enable_eplb=True needs a DeepSeek V2 / V3 / V3.2 MoE model ({EPLB_ARCHITECTURES} "
+                             f"with n_routed_experts); {arch} has no routed experts dsinfer can balance")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     distributed_executor_backend: str = "uni"  # uni (in process) | mp (worker processes): dsinfer/executor/
     # ranks the model's heads, MLP columns and vocabulary are split over (one GPU each; "mp" above 1); the world
     # size of the torch.distributed group (dsinfer/distributed/)
     tensor_parallel_size: int = 1
+    enable_eplb: bool = False  # expert-parallel load balancing (vLLM's name): counters, replicas, rebalances
+    eplb_config: EplbConfig = EplbConfig()  # its settings (vLLM's names)
 
     @property
     def world_size(self) -> int:

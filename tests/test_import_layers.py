@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("sampling", "structured"),     # the sampler; grammars and token bitmasks
     ("spec_decode",),               # drafters (n-gram), draft confidence, spec-decode counters: core + config only
     ("models",),                    # registry, loaders, llama, deepseek, mtp
+    ("distributed",),               # EP dispatch / combine, EPLB (planner, balancer): over layers and ops
     ("layers",),                    # nn.Modules over ops
     ("distributed",),               # ParallelState and its collectives, rendezvous, process groups, NUMA binding
     ("ops",),                       # one public function per op: torch reference + dispatch to a kernel

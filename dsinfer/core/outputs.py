@@ -7,6 +7,9 @@ known token this step (a prompt chunk) is absent. ``logprobs[r]``, when asked fo
 ``draft_token_ids[r]`` (MTP drafting) are the drafts the worker proposes to follow the request's tokens after this
 step's ``sampled_token_ids[r]``, ``draft_confidence[r]`` the drafter's probability of each (same length).
 ``kv_loads_done[r]``: request ``r``'s store load finished this step (its blocks hold that many tokens' KV).
+``expert_load`` (EPLB, when the plan asked: ``StepPlan.want_expert_load``): the expert-load counters, tokens
+routed to each physical expert of each MoE layer over the load window, [layer][physical expert] (physical ids
+rank-major: rank r holds [r P / R, (r + 1) P / R)).
 """
 
 from __future__ import annotations
@@ -34,3 +37,4 @@ class RunnerOutput:
     kv_loads_done: dict[str, int] = field(default_factory=dict)
     kv_host_events: list[list] = field(default_factory=list)  # [key, present] changes of the host tier, in order
     kv_store_counters: dict[str, float] = field(default_factory=dict)  # the worker's totals (``kvstore.counters``)
+    expert_load: list[list[float]] | None = None  # EPLB's window of expert-load counters (see the module doc)

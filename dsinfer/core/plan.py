@@ -170,6 +170,8 @@ class StepPlan:
     kv_saves: list[KVSave] = field(default_factory=list)  # grains this step or an earlier one filled
     # a step with nothing to compute still runs to report loads done; the worker then waits this long for one
     kv_poll_s: float = 0.0
+    # EPLB: the worker returns its expert load window (``RunnerOutput.expert_load``) with this step's output
+    want_expert_load: bool = False
 
     @property
     def num_batched_tokens(self) -> int:

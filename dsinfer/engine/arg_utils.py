@@ -25,6 +25,7 @@ from dsinfer.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    EplbConfig,
     KernelConfig,
     KVStoreConfig,
     LoadConfig,
@@ -87,6 +88,10 @@ class EngineArgs:
     # the KV cache store beyond GPU memory: {"host_gb": .., "dir": .., "dir_gb": .., "grain": 128,
     # "ttl_s": {class: seconds}} (``KVStoreConfig``); None: GPU prefix cache only
     kv_store: dict[str, Any] | None = None
+    # vLLM's EPLB: expert load counters, redundant experts and rebalances (DeepSeek V2 / V3 / V3.2 only)
+    enable_eplb: bool = False
+    # {"window_size": steps, "step_interval": steps, "num_redundant_experts": n, "log_balancedness": bool}
+    eplb_config: dict[str, Any] | None = None
     # where confidence scheduling keeps its step-latency curve (None: $DSINFER_CACHE_DIR/step_latency; "": nowhere)
     step_latency_dir: str | None = None
 
@@ -112,6 +117,10 @@ class EngineArgs:
         hf_config.update(self.hf_overrides or {})
         hf_config["architectures"] = _architectures(hf_config, config_path)
         speculative.check_model(hf_config)
+        if not isinstance(self.enable_eplb, bool):
+            raise ValueError(f"enable_eplb must be true or false, got {self.enable_eplb!r}")
+        eplb = EplbConfig.from_dict(self.eplb_config)
+        eplb.check_model(self.enable_eplb, hf_config)
         generation_config = _read_json(model_dir / "generation_config.json")
         sampling_defaults, max_tokens_limit = self._sampling_defaults(generation_config)
         model = ModelConfig(
@@ -146,7 +155,8 @@ class EngineArgs:
             device=DeviceConfig(device, bool(deterministic), bool(async_sched), self.enforce_eager,
                                 self.max_prefill_graph_tokens),
             parallel=ParallelConfig(self.distributed_executor_backend or ("mp" if self.tensor_parallel_size > 1
-                                                                          else "uni"), self.tensor_parallel_size),
+                                                                          else "uni"), self.tensor_parallel_size,
+                                    self.enable_eplb, eplb),
             speculative=speculative,
             kernel=KernelConfig.from_envs(),
             kv_store=kv_store,

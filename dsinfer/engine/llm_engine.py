@@ -116,6 +116,9 @@ class LLMEngine:
         # overlap with drafts: only a drafter that can propose one token ahead of the tokens it sees
         self._overlaps_drafts = self.drafter is None or getattr(self.drafter, "proposes_ahead", False)
         self._needs_host_tokens: set[str] = set()  # unfinished child ids whose sampling reads earlier tokens
+        # EPLB: the worker's latest expert-load window (asked for by the next plan after each ``get_stats``)
+        self.expert_load: list[list[float]] | None = None
+        self._want_expert_load = config.parallel.enable_eplb
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, usage: str = "offline") -> LLMEngine:
@@ -262,6 +265,8 @@ class LLMEngine:
 
     def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()
+        if self._want_expert_load and not sched.is_empty:
+            sched.plan.want_expert_load, self._want_expert_load = True, False
         if self._structured is not None and not sched.is_empty:
             sched.plan.grammar_bitmask = self._grammar_bitmask(sched.scheduled)
         return sched
@@ -326,6 +331,8 @@ class LLMEngine:
         self._last_result_time = now
 
     def _process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        if result.expert_load is not None:
+            self.expert_load = result.expert_load
         if self.store_index is not None:
             self.store_index.apply([(key, present) for key, present in result.kv_host_events])
             self.kv_store_counters = result.kv_store_counters or self.kv_store_counters
@@ -446,7 +453,21 @@ class LLMEngine:
             "num_generation_tokens": self.num_generation_tokens,
             "spec_decode": self.spec_stats.as_dict() if self.spec_stats is not None else None,
             "kv_store": self.kv_store_stats(),
+            "eplb": self.eplb_stats(),
         }
+
+    def eplb_stats(self) -> dict[str, Any] | None:
+        """moe_lb per MoE layer and overall from the latest expert-load window (None: EPLB off or no window
+        yet); asks the next step for a fresh one (the figures are one call behind)."""
+        if not self.config.parallel.enable_eplb:
+            return None
+        self._want_expert_load = True
+        if self.expert_load is None:
+            return None
+        from dsinfer.distributed.eplb.planner import balancedness
+
+        per_layer, overall = balancedness(np.asarray(self.expert_load), num_ranks=1)
+        return {"moe_lb": per_layer.tolist(), "moe_lb_overall": overall}
 
     def flush_kv_store(self) -> None:
         """Wait until the KV store's queued saves are written, and let the index know them now (the in-process

@@ -12,6 +12,12 @@ shared ones (``w13 [E + S, 2I, H]``), which the router gives every token with we
 (SiLU(gate) * up is elementwise over the intermediate dimension, down sums over it), so its checkpoint tensors
 (shard ``("shared", kind)``) load in S chunks: gate / up rows [jI, (j + 1)I) and down_proj columns
 [jI, (j + 1)I) go to slot E + j, block scales likewise (which needs I on the scale grid).
+
+Redundant experts (EPLB, ``ExpertSlots``): the stack then holds ``num_storage`` routed slots, P = E +
+``num_redundant`` of them in use (physical experts) and ``num_spare`` outside any map, into which a rebalance
+copies new replicas; the shared slots follow them. ``ExpertMap`` turns the router's logical ids into storage
+slots, a replica chosen by token index, and counts each slot's tokens on the device. A checkpoint loads into
+slots 0..E-1 (expert e in slot e); ``fill_replicas`` copies each into the other slots that hold it.
 """
 
 from __future__ import annotations
@@ -115,14 +121,80 @@ class Router(nn.Module):
         return select_experts(logits, self.cfg.top_k, self.cfg.routing, self.e_score_correction_bias, shared)
 
 
+@dataclass(frozen=True)
+class ExpertSlots:
+    """A MoE layer's physical expert slots beyond its logical experts (EPLB): ``num_redundant`` replicas of hot
+    experts in the maps, ``num_spare`` storage slots outside them that a rebalance copies new replicas into."""
+
+    num_redundant: int = 0
+    num_spare: int = 1
+
+
+class ExpertMap(nn.Module):
+    """Logical expert -> the storage slot of one of its replicas, and the tokens each slot got.
+
+    ``table [E + S, R]``: each logical expert's storage slots (R = the most replicas one can have, rows padded
+    by repeating), then the S shared experts' (one each, after the routed storage slots); ``counts [E + S]``:
+    replicas per row. Token t takes replica ``t % count`` of each expert it routes to: the choice depends on the
+    token's index only, and replicas hold the same bytes, so outputs do not depend on it. ``load``: when set (a
+    [storage slots] float32 view of the load balancer's counters), every forward adds each routed pair to its
+    slot's count on the device (``index_add_``: no host read, CUDA-graph safe). The host keeps ``slot_log``
+    (the logical expert of each storage slot, -1 for a spare); ``assign`` rewrites the device tables from it."""
+
+    def __init__(self, num_logical: int, num_shared: int, slots: ExpertSlots):
+        super().__init__()
+        self.num_logical, self.num_shared = num_logical, num_shared
+        self.num_physical = num_logical + slots.num_redundant
+        self.num_storage = self.num_physical + slots.num_spare
+        self.max_replicas = slots.num_redundant + 1
+        self.register_buffer("table", torch.zeros(num_logical + num_shared, self.max_replicas, dtype=torch.int64),
+                             persistent=False)
+        self.register_buffer("counts", torch.ones(num_logical + num_shared, dtype=torch.int64), persistent=False)
+        self.load: torch.Tensor | None = None
+        initial = [p % num_logical for p in range(self.num_physical)] + [-1] * slots.num_spare
+        self.slot_log: list[int] = []
+        self.assign(initial)
+
+    def tables(self, slot_log: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table, counts) on the host for ``slot_log`` (replicas in ascending slot order)."""
+        replicas: list[list[int]] = [[] for _ in range(self.num_logical)]
+        for slot, logical in enumerate(slot_log):
+            if logical >= 0:
+                replicas[logical].append(slot)
+        if any(not r for r in replicas) or len(slot_log) != self.num_storage:
+            raise ValueError(f"a slot map must give every logical expert a slot in {self.num_storage} slots")
+        replicas += [[self.num_storage + j] for j in range(self.num_shared)]
+        table = torch.tensor([[r[i % len(r)] for i in range(self.max_replicas)] for r in replicas])
+        return table, torch.tensor([len(r) for r in replicas])
+
+    def assign(self, slot_log: list[int]) -> None:
+        """Route by ``slot_log`` from the next forward on (stream-ordered copies: no host wait on CUDA)."""
+        table, counts = self.tables(slot_log)
+        if self.table.is_cuda:
+            table, counts = table.pin_memory(), counts.pin_memory()
+        self.table.copy_(table, non_blocking=True)
+        self.counts.copy_(counts, non_blocking=True)
+        self.slot_log = list(slot_log)
+
+    def forward(self, topk_ids: torch.Tensor, num_routed: int) -> torch.Tensor:
+        """[T, k (+ S)] logical ids -> storage slots; the first ``num_routed`` columns are counted in ``load``."""
+        token = torch.arange(topk_ids.shape[0], device=topk_ids.device).unsqueeze(1)
+        slots = self.table[topk_ids, token % self.counts[topk_ids]]
+        if self.load is not None:
+            routed = slots[:, :num_routed].reshape(-1)
+            self.load.index_add_(0, routed, torch.ones(routed.shape, dtype=self.load.dtype, device=routed.device))
+        return slots
+
+
 class FusedExperts(nn.Module):
     """SiLU-gated experts stacked for one grouped op: ``w13 [E + S, 2I, H]``, ``w2 [E + S, H, I]``; slots
     0..E-1 the routed experts, E..E+S-1 the shared ones (``num_shared``, see the module doc)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, quant: Fp8Config | None,
-                 num_shared: int = 0, tp: ParallelState = SINGLE):
+                 num_shared: int = 0, tp: ParallelState = SINGLE, num_storage: int | None = None):
         """``tp``: every expert's intermediate columns split across its ranks (each holds I / tp of them; its
-        output is then its part of the sum, for the caller to all-reduce)."""
+        output is then its part of the sum, for the caller to all-reduce); ``num_storage``: routed storage slots
+        (EPLB: physical experts and spares; None: ``num_experts``)."""
         super().__init__()
         if tp.tp_size > 1 and quant:
             raise ValueError("FP8 experts are not supported with tensor_parallel_size > 1 yet (the block scales "
@@ -130,7 +202,8 @@ class FusedExperts(nn.Module):
         intermediate_size = split_evenly(intermediate_size, tp.tp_size, "moe_intermediate_size")
         self.tp = tp
         self.num_routed, self.num_shared, self.quant = num_experts, num_shared, quant
-        self.num_experts = slots = num_experts + num_shared  # what the stacked weights hold
+        self.num_storage = num_experts if num_storage is None else num_storage
+        self.num_experts = slots = self.num_storage + num_shared  # what the stacked weights hold
         dtype = FP8_DTYPE if quant else None
         self.w13 = nn.Parameter(
             torch.empty(slots, 2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False
@@ -155,6 +228,8 @@ class FusedExperts(nn.Module):
                 scale.dummy_init = lambda std, gen: None  # written by the weight's dummy init
                 setattr(self, f"{name}_scale_inv", scale)
                 getattr(self, name).dummy_init = self._dummy_init_fn(name)
+        if self.num_storage > num_experts and not quant:  # the random numbers of the stack without replicas
+            self.w13.dummy_init, self.w2.dummy_init = self._logical_init("w13"), self._logical_init("w2")
         self.dtype = torch.get_default_dtype()
         self.dense: tuple[torch.Tensor, torch.Tensor] | None = None
         self.filled: set[tuple[str, int | str, str]] = set()  # (parameter, expert | "shared", kind) loaded so far
@@ -211,7 +286,7 @@ class FusedExperts(nn.Module):
         if expert == SHARED:
             if not self.num_shared:
                 raise ValueError("a shared-expert tensor for experts stacked without shared slots (num_shared=0)")
-            slots, dim = range(self.num_routed, self.num_experts), 1 if kind == "down" else 0
+            slots, dim = range(self.num_storage, self.num_experts), 1 if kind == "down" else 0
         elif isinstance(expert, int) and 0 <= expert < self.num_routed:
             slots, dim = [expert], 0
         else:
@@ -245,10 +320,36 @@ class FusedExperts(nn.Module):
         targets, dim = self._targets(name, leaf != name, getattr(self, leaf).data, shard)
         return targets[0] if len(targets) == 1 else torch.cat(targets, dim)
 
+    def logical_slots(self) -> list[int]:
+        """The slots a checkpoint fills: the routed experts' 0..E-1, then the shared ones."""
+        return [*range(self.num_routed), *range(self.num_storage, self.num_experts)]
+
+    def _logical_init(self, name: str):
+        def init(std: float, generator: torch.Generator) -> None:
+            """Random weights into the checkpoint's slots, drawn as for a stack without replicas."""
+            data, slots = getattr(self, name).data, self.logical_slots()
+            data[slots] = torch.empty((len(slots), *data.shape[1:]), dtype=data.dtype,
+                                      device=data.device).normal_(0.0, std, generator=generator)
+
+        return init
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed by slot in its first dimension (weights, block scales, dequantized copies)."""
+        names = ["w13", "w2", *(f"{n}_scale_inv" for n in self.shards)]
+        return [getattr(self, n).data for n in names] + list(self.dense or ())
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Slot ``dst`` becomes a byte copy of slot ``src`` (on the current stream)."""
+        for tensor in self.slot_tensors():
+            tensor[dst].copy_(tensor[src], non_blocking=True)
+
+    def slot_bytes(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.slot_tensors())
+
     def _dummy_init_fn(self, name: str):
         def init(std: float, generator: torch.Generator) -> None:
             weight, scale = getattr(self, name).data, getattr(self, f"{name}_scale_inv").data
-            for e in range(self.num_experts):  # one expert at a time: bounded float32 scratch
+            for e in self.logical_slots():  # one expert at a time: bounded float32 scratch
                 dense = torch.empty(weight.shape[1:], dtype=torch.float32, device=weight.device)
                 self.shards[name].quantize_into(
                     dense.normal_(0.0, std, generator=generator), weight[e], scale[e]
@@ -285,7 +386,7 @@ class FusedExperts(nn.Module):
         rows in it would cost more than separate GEMMs (``DeepseekMoE``): one batched gate/up GEMM over the S
         slots, SiLU-mul, and the down GEMMs summed, into ``add_to`` in place when given (the sum is the GEMMs'
         epilogue)."""
-        first = self.num_routed
+        first = self.num_storage
         if self.quant and self.dense is None:  # FP8 slots: the block-scaled GEMM, slot by slot
             block = self.quant.block_size
             out = add_to

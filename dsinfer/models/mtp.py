@@ -27,6 +27,7 @@ from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.fp8_linear import Fp8Config
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.mla import MLAAttention
+from dsinfer.layers.moe import ExpertSlots
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.streams import SideStream
 from dsinfer.models.deepseek.blocks import DeepseekDecoderLayer
@@ -45,14 +46,14 @@ class SharedHead(nn.Module):
 class DeepseekMTPLayer(nn.Module):
     def __init__(self, cfg: dict[str, Any], layer_idx: int, quant: Fp8Config | None, variant: dict[str, Any],
                  kernel: KernelConfig | None = None, side_stream: SideStream | None = None,
-                 tp: ParallelState = SINGLE):
+                 tp: ParallelState = SINGLE, expert_slots: ExpertSlots | None = None):
         super().__init__()
         hidden = cfg["hidden_size"]
         self.embed_tokens = VocabEmbedding(cfg["vocab_size"], hidden, tp)
         self.enorm = RMSNorm(hidden, cfg["rms_norm_eps"])
         self.hnorm = RMSNorm(hidden, cfg["rms_norm_eps"])
         self.eh_proj = Linear(2 * hidden, hidden)  # kept unquantized in FP8 checkpoints
-        self.block = DeepseekDecoderLayer(cfg, layer_idx, quant, variant, kernel, side_stream, tp)
+        self.block = DeepseekDecoderLayer(cfg, layer_idx, quant, variant, kernel, side_stream, tp, expert_slots)
         self.shared_head = SharedHead(cfg, tp)
 
     def forward(
@@ -72,12 +73,13 @@ class DeepseekMTP(nn.Module):
 
     def __init__(self, cfg: dict[str, Any], quant: Fp8Config | None, variant: dict[str, Any],
                  kernel: KernelConfig | None = None, side_stream: SideStream | None = None,
-                 tp: ParallelState = SINGLE):
-        """``kernel`` / ``side_stream`` / ``tp``: the main model's (None: the defaults / one stream; one rank)."""
+                 tp: ParallelState = SINGLE, expert_slots: ExpertSlots | None = None):
+        """``kernel`` / ``side_stream`` / ``tp`` / ``expert_slots``: the main model's (None: the defaults / one
+        stream; one rank; no redundant experts)."""
         super().__init__()
         first = cfg["num_hidden_layers"]
         self.layers = nn.ModuleList(
-            DeepseekMTPLayer(cfg, first + k, quant, variant, kernel, side_stream, tp)
+            DeepseekMTPLayer(cfg, first + k, quant, variant, kernel, side_stream, tp, expert_slots)
             for k in range(cfg["num_nextn_predict_layers"])
         )
 

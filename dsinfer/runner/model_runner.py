@@ -85,6 +85,8 @@ class StepHandle:
         if self._done is not None:
             self._done.synchronize()
         out = RunnerOutput(prompt_logprobs=self._prompt_logprobs, **self._kv)
+        if "expert_load" in self._copies:
+            out.expert_load = self._copies["expert_load"].tolist()
         if not self.rows:
             return out
         tokens = self._copies["tokens"].tolist()
@@ -126,6 +128,12 @@ class ModelRunner:
         if self.device.type == "cuda":
             _check_weights_fit(config, parallel)
         self.model = load_model(config, parallel)
+        self.eplb = None  # the expert load counters and rebalances (before any capture: the graphs count too)
+        if config.parallel.enable_eplb:
+            from dsinfer.distributed.eplb.balancer import ExpertLoadBalancer
+
+            self.eplb = ExpertLoadBalancer(self.model.moe_blocks(), config.parallel.eplb_config,
+                                           int(config.model.hf_config.get("n_group") or 1), self.device)
         self.vocab_size = config.model.vocab_size
         self.block_size = config.cache.block_size
         layers = self.model.attention_layers()
@@ -204,6 +212,8 @@ class ModelRunner:
         self.step_latency_points: dict[int, float] = {}
         if config.speculative.enabled and config.speculative.confidence_scheduling:
             self.step_latency_points = self._step_latency_points(eager_only or not prompt_graphs)
+        if self.eplb is not None:  # captures, warm-ups and measurements ran dummy batches
+            self.eplb.reset_counters()
 
     def _step_latency_points(self, no_dummy_batches: bool) -> dict[int, float]:
         """The curve saved for this engine's fingerprint, or decode steps measured now (and saved); none for a
@@ -334,6 +344,8 @@ class ModelRunner:
             self._last_rows = {row.state.request_id: i for i, row in enumerate(inputs.sample_rows)}
         if self.kv_transfer is not None and plan.kv_saves:  # after the forward: the gathers see its KV
             self.kv_transfer.save(plan.kv_saves)
+        if self.eplb is not None:
+            self._eplb_step(plan, inputs, copies)
         prompt_logprobs = {}
         for rows in inputs.prompt_rows:
             n = len(rows.target_ids)
@@ -353,6 +365,14 @@ class ModelRunner:
             self._draft(inputs, hidden, [])
         return StepHandle(inputs.sample_rows, copies, prompt_logprobs, done, draft, self._kv_report(plan))
 
+    def _eplb_step(self, plan: StepPlan, inputs: StepInputs, copies: dict[str, torch.Tensor]) -> None:
+        """The step boundary of the expert load balancer; the window's loads on their way to the host when the
+        plan asks for them."""
+        sampled = {row.state.request_id for row in inputs.sample_rows}
+        self.eplb.end_step(mid_prefill=any(rid not in sampled for rid in plan.num_scheduled_tokens))
+        if plan.want_expert_load:
+            copies["expert_load"] = _to_host(self.eplb.physical_load())
+
     def _kv_report(self, plan: StepPlan) -> dict | None:
         """The KV store's part of the step's output: loads finished, host-tier changes, counters."""
         if self.kv_transfer is None:
@@ -365,6 +385,8 @@ class ModelRunner:
         """Write the KV store's queued saves and stop its threads (idempotent)."""
         if self.kv_transfer is not None:
             self.kv_transfer.close()
+        if self.eplb is not None:
+            self.eplb.close()
 
     @torch.inference_mode()
     def _draft(self, inputs: StepInputs, hidden: torch.Tensor, tokens: list[int]) -> tuple[dict, dict]:

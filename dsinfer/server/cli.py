@@ -16,6 +16,7 @@ from dsinfer.config import (
     KV_CACHE_DTYPES,
     PARALLEL_SIZES,
     SCHEDULING_POLICIES,
+    EplbConfig,
     KVStoreConfig,
     SpeculativeConfig,
     check_parallel_size,
@@ -50,6 +51,8 @@ _ENGINE_ARGS = (
     "distributed_executor_backend",
     "tensor_parallel_size",
     "speculative_config",
+    "enable_eplb",
+    "eplb_config",
 )
 
 logger = logging.getLogger("dsinfer.server")
@@ -126,6 +129,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help='the KV cache store beyond GPU memory, e.g. \'{"host_gb": 64, "dir": "/mnt/3fs/kv", '
                           '"dir_gb": 4096, "grain": 128, "ttl_s": {"agent": 259200, "chat": 604800}}\'; a request '
                           'names its class in the body field "kv_retention"')
+    eng.add_argument("--enable-eplb", action="store_true", default=None,
+                     help="expert-parallel load balancing (DeepSeek V2 / V3 / V3.2): expert load counters, redundant "
+                          "experts and periodic rebalances that never stall a step")
+    eng.add_argument("--eplb-config", type=_json_object, default=None,
+                     help='EPLB settings as vLLM\'s, e.g. \'{"window_size": 1000, "step_interval": 3000, '
+                          '"num_redundant_experts": 32, "log_balancedness": true}\'')
     srv = parser.add_argument_group("server")
     srv.add_argument("--max-waiting-requests", type=int, default=256,
                      help="queued requests before 429 (529 on Anthropic routes)")
@@ -294,6 +303,13 @@ def check_serve_args(args: argparse.Namespace) -> None:
             KVStoreConfig.from_dict(args.kv_store, 1)
         except ValueError as exc:
             raise ValueError(f"--kv-store {json.dumps(args.kv_store)}: {exc}") from None
+    if args.eplb_config is not None:
+        try:
+            EplbConfig.from_dict(args.eplb_config)
+        except ValueError as exc:
+            raise ValueError(f"--eplb-config {json.dumps(args.eplb_config)}: {exc}") from None
+        if args.eplb_config.get("num_redundant_experts") and not args.enable_eplb:
+            raise ValueError("--eplb-config num_redundant_experts needs --enable-eplb")
     if args.max_logprobs is not None and args.max_logprobs < -1:
         raise ValueError(f"--max-logprobs {args.max_logprobs}: must be >= 0, or -1 (up to the vocabulary size)")
     if args.swap_space is not None and args.swap_space < 0:

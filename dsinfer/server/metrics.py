@@ -170,6 +170,7 @@ class _EngineCounters:
         for name, key, doc in self._FIELDS:
             yield CounterMetricFamily(name, doc, value=self.metrics.engine_stats.get(key, 0))
         yield from self._store()
+        yield from self._eplb()
         spec = self.metrics.engine_stats.get("spec_decode")
         if not spec:
             return
@@ -185,6 +186,19 @@ class _EngineCounters:
                                 "Tokens a verifying step gives a request: 1 + accepted / drafts",
                                 value=spec["mean_acceptance_length"])
 
+
+    def _eplb(self) -> Iterator[Metric]:
+        """EPLB's balancedness over the load window (engine stats["eplb"], present once a window came back)."""
+        eplb = self.metrics.engine_stats.get("eplb")
+        if not eplb:
+            return
+        family = GaugeMetricFamily("dsinfer_moe_lb", "MoE balancedness over the EPLB window: slowest EP rank's "
+                                   "tokens / mean rank's, by MoE layer (0: the first MoE layer)", labels=["layer"])
+        for layer, value in enumerate(eplb["moe_lb"]):
+            family.add_metric([str(layer)], value)
+        yield family
+        yield GaugeMetricFamily("dsinfer_moe_lb_overall", "MoE balancedness over all MoE layers: their slowest "
+                                "ranks' tokens summed / their mean ranks' summed", value=eplb["moe_lb_overall"])
 
     def _store(self) -> Iterator[Metric]:
         store = self.metrics.engine_stats.get("kv_store")

@@ -15,7 +15,7 @@ from dsinfer.distributed.state import SINGLE, ParallelState
 from dsinfer.layers.fp8_linear import Fp8Config, make_linear
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.mla import MLAAttention
-from dsinfer.layers.moe import FusedExperts, Router, RouterConfig
+from dsinfer.layers.moe import ExpertMap, ExpertSlots, FusedExperts, Router, RouterConfig
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.streams import SideStream, in_graphs
 from dsinfer.ops.moe import Routing
@@ -150,16 +150,22 @@ class DeepseekMoE(nn.Module):
 
     def __init__(self, cfg: dict[str, Any], quant: Fp8Config | None, router: RouterConfig,
                  kernel: KernelConfig | None = None, side_stream: SideStream | None = None,
-                 tp: ParallelState = SINGLE):
+                 tp: ParallelState = SINGLE, expert_slots: ExpertSlots | None = None):
         """``side_stream``: the model's, to run separate shared experts beside the routed ones in CUDA graphs
         (None: in sequence). ``tp``: every expert's intermediate columns split across its ranks (each rank routes
-        every token); the routed and shared partial sums are all-reduced once, as the block's output."""
+        every token); the routed and shared partial sums are all-reduced once, as the block's output.
+        ``expert_slots``: redundant and spare expert slots under EPLB (None: one slot per expert, no map)."""
         super().__init__()
         kernel = kernel or KernelConfig()
         hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
         router = replace(router, num_shared=fused_shared_experts(cfg, quant, kernel.fuse_shared_experts))
         self.gate = Router(hidden, router)
-        self.experts = FusedExperts(router.num_experts, hidden, inter, quant, num_shared=router.num_shared, tp=tp)
+        self.top_k = router.top_k
+        self.expert_map = None if expert_slots is None else ExpertMap(router.num_experts, router.num_shared,
+                                                                      expert_slots)
+        storage = None if self.expert_map is None else self.expert_map.num_storage
+        self.experts = FusedExperts(router.num_experts, hidden, inter, quant, num_shared=router.num_shared, tp=tp,
+                                    num_storage=storage)
         shared = 0 if router.num_shared else cfg.get("n_shared_experts") or 0
         self.shared_experts = DeepseekMLP(hidden, inter * shared, quant, kernel.fused_silu_mul, tp,
                                           reduce_results=False) if shared else None
@@ -186,9 +192,9 @@ class DeepseekMoE(nn.Module):
             # the shared MLP on the side stream while this one routes and runs the routed experts; the top-k
             # sum waits for it and adds it (no add kernel)
             shared = self.experts.shared if has_slots else self.shared_experts
-            topk_weights, topk_ids = self.gate(x, with_shared=False)
+            topk_weights, topk_ids = self.route(x, with_shared=False)
             return self.experts(x, topk_weights, topk_ids, addend=self.side_stream.run_beside(shared, x))
-        topk_weights, topk_ids = self.gate(x, with_shared=fuse)
+        topk_weights, topk_ids = self.route(x, with_shared=fuse)
         out = self.experts(x, topk_weights, topk_ids)
         if has_slots and not fuse:
             out = self.experts.shared(x, add_to=out)
@@ -197,12 +203,34 @@ class DeepseekMoE(nn.Module):
         return out
 
 
+    def route(self, x: torch.Tensor, with_shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_weights, slot ids): the gate's choice, mapped to storage slots under EPLB."""
+        topk_weights, topk_ids = self.gate(x, with_shared=with_shared)
+        if self.expert_map is not None:
+            topk_ids = self.expert_map(topk_ids, self.top_k)
+        return topk_weights, topk_ids
+
+    def fill_replicas(self) -> None:
+        """Copy each loaded expert (slot e holds expert e) into the other slots the map gives it."""
+        if self.expert_map is None:
+            return
+        for slot, logical in enumerate(self.expert_map.slot_log):
+            if slot != logical:
+                self.experts.copy_slot(logical, slot)
+
+    def process_weights_after_loading(self) -> None:
+        """Before the experts' own (``modules()`` visits this module first): the replicas, from the slots the
+        checkpoint filled."""
+        self.fill_replicas()
+
+
 class DeepseekDecoderLayer(nn.Module):
     def __init__(self, cfg: dict[str, Any], layer_idx: int, quant: Fp8Config | None, variant: dict[str, Any],
                  kernel: KernelConfig | None = None, side_stream: SideStream | None = None,
-                 tp: ParallelState = SINGLE):
+                 tp: ParallelState = SINGLE, expert_slots: ExpertSlots | None = None):
         """``kernel``: the engine's kernel choices (None: the defaults); ``side_stream``: the model's (None: one
-        stream); ``tp``: the tensor-parallel split of its attention heads and MLP columns."""
+        stream); ``tp``: the tensor-parallel split of its attention heads and MLP columns; ``expert_slots``:
+        EPLB's (``DeepseekMoE``)."""
         super().__init__()
         kernel = kernel or KernelConfig()
         hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
@@ -212,7 +240,7 @@ class DeepseekDecoderLayer(nn.Module):
         self.is_moe = is_moe_layer(cfg, layer_idx)
         if self.is_moe:
             router = router_config(cfg, variant["router"], kernel.router_gemv)
-            self.mlp = DeepseekMoE(cfg, quant, router, kernel, side_stream, tp)
+            self.mlp = DeepseekMoE(cfg, quant, router, kernel, side_stream, tp, expert_slots)
         else:
             self.mlp = DeepseekMLP(hidden, cfg["intermediate_size"], quant, kernel.fused_silu_mul, tp)
         self.input_layernorm = RMSNorm(hidden, eps)

@@ -23,10 +23,16 @@ from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.fp8_linear import Fp8Config
 from dsinfer.layers.indexer import IndexedMLAAttention
 from dsinfer.layers.mla import MLAAttention, fuses_q_kv_a
-from dsinfer.layers.moe import SHARED, FusedExperts
+from dsinfer.layers.moe import SHARED, ExpertSlots, FusedExperts
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.streams import SideStream
-from dsinfer.models.deepseek.blocks import DeepseekDecoderLayer, check_config, fused_shared_experts, is_moe_layer
+from dsinfer.models.deepseek.blocks import (
+    DeepseekDecoderLayer,
+    DeepseekMoE,
+    check_config,
+    fused_shared_experts,
+    is_moe_layer,
+)
 from dsinfer.models.stack import DecoderStack
 from dsinfer.ops.fp8 import FP8_DTYPE
 
@@ -63,10 +69,12 @@ class DeepseekV2ForCausalLM(DecoderStack):
 
     supports_tensor_parallel = True
 
-    def __init__(self, cfg: dict[str, Any], kernel: KernelConfig | None = None, parallel: ParallelState = SINGLE):
+    def __init__(self, cfg: dict[str, Any], kernel: KernelConfig | None = None, parallel: ParallelState = SINGLE,
+                 expert_slots: ExpertSlots | None = None):
         """``kernel``: the engine's kernel choices (None: ``KernelConfig()``'s defaults); ``parallel``: this
         rank's tensor-parallel state (attention heads, every MLP's and expert's intermediate columns and the
-        vocabulary split across its ranks)."""
+        vocabulary split across its ranks); ``expert_slots``: the MoE layers' redundant and spare slots under
+        EPLB (None: none)."""
         super().__init__()
         check_config(cfg)
         cfg.setdefault("rms_norm_eps", 1e-6)
@@ -77,7 +85,7 @@ class DeepseekV2ForCausalLM(DecoderStack):
         self.side_stream = SideStream() if kernel.side_stream else None
         self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"], parallel)
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(cfg, i, self.quant, self.variant, kernel, self.side_stream, parallel)
+            DeepseekDecoderLayer(cfg, i, self.quant, self.variant, kernel, self.side_stream, parallel, expert_slots)
             for i in range(cfg["num_hidden_layers"])
         )
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
@@ -87,7 +95,12 @@ class DeepseekV2ForCausalLM(DecoderStack):
         if cfg.get("num_nextn_predict_layers"):
             from dsinfer.models.mtp import DeepseekMTP
 
-            self.mtp = DeepseekMTP(cfg, self.quant, self.variant, kernel, self.side_stream, parallel)
+            self.mtp = DeepseekMTP(cfg, self.quant, self.variant, kernel, self.side_stream, parallel, expert_slots)
+
+    def moe_blocks(self) -> list[DeepseekMoE]:
+        """The MoE blocks in layer order: the main model's, then the MTP layers' (EPLB balances them all)."""
+        layers = [*self.layers, *(layer.block for layer in self.mtp.layers)] if self.mtp is not None else self.layers
+        return [layer.mlp for layer in layers if isinstance(layer.mlp, DeepseekMoE)]
 
     def attention_layers(self) -> list[MLAAttention]:
         """The main model's MLA layers (the MTP module's own layers are ``self.mtp.attention_layers()``)."""
@@ -190,10 +203,11 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     }
     supports_tensor_parallel = False  # the indexer's heads are not split yet
 
-    def __init__(self, cfg: dict[str, Any], kernel: KernelConfig | None = None):
+    def __init__(self, cfg: dict[str, Any], kernel: KernelConfig | None = None,
+                 expert_slots: ExpertSlots | None = None):
         types = cfg.get("mlp_layer_types")
         ours = ["sparse" if is_moe_layer(cfg, i) else "dense" for i in range(cfg.get("num_hidden_layers") or 0)]
         if types is not None and list(types) != ours:
             raise ValueError(f"mlp_layer_types={types} is not supported: the MoE layers are those from "
                              f"first_k_dense_replace={cfg.get('first_k_dense_replace')} on ({ours})")
-        super().__init__(cfg, kernel)
+        super().__init__(cfg, kernel, expert_slots)

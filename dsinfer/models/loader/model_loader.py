@@ -9,6 +9,7 @@ from torch import nn
 
 from dsinfer.config import EngineConfig
 from dsinfer.distributed.state import SINGLE, ParallelState
+from dsinfer.layers.moe import ExpertSlots
 from dsinfer.models.registry import model_class
 from dsinfer.models.weights import init_dummy_weights, iterate_safetensors
 from dsinfer.ops import options
@@ -25,17 +26,25 @@ def _default_dtype_and_device(dtype: torch.dtype, device: torch.device):
         torch.set_default_dtype(old_dtype)
 
 
+# storage slots per MoE layer outside the maps under EPLB: a rebalance copies one replica per layer at a time
+# into one (bounded extra memory: one expert per layer), switches, and frees the slot it replaced
+SPARE_SLOTS = 1
+
+
 def build_model(config: EngineConfig, parallel: ParallelState = SINGLE) -> nn.Module:
     """The model class of ``config`` built (weights uninitialized) on the current default device; ``parallel``:
     this rank's tensor-parallel state. A model class without ``supports_tensor_parallel`` is refused at more
     than one rank; a size the ranks do not divide is the layers' ValueError."""
     cls = model_class(config.model.architecture)
+    extra = {}
+    if config.parallel.enable_eplb:  # the MoE layers' redundant and spare slots (``layers.moe.ExpertSlots``)
+        extra["expert_slots"] = ExpertSlots(config.parallel.eplb_config.num_redundant_experts, SPARE_SLOTS)
     if parallel.tp_size == 1:
-        return cls(dict(config.model.hf_config), config.kernel)
+        return cls(dict(config.model.hf_config), config.kernel, **extra)
     if not getattr(cls, "supports_tensor_parallel", False):
         raise ValueError(f"{config.model.architecture} does not support tensor_parallel_size > 1 yet (got "
                          f"{parallel.tp_size}); supported: Llama, Qwen2, Qwen3, Mistral, GPT-OSS, DeepSeek-V2/V3")
-    return cls(dict(config.model.hf_config), config.kernel, parallel)
+    return cls(dict(config.model.hf_config), config.kernel, parallel, **extra)
 
 
 def check_parallel_shapes(config: EngineConfig, tp_size: int) -> None:
