@@ -210,4 +210,4 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
         if types is not None and list(types) != ours:
             raise ValueError(f"mlp_layer_types={types} is not supported: the MoE layers are those from "
                              f"first_k_dense_replace={cfg.get('first_k_dense_replace')} on ({ours})")
-        super().__init__(cfg, kernel, expert_slots)
+        super().__init__(cfg, kernel, expert_slots=expert_slots)
