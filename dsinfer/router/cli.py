@@ -154,6 +154,7 @@ def run_router(args: argparse.Namespace, serve_args: list[str]) -> int:
     check_router_args(args, serve_args)
     settings = settings_from_args(args, serve_args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
     from dsinfer.router import launch
     from dsinfer.router.app import Router, build_app
     from dsinfer.router.prompt import PromptReader

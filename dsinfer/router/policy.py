@@ -140,7 +140,7 @@ class PrefillBuckets:
         self._turn = 0
 
     def bucket(self, num_tokens: int) -> int:
-        return bisect.bisect_right(self.bounds, num_tokens - 1) if num_tokens > 0 else 0
+        return bisect.bisect_right(self.bounds, num_tokens)  # bucket i: bounds[i-1] <= tokens < bounds[i]
 
     def choose(self, replicas: Sequence[Replica], request: RequestInfo, now: float) -> tuple[Replica, str]:
         b = self.bucket(request.num_tokens)
