@@ -162,7 +162,7 @@ def test_prefill_decode_gives_one_replicas_greedy_output(cluster):
 
 def test_killed_replica_fails_no_unstarted_request_and_breaks_started_streams_cleanly(cluster):
     router, a = cluster["router"].url, cluster["a"]
-    long = {"max_tokens": 200, "ignore_eos": True}
+    long = {"max_tokens": 64, "ignore_eos": True}
     retried = _metric(router, "dsinfer_router_retries_total")
 
     async def scenario():
