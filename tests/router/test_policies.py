@@ -150,3 +150,14 @@ def test_prefill_buckets_give_every_bucket_with_demand_a_replica_first():
     buckets = PrefillBuckets(bounds=(1000,), rebalance_s=100.0)
     buckets.demand = [100_000.0, 10.0]
     assert buckets.counts(2) == [1, 1] and buckets.counts(3) == [2, 1] and buckets.counts(1) == [1, 0]
+
+
+def test_the_router_imports_neither_torch_nor_the_engine():
+    import subprocess
+    import sys
+
+    code = ("import sys, dsinfer.router.app, dsinfer.router.cli, dsinfer.router.prompt; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('dsinfer.engine.llm_engine', "
+            "'dsinfer.entrypoints.async_engine', 'dsinfer.runner'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
