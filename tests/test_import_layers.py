@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1] / "dsinfer"
 # Top to bottom; a node imports only nodes on lower rows (or on its own row).
 LAYERS: list[tuple[str, ...]] = [
     ("dsinfer", "examples"),        # the package root (public names; LLM / EngineArgs lazily) and the demo
-    ("server",),                    # FastAPI app, OpenAI / Anthropic routes, /metrics; drives entrypoints
+    ("server", "router"),           # FastAPI app, OpenAI / Anthropic routes, /metrics; the router over servers
     ("bench", "eval"),              # benchmarks (serving over HTTP, offline over LLM); accuracy over LLM
     ("entrypoints",),               # LLM, AsyncEngine, cli
     ("protocol",),                  # API schemas, chat encoding, tool / reasoning parsers
@@ -48,10 +48,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("envs",),                      # environment variables: usable by all
 ]
 
-# The only upward edges by design: the one ``dsinfer`` cli also has ``dsinfer serve``, ``dsinfer bench`` and
-# ``dsinfer eval``, which import the server, bench and eval lazily, when that subcommand runs. The server and eval
-# are built on entrypoints (AsyncEngine, LLM), so they sit above them, and bench beside eval.
-ALLOWED_UPWARD = {("entrypoints.cli", "server"), ("entrypoints.cli", "bench"), ("entrypoints.cli", "eval")}
+# The only upward edges by design: the one ``dsinfer`` cli also has ``dsinfer serve``, ``dsinfer router``,
+# ``dsinfer bench`` and ``dsinfer eval``, which import the server, router, bench and eval lazily, when that subcommand
+# runs. The server and eval are built on entrypoints (AsyncEngine, LLM), so they sit above them, bench beside eval.
+ALLOWED_UPWARD = {("entrypoints.cli", "server"), ("entrypoints.cli", "bench"), ("entrypoints.cli", "eval"),
+                  ("entrypoints.cli", "router")}
 
 # (importing module, imported node) -> who removes it: "boundary" (engine / scheduler / kvcache / runner / config)
 # or "hidden-state" (layers / models / ops / batch_invariant / sampling).

@@ -446,6 +446,8 @@ class LLMEngine:
             # prompt tokens the waiting requests still have to compute (the server's --max-waiting-tokens)
             "num_waiting_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting),
             "kv_cache_usage": self.kv_manager.usage,
+            # the attention cost of the next decode step: KV tokens the running requests hold (the router's load)
+            "num_kv_tokens": sum(r.num_computed_tokens for r in self.scheduler.running),
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": self.kv_manager.prefix_queries,
             "prefix_cache_hits": self.kv_manager.prefix_hits,
@@ -478,6 +480,16 @@ class LLMEngine:
         transfer.store.flush()
         self.store_index.apply(transfer.store.host_events())
         self.kv_store_counters = transfer.store.counters.snapshot()
+
+    def wait_kv_saves(self) -> bool:
+        """Block until the KV store's queued saves are written (any thread: the queue's join); False when the store
+        is not in this process (no store, or an mp worker's). The router's prefill replicas answer after it, so
+        that the decode replica finds the prompt's grains in the shared directory."""
+        transfer = getattr(getattr(self.executor, "runner", None), "kv_transfer", None)
+        if transfer is None:
+            return False
+        transfer.store.flush()
+        return True
 
     def kv_store_stats(self) -> dict[str, float] | None:
         """The KV store's counters (``kvstore.counters``: the worker's, with the index's lookups); None: no store."""

@@ -192,6 +192,12 @@ class AsyncEngine:
                     f"{queued} prompt tokens are already waiting; this request's {_num_prompt_tokens(prompt)} "
                     f"would pass the limit of {self.max_waiting_tokens} (--max-waiting-tokens)")
 
+    def wait_kv_saves(self) -> bool:
+        """Blocking (call it from a thread): the engine's queued KV store saves written (``LLMEngine.wait_kv_saves``);
+        False when it cannot wait (no store in this process)."""
+        wait = getattr(self.engine, "wait_kv_saves", None)
+        return bool(wait()) if wait is not None else False
+
     def check_priority(self, priority: int) -> None:
         """A ValueError unless the engine takes ``priority`` (``LLMEngine.check_priority``)."""
         self.engine.check_priority(priority)

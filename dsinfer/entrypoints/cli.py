@@ -1,4 +1,4 @@
-"""``dsinfer`` command line: generate | chat | serve | env | bench | eval."""
+"""``dsinfer`` command line: generate | chat | serve | router | env | bench | eval | kvstore."""
 
 from __future__ import annotations
 
@@ -116,6 +116,12 @@ def cmd_serve(args) -> int:
     return run_serve(args) or 0
 
 
+def cmd_router(args) -> int:
+    from dsinfer.router.cli import run_router
+
+    return run_router(args, getattr(args, "serve_args", []))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsinfer", description="dsinfer: LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,6 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
+    router = sub.add_parser("router", help="load balancer over dsinfer serve replicas (DP, prefill/decode)",
+                            description="flags for launched replicas' dsinfer serve go after --")
+    try:
+        from dsinfer.router.cli import add_router_args
+    except ImportError:  # server extras not installed
+        pass
+    else:
+        add_router_args(router)
+    router.set_defaults(func=cmd_router)
     from dsinfer.bench.cli import add_bench_parser
     from dsinfer.eval.cli import add_eval_parser
 
@@ -163,7 +178,12 @@ def main(argv: list[str] | None = None) -> int:
             pass
         else:
             argv = ["serve", *vllm_spelling(argv[1:])]  # `vllm serve --tensor_parallel_size=1` spellings
+    serve_args: list[str] = []
+    if argv[:1] == ["router"] and "--" in argv:  # the launched replicas' serve flags
+        i = argv.index("--")
+        argv, serve_args = argv[:i], argv[i + 1:]
     args = build_parser().parse_args(argv)
+    args.serve_args = serve_args
     try:
         logging.basicConfig(level=envs.LOG_LEVEL.get(), format="%(levelname)s %(name)s: %(message)s")
         return args.func(args)

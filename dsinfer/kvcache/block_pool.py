@@ -9,22 +9,12 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-BlockHash = bytes
+from dsinfer.kvcache.hashing import NONE_HASH, BlockHash, hash_block
 
-NONE_HASH: BlockHash = b"\0" * 16
-
-
-def hash_block(parent: BlockHash, token_ids: list[int] | tuple[int, ...], extra: bytes = b"") -> BlockHash:
-    """Stable 16-byte hash of a full block chained to its parent's hash (same across processes and runs)."""
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(len(token_ids).to_bytes(4, "little"))
-    h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids))
-    h.update(extra)
-    return h.digest()
+__all__ = ["NONE_HASH", "BlockHash", "BlockPool", "KVCacheBlock", "hash_block"]
 
 
 @dataclass(eq=False)

@@ -120,6 +120,16 @@ def default_format_for(special_tokens: frozenset[str]) -> str:
     return "deepseek_v3" if DEEPSEEK_BOS in special_tokens else "chatml"
 
 
+def serving_template(tokenizer: Any, chat_template: str | None, chat_format: str = "auto") -> str:
+    """The template a server renders chats with: ``chat_template`` (--chat-template), else the tokenizer's, else
+    (or when ``chat_format`` names one) a built-in format. ``dsinfer router`` picks it the same way."""
+    template = chat_template or tokenizer.chat_template
+    if template is None or chat_format != "auto":
+        fmt = default_format_for(frozenset(tokenizer.special_tokens)) if chat_format == "auto" else chat_format
+        template = BUILTIN_TEMPLATES[fmt]
+    return template
+
+
 def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
     """Hermes-style tool instructions, for a model template that does not render ``tools`` itself."""
     lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)

@@ -13,7 +13,7 @@ from starlette.requests import Request
 
 from dsinfer.entrypoints.async_engine import AsyncEngine
 from dsinfer.protocol.chat_encoding import ChatEncoder, EncodedChat
-from dsinfer.protocol.chat_formats import BUILTIN_TEMPLATES, default_format_for
+from dsinfer.protocol.chat_formats import serving_template
 from dsinfer.protocol.errors import ProtocolError, describe_validation_errors
 from dsinfer.protocol.reasoning import THINK_START, prompt_opens_reasoning
 from dsinfer.protocol.sampling import resolve_max_tokens
@@ -47,11 +47,8 @@ class ServingContext:
         self.max_tokens_limit: int | None = engine.model_config.max_tokens_limit
         self.max_logprobs: int = engine.model_config.logprobs_limit  # --max-logprobs, -1 resolved
         special = frozenset(self.tokenizer.special_tokens)
-        template = settings.chat_template or self.tokenizer.chat_template
-        if template is None or settings.chat_format != "auto":
-            fmt = default_format_for(special) if settings.chat_format == "auto" else settings.chat_format
-            template = BUILTIN_TEMPLATES[fmt]
-        self.chat = ChatEncoder(self.tokenizer, template)
+        self.chat = ChatEncoder(self.tokenizer, serving_template(self.tokenizer, settings.chat_template,
+                                                                 settings.chat_format))
         self.tool_parser: type[ToolCallParser] = tool_parser_for(settings.tool_call_parser, special)
         self.tool_markers_special = any(m in special for m in self.tool_parser.markers)
         has_think = self.tokenizer.token_to_id(THINK_START) is not None

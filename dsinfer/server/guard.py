@@ -17,7 +17,7 @@ from dsinfer.server.errors import anthropic_request_id, family_for
 from dsinfer.server.json_depth import json_depth
 from dsinfer.server.settings import ServerSettings
 
-PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/openapi.json"})
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/openapi.json", "/load"})
 _SCAN_INLINE_BYTES = 256 << 10  # bodies up to this are depth-checked on the event loop (well under 1 ms)
 _DRAIN_LIMIT = 256 << 20  # an oversized body is read (and dropped) up to this, so the client sees the 413
 
