@@ -21,6 +21,7 @@ from dsinfer.config import (
     EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    QUANTIZATIONS,
     SCHEDULING_POLICIES,
     CacheConfig,
     DeviceConfig,
@@ -34,7 +35,7 @@ from dsinfer.config import (
     SpeculativeConfig,
 )
 from dsinfer.engine.sampling_params import SamplingParams, generation_config_sampling_defaults
-from dsinfer.models.loader.resolve import resolve_model_dir
+from dsinfer.models.loader.resolve import gguf_source, resolve_model_dir
 
 logger = logging.getLogger("dsinfer")
 
@@ -46,6 +47,9 @@ class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
+    # vLLM's --quantization: "int8" | "int4" (weight-only, CPU) or "gguf" (a GGUF file's own blocks); None: "gguf"
+    # for a GGUF model on CPU with dtype "auto" (the measured fastest, docs/benchmarks.md), else dense weights
+    quantization: str | None = None
     max_model_len: int | None = None
     load_format: str = "auto"
     hf_overrides: dict[str, Any] | None = None
@@ -108,6 +112,13 @@ class EngineArgs:
         hf_config.update(self.hf_overrides or {})
         hf_config["architectures"] = _architectures(hf_config, config_path)
         speculative.check_model(hf_config)
+        quantization = _resolve_quantization(self.quantization, self.dtype, device, self.model, self.load_format,
+                                             hf_config)
+        quantized_weights = None
+        if quantization is not None and (source := gguf_source(self.model, self.load_format)) is not None:
+            from dsinfer.models.loader.gguf_quant import cached_gguf_quantized
+
+            quantized_weights = cached_gguf_quantized(source, model_dir, quantization, hf_config)
         generation_config = _read_json(model_dir / "generation_config.json")
         sampling_defaults, max_tokens_limit = self._sampling_defaults(generation_config)
         model = ModelConfig(
@@ -115,7 +126,8 @@ class EngineArgs:
             max_model_len=_resolve_max_model_len(self.max_model_len, hf_config),
             served_model_name=self.served_model_name or self.model or "SmolLM2-135M-Instruct",
             generation_config=generation_config, sampling_defaults=sampling_defaults,
-            max_tokens_limit=max_tokens_limit, max_logprobs=self.max_logprobs,
+            max_tokens_limit=max_tokens_limit, max_logprobs=self.max_logprobs, quantization=quantization,
+            quantized_weights=quantized_weights,
         )
         batched = self.max_num_batched_tokens or default_batched_tokens(device, self.max_num_seqs, usage)
         if not self.enable_chunked_prefill:
@@ -194,6 +206,8 @@ class EngineArgs:
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got "
                              f"{self.distributed_executor_backend!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -313,6 +327,25 @@ def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: torch.device) 
                     "to keep float32)", device.type)
         return torch.bfloat16
     return resolved
+
+
+def _resolve_quantization(requested: str | None, dtype: str, device: torch.device, model: str | None,
+                          load_format: str, hf_config: dict[str, Any]) -> str | None:
+    """The quantization a run takes: the one asked for (CPU only, Llama-family models), else "gguf" for a GGUF
+    model on CPU left at dtype "auto" (dtype="float32" keeps the exact dense path)."""
+    source = gguf_source(model, load_format)
+    if requested is None:
+        return "gguf" if source is not None and device.type == "cpu" and dtype == "auto" else None
+    if device.type != "cpu":
+        raise ValueError(f"quantization={requested!r} runs on CPU only (device is {device.type})")
+    if requested == "gguf" and source is None:
+        raise ValueError("quantization='gguf' needs a GGUF model file; use 'int8' or 'int4' for other checkpoints")
+    from dsinfer.models.registry import model_class
+
+    if not getattr(model_class(hf_config["architectures"][0]), "supports_cpu_quantization", False):
+        raise ValueError(f"quantization={requested!r} is supported for Llama-family models only, not "
+                         f"{hf_config['architectures'][0]}")
+    return requested
 
 
 def _resolve_max_model_len(requested: int | None, hf_config: dict[str, Any]) -> int:
