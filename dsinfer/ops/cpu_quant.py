@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 BLOCK = 32
 ACTIVATION_QMAX = 32767  # activations are quantized to int16 per block
 FORMATS = ("int4", "int8")
+_BUILD_FLAGS = b"-O3 -march=native -fno-math-errno -fopenmp"
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_quant.cpp"
 
 
@@ -80,7 +81,7 @@ def native_available() -> bool:
     if envs.CPU_QUANT_KERNEL.get() == "torch":
         return False
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + _cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + _cpu_flags().encode() + torch.__version__.encode() + _BUILD_FLAGS).hexdigest()[:16]
     build_dir = Path(envs.CACHE_DIR.get()) / "torch_extensions" / f"cpu_quant-{key}"
     try:
         from torch.utils import cpp_extension
@@ -88,7 +89,10 @@ def native_available() -> bool:
         build_dir.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name=f"dsinfer_cpu_quant_{key}", sources=[str(_SOURCE)], build_directory=str(build_dir),
-            extra_cflags=["-O3", "-march=native", "-fno-math-errno"], is_python_module=False,
+            # -fopenmp: at::parallel_for is an OpenMP pragma in the ATen headers (serial without it); the
+            # libgomp.so.1 it needs is the one torch loaded, so the kernel shares torch's thread pool
+            extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            is_python_module=False,
             verbose=os.environ.get("DSINFER_LOG_LEVEL", "").upper() == "DEBUG",
         )
     except Exception as exc:  # no compiler, no ninja, a failed build: the layers fall back to dense weights
