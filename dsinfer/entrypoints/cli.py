@@ -14,6 +14,7 @@ from dsinfer import envs
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: bundled SmolLM2)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default=None, help="gguf | int8 | int4 (weight-only, CPU)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--seed", type=int, default=0)
@@ -31,7 +32,7 @@ def _make_llm(args):
     from dsinfer.entrypoints.llm import LLM
 
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, load_format=args.load_format,
-               seed=args.seed, kv_cache_dtype=args.kv_cache_dtype)
+               seed=args.seed, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
 
 
 def _sampling(args):
