@@ -18,6 +18,7 @@ its output tensor wider: the logits are the most sensitive product).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
@@ -93,7 +94,7 @@ def _quantized_tensors(gguf_path: Path, mode: str, hf_config: dict[str, Any]) ->
             continue
         kind = tensor.name.split(".")[-2]
         permute = heads.get(kind) if arch is not None and arch.rope_permuted else None
-        rows = (lambda a: _unpermute_rope_rows(a, permute)) if permute else (lambda a: a)
+        rows = functools.partial(_unpermute_rope_rows, num_heads=permute) if permute else (lambda a: a)
         if name.endswith(".weight") and (kind in _QUANTIZED_KINDS or kind in _WIDE):
             fmt = _target(tensor.tensor_type, kind, mode)
             packs = _pack(tensor, fmt)
