@@ -1,5 +1,15 @@
 """dsinfer: an LLM inference engine for DeepSeek-family MoE models and dense Llama/Qwen models."""
 
+import os as _os
+import sys as _sys
+
+from dsinfer import envs as _envs
+
+# libgomp reads its spin count once, when torch loads it: set before that (envs.CPU_SPIN_COUNT says why)
+if ("torch" not in _sys.modules and _envs.CPU_SPIN_COUNT.get() and "GOMP_SPINCOUNT" not in _os.environ
+        and "OMP_WAIT_POLICY" not in _os.environ):
+    _os.environ["GOMP_SPINCOUNT"] = str(_envs.CPU_SPIN_COUNT.get())
+
 from dsinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from dsinfer.engine.sampling_params import RequestOutputKind, SamplingParams
 from dsinfer.structured.spec import StructuredOutputsParams

@@ -21,6 +21,9 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# weight-only quantized linears on CPU (layers/quant.py): "gguf" keeps a GGUF file's own 4/8-bit blocks, "int8" and
+# "int4" quantize any checkpoint (a GGUF's blocks taken as they are where the layout allows)
+QUANTIZATIONS = ("gguf", "int8", "int4")
 # vLLM's distributed_executor_backend: "uni" runs the model in the engine's process, "mp" in worker processes
 # (one per tensor-parallel rank)
 EXECUTOR_BACKENDS = ("uni", "mp")
@@ -52,6 +55,11 @@ class ModelConfig:
     # The most logprobs / prompt_logprobs (the server's top_logprobs) a request may ask for (vLLM's max_logprobs);
     # -1: up to the vocabulary size. ``logprobs_limit`` is the resolved number
     max_logprobs: int = 20
+    # weight-only quantization of the linears (one of QUANTIZATIONS) or None: dense weights of ``dtype``
+    quantization: str | None = None
+    # the quantized checkpoint of a GGUF model (``quantization``'s packs, written once beside the converted
+    # directory: ``models/loader/gguf_quant.py``); None: weights come from ``path``
+    quantized_weights: Path | None = None
 
     @property
     def logprobs_limit(self) -> int:

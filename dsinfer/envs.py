@@ -122,6 +122,17 @@ CPU_THREADS = _declare(
     "DSINFER_CPU_THREADS", "int", 0,
     "torch intra-op threads on CPU (0: leave torch's default).", _parse_non_negative_int,
 )
+CPU_SPIN_COUNT = _declare(
+    "DSINFER_CPU_SPIN_COUNT", "int", 10_000_000,
+    "GOMP_SPINCOUNT that `import dsinfer` sets before torch loads (when neither is loaded nor GOMP_SPINCOUNT / "
+    "OMP_WAIT_POLICY set): torch's idle threads spin this long before sleeping, so a decode step's ~120 "
+    "small parallel regions do not each wake a sleeping thread (0: libgomp's default).", _parse_non_negative_int,
+)
+CPU_QUANT_KERNEL = _declare(
+    "DSINFER_CPU_QUANT_KERNEL", "str", "auto",
+    "Quantized linears on CPU: auto (the C++ int8-dot kernel, built on first use, else dequantized weights), "
+    "native (that kernel or an error) or torch (dequantized weights).", _parse_choice("auto", "native", "torch"),
+)
 ASYNC_SCHEDULING = _declare(
     "DSINFER_ASYNC_SCHEDULING", "bool", True,
     "Overlap CPU scheduling of step N+1 with GPU execution of step N (CUDA only).", _parse_bool,

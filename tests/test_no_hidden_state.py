@@ -28,6 +28,8 @@ ENV_READS_ALLOWED = {
     "ops.options": {"_from_envs": "the process-wide kernel options' initial values, read once at import"},
     "models.loader.gguf": {"cached_gguf_dir": "where converted GGUF models are cached: read when a model is "
                                               "resolved, at start-up"},
+    "ops.cpu_quant": {"native_available": "the CPU quantized-linear kernel's choice and build directory: read once "
+                                          "(functools.cache) when a quantized model finishes loading"},
 }
 # module -> module-level containers that functions may write, and why
 MODULE_CONTAINERS_ALLOWED = {

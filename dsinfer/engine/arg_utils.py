@@ -21,6 +21,7 @@ from dsinfer.config import (
     EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    QUANTIZATIONS,
     SCHEDULING_POLICIES,
     CacheConfig,
     DeviceConfig,
@@ -35,7 +36,7 @@ from dsinfer.config import (
     SpeculativeConfig,
 )
 from dsinfer.engine.sampling_params import SamplingParams, generation_config_sampling_defaults
-from dsinfer.models.loader.resolve import resolve_model_dir
+from dsinfer.models.loader.resolve import gguf_source, resolve_model_dir
 
 logger = logging.getLogger("dsinfer")
 
@@ -47,6 +48,9 @@ class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
+    # vLLM's --quantization: "int8" | "int4" (weight-only, CPU) or "gguf" (a GGUF file's own blocks); None: "gguf"
+    # for a GGUF model on CPU with dtype "auto" (the measured fastest, docs/benchmarks.md), else dense weights
+    quantization: str | None = None
     max_model_len: int | None = None
     load_format: str = "auto"
     hf_overrides: dict[str, Any] | None = None
@@ -121,6 +125,18 @@ class EngineArgs:
             raise ValueError(f"enable_eplb must be true or false, got {self.enable_eplb!r}")
         eplb = EplbConfig.from_dict(self.eplb_config)
         eplb.check_model(self.enable_eplb, hf_config)
+        quantization = _resolve_quantization(self.quantization, self.dtype, device, self.model, self.load_format,
+                                             hf_config)
+        if quantization is not None and self.tensor_parallel_size > 1:
+            if self.quantization is not None:
+                raise ValueError(f"quantization={self.quantization!r} is not supported with tensor_parallel_size > 1 "
+                                 "yet (the packed CPU weights are not split across ranks)")
+            quantization = None  # the bundled GGUF's default: unquantized weights split across the ranks
+        quantized_weights = None
+        if quantization is not None and (source := gguf_source(self.model, self.load_format)) is not None:
+            from dsinfer.models.loader.gguf_quant import cached_gguf_quantized
+
+            quantized_weights = cached_gguf_quantized(source, model_dir, quantization, hf_config)
         generation_config = _read_json(model_dir / "generation_config.json")
         sampling_defaults, max_tokens_limit = self._sampling_defaults(generation_config)
         model = ModelConfig(
@@ -128,7 +144,8 @@ class EngineArgs:
             max_model_len=_resolve_max_model_len(self.max_model_len, hf_config),
             served_model_name=self.served_model_name or self.model or "SmolLM2-135M-Instruct",
             generation_config=generation_config, sampling_defaults=sampling_defaults,
-            max_tokens_limit=max_tokens_limit, max_logprobs=self.max_logprobs,
+            max_tokens_limit=max_tokens_limit, max_logprobs=self.max_logprobs, quantization=quantization,
+            quantized_weights=quantized_weights,
         )
         batched = self.max_num_batched_tokens or default_batched_tokens(device, self.max_num_seqs, usage)
         if not self.enable_chunked_prefill:
@@ -216,6 +233,8 @@ class EngineArgs:
         if self.tensor_parallel_size > 1 and self.kv_store:
             raise ValueError("kv_store is not supported with tensor_parallel_size > 1 yet (each rank holds a slice "
                              "of the KV cache)")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -335,6 +354,25 @@ def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: torch.device) 
                     "to keep float32)", device.type)
         return torch.bfloat16
     return resolved
+
+
+def _resolve_quantization(requested: str | None, dtype: str, device: torch.device, model: str | None,
+                          load_format: str, hf_config: dict[str, Any]) -> str | None:
+    """The quantization a run takes: the one asked for (CPU only, Llama-family models), else "gguf" for a GGUF
+    model on CPU left at dtype "auto" (dtype="float32" keeps the exact dense path)."""
+    source = gguf_source(model, load_format)
+    if requested is None:
+        return "gguf" if source is not None and device.type == "cpu" and dtype == "auto" else None
+    if device.type != "cpu":
+        raise ValueError(f"quantization={requested!r} runs on CPU only (device is {device.type})")
+    if requested == "gguf" and source is None:
+        raise ValueError("quantization='gguf' needs a GGUF model file; use 'int8' or 'int4' for other checkpoints")
+    from dsinfer.models.registry import model_class
+
+    if not getattr(model_class(hf_config["architectures"][0]), "supports_cpu_quantization", False):
+        raise ValueError(f"quantization={requested!r} is supported for Llama-family models only, not "
+                         f"{hf_config['architectures'][0]}")
+    return requested
 
 
 def _resolve_max_model_len(requested: int | None, hf_config: dict[str, Any]) -> int:

@@ -14,6 +14,7 @@ from dsinfer import envs
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: bundled SmolLM2)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default=None, help="gguf | int8 | int4 (weight-only, CPU)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--seed", type=int, default=0)
@@ -33,7 +34,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None
 def _engine_kwargs(args) -> dict:
     return dict(dtype=args.dtype, max_model_len=args.max_model_len, load_format=args.load_format, seed=args.seed,
                 kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
-                device=args.device)
+                device=args.device, quantization=getattr(args, "quantization", None))
 
 
 def _make_llm(args):

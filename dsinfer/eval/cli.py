@@ -11,13 +11,14 @@ DEFAULT_TASK = Path(__file__).parent / "data" / "basic.jsonl"
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: bundled SmolLM2)")
     p.add_argument("--dtype", default="float32", help="the engine's dtype (float32: the parity reference's)")
+    p.add_argument("--quantization", default=None, help="gguf | int8 | int4: weight-only quantized linears (CPU)")
     p.add_argument("--max-model-len", type=int, default=None)
 
 
 def _llm(args):
     from dsinfer.entrypoints.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, quantization=args.quantization)
 
 
 def cmd_parity(args) -> int:

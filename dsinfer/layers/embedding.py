@@ -33,6 +33,8 @@ def _vocab_rows(vocab_size: int, hidden_size: int, tp: ParallelState) -> nn.Para
 class VocabEmbedding(nn.Module):
     """``tp``: split the vocabulary across its ranks (vLLM's VocabParallelEmbedding); default one rank."""
 
+    quant_method = None  # a CPU quantization method (``layers.quant``) holding the weight instead
+
     def __init__(self, vocab_size: int, hidden_size: int, tp: ParallelState = SINGLE):
         super().__init__()
         self.tp = tp
@@ -40,6 +42,8 @@ class VocabEmbedding(nn.Module):
         self.first = tp.tp_rank * self.weight.shape[0]  # this rank's first token id
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:  # one rank only (EngineArgs refuses quantization with TP)
+            return self.quant_method.embed(input_ids, torch.get_default_dtype())
         if self.tp.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.first
@@ -54,6 +58,8 @@ class LMHead(nn.Module):
     the same token without a float32 copy of [batch, vocab] per step; the sampler upcasts for anything else).
     With ``tp`` of several ranks (vLLM's ParallelLMHead) each computes its vocabulary slice and they are gathered."""
 
+    quant_method = None  # a CPU quantization method (``layers.quant``; a tied head shares the embedding's)
+
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None,
                  tp: ParallelState = SINGLE):
         super().__init__()
@@ -63,6 +69,9 @@ class LMHead(nn.Module):
         self.weight = tied_to.weight if self.tied else _vocab_rows(vocab_size, hidden_size, tp)
 
     def forward(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        logits = self.tp.all_gather(linear(hidden, self.weight), dim=-1)
+        if self.quant_method is not None:
+            logits = self.quant_method.apply(hidden)
+        else:
+            logits = self.tp.all_gather(linear(hidden, self.weight), dim=-1)
         return logits.float() if upcast else logits
 

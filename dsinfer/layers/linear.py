@@ -12,11 +12,15 @@ import torch
 from torch import nn
 
 from dsinfer.distributed.state import ParallelState, split_evenly
+from dsinfer.ops.activation import silu_and_mul
 from dsinfer.ops.linear import linear, linear_silu_mul
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). ``output_sizes`` splits the rows into named or numbered shards for merged weights."""
+    """y = x W^T (+ b). ``output_sizes`` splits the rows into named or numbered shards for merged weights.
+    ``quant_method``: a CPU quantization method holding the weight instead (``layers.quant``), or None."""
+
+    quant_method = None
 
     def __init__(self, in_features: int, output_sizes: list[int] | int, bias: bool = False,
                  shard_names: list[str] | None = None):
@@ -41,11 +45,15 @@ class Linear(nn.Module):
         target.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(x, self.bias)
         return linear(x, self.weight, self.bias)
 
     def silu_mul(self, x: torch.Tensor, fused: bool = True) -> torch.Tensor:
         """SiLU(gate) * up of a merged [gate, up] projection: one kernel where the GEMV tuner measured it beating
         the projection and the SiLU-mul kernel and ``fused`` (``ops.linear.linear_silu_mul``)."""
+        if self.quant_method is not None:
+            return silu_and_mul(self.quant_method.apply(x, self.bias))
         return linear_silu_mul(x, self.weight, self.bias, fused)
 
 

@@ -131,6 +131,8 @@ class LlamaForCausalLM(DecoderStack):
     # decode steps of 1 + k tokens a sequence (drafts to verify) capture into CUDA graphs: paged attention reads
     # nothing on the host at any query length (runner/cuda_graphs.py)
     multi_token_decode_graphs = True
+    # weight-only int8 / int4 linears on CPU (layers/quant.py: every Linear, the embedding and the LM head)
+    supports_cpu_quantization = True
     # checkpoint name fragment -> (our merged parameter fragment, shard id)
     packed_modules = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),

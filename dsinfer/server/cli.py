@@ -15,6 +15,7 @@ from dsinfer.config import (
     EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
     PARALLEL_SIZES,
+    QUANTIZATIONS,
     SCHEDULING_POLICIES,
     EplbConfig,
     KVStoreConfig,
@@ -230,8 +231,9 @@ def _add_vllm_args(grp: Any) -> None:
                      help="auto (the model's dtype) | fp8 = fp8_e4m3 | fp8_e5m2: an FP8 cache holds twice the tokens "
                           "(GQA models: per-layer k/v scales from the checkpoint, else 1.0; MLA: scale 1.0)")
     grp.add_argument("--quantization", "-q", default=None,
-                     help="fp8 for an FP8 checkpoint, gguf for a .gguf file (the checkpoint's own format); "
-                          "dsinfer does not quantize on load")
+                     help="fp8 for an FP8 checkpoint, gguf for a .gguf file (its own 4/8-bit blocks: the CPU "
+                          "default for a GGUF at --dtype auto), int8 | int4: weight-only quantized linears on CPU "
+                          "(any Llama-family checkpoint, quantized once at load)")
     grp.add_argument("--revision", default=None,
                      help="accepted: models are local paths only, where vLLM ignores the revision too")
     grp.add_argument("--download-dir", default=None,
@@ -322,10 +324,10 @@ def check_serve_args(args: argparse.Namespace) -> None:
     if args.tokenizer is not None and not Path(args.tokenizer).expanduser().is_dir():
         raise ValueError(f"--tokenizer {args.tokenizer!r}: not a local directory (dsinfer downloads nothing; "
                          "pass the directory holding tokenizer.json)")
-    if args.quantization not in (None, "fp8", "gguf"):
+    if args.quantization not in (None, "fp8", *QUANTIZATIONS):
         raise ValueError(f"--quantization {args.quantization}: dsinfer runs FP8 (fp8) and GGUF (gguf) checkpoints "
-                         "as they are and does not quantize on load")
-    if args.quantization == "gguf" and not str(args.model or "").endswith(".gguf"):
+                         "as they are and does not quantize on load, except int8 / int4 weight-only on CPU")
+    if args.quantization == "gguf" and args.model is not None and not str(args.model).endswith(".gguf"):
         raise ValueError(f"--quantization gguf: the model {args.model!r} is not a .gguf file")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile: HTTPS needs both")
@@ -363,6 +365,8 @@ def engine_args(args: argparse.Namespace) -> Any:
 
     names = {f.name for f in dataclasses.fields(EngineArgs)}
     kwargs = {k: getattr(args, k) for k in _ENGINE_ARGS if k in names and getattr(args, k) is not None}
+    if getattr(args, "quantization", None) in QUANTIZATIONS:  # fp8 is the checkpoint's own: a check only
+        kwargs["quantization"] = args.quantization
     return EngineArgs(model=args.model, **kwargs)
 
 

@@ -86,7 +86,7 @@ def test_a_model_swallowed_by_a_list_flag_is_an_error_not_the_bundled_model():
     (("--max-logprobs", "-2"), r"--max-logprobs -2: must be >= 0, or -1 \(up to the vocabulary size\)"),
     (("--response-role", ""), "--response-role '': the role of chat answers must not be empty"),
     (("--chat-template-content-format", "openai"), "--chat-template-content-format openai"),
-    (("-q", "awq"), "--quantization awq: dsinfer runs FP8 .* and does not quantize on load"),
+    (("-q", "awq"), "--quantization awq: dsinfer runs FP8 .* and does not quantize on load, except int8 / int4"),
     (("--quantization", "gguf"), "--quantization gguf: the model '/m' is not a .gguf file"),
     (("--tokenizer", "org/tok"), "--tokenizer 'org/tok': not a local directory"),
     (("--ssl-keyfile", "k.pem"), "--ssl-keyfile and --ssl-certfile: HTTPS needs both"),
@@ -167,3 +167,9 @@ def test_cors_and_root_path_on_a_live_server(tmp_path):
             assert r.status_code == 200 and r.json()["data"], path
     finally:
         stop_server(live)
+
+
+def test_quantization_int4_reaches_the_engine_args():
+    assert engine_args(_parse("/m", "--quantization", "int4")).quantization == "int4"
+    assert engine_args(_parse("/m.gguf", "-q", "gguf")).quantization == "gguf"
+    assert engine_args(_parse("/m", "--quantization", "fp8")).quantization is None  # a check of the checkpoint

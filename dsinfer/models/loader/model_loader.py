@@ -62,11 +62,29 @@ def load_model(config: EngineConfig, parallel: ParallelState = SINGLE) -> nn.Mod
     options.configure(config.kernel)
     with _default_dtype_and_device(config.model.dtype, config.device.device):
         model = build_model(config, parallel)
+    quantization = config.model.quantization
+    if quantization is not None:
+        from dsinfer.layers.quant import attach_cpu_quantization
+
+        attach_cpu_quantization(model, quantization)
     if config.load.load_format == "dummy":
         init_dummy_weights(model, float(config.model.hf_config.get("initializer_range", 0.02)), config.load.seed)
     else:
         with torch.device(config.device.device):
-            model.load_weights(iterate_safetensors(config.model.path))
+            model.load_weights(_checkpoint(config))
+    if quantization is not None:
+        from dsinfer.layers.quant import finish_cpu_quantization
+
+        finish_cpu_quantization(model)
     if hasattr(model, "post_load"):  # after real or dummy weights alike
         model.post_load()
     return model.eval()
+
+
+def _checkpoint(config: EngineConfig):
+    """The checkpoint's (name, tensor) pairs: the GGUF's quantized packs where ``quantized_weights`` names them."""
+    if config.model.quantized_weights is not None:
+        from dsinfer.models.loader.gguf_quant import iterate_quantized
+
+        return iterate_quantized(config.model.quantized_weights)
+    return iterate_safetensors(config.model.path)

@@ -36,3 +36,18 @@ def resolve_model_dir(model: str | None, load_format: str) -> tuple[Path, str]:
 
         return cached_gguf_dir(ggufs[0]), "safetensors"
     return path, "dummy" if load_format == "dummy" else "safetensors"
+
+
+def gguf_source(model: str | None, load_format: str) -> Path | None:
+    """The GGUF file that ``resolve_model_dir`` converts for these arguments, or None for an HF directory."""
+    if model is None:
+        from dsinfer.models.loader.gguf import default_model_path
+
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and load_format == "gguf":
+        ggufs = sorted(path.glob("*.gguf"))
+        return ggufs[0] if ggufs else None
+    return None
