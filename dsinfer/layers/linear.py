@@ -138,7 +138,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.partial:
-            return linear(x, self.weight, self.bias)
+            return super().forward(x)
         out = linear(x, self.weight)
         if self.reduce_results:
             out = self.tp.all_reduce(out)

@@ -100,7 +100,9 @@ def attach_cpu_quantization(model: nn.Module, mode: str) -> None:
         if type(module) is LMHead and module.tied:
             heads.append(module)
             continue
-        if type(module) is Linear and module.in_features % BLOCK == 0:
+        # the tensor-parallel linears at one rank are plain linears (EngineArgs refuses quantization above one)
+        one_rank = getattr(getattr(module, "tp", None), "tp_size", 1) == 1
+        if isinstance(module, Linear) and one_rank and module.in_features % BLOCK == 0:
             fmt, offsets = mode, module.shard_offsets
         elif type(module) in (VocabEmbedding, LMHead) and module.weight.shape[1] % BLOCK == 0:
             fmt, offsets = "int8" if mode == "int4" else mode, None  # the logits' weight stays 8-bit
