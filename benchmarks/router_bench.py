@@ -7,8 +7,8 @@ and writes every run's figures to ``--out``.
 Each run draws its own prefixes (seed + run index), so a run never hits what an earlier one left in the caches.
 
 H200 (the issue's run):
-    python benchmarks/router_bench.py --model /models/Llama-3.1-8B-Instruct --gpu-memory-utilization 0.45 \\
-        --num-prompts 512 --request-rate 8 --prefix-len 2048 --num-prefixes 16
+    python benchmarks/router_bench.py --model benchmarks/configs/llama-3.1-8b --gpu-memory-utilization 0.45 \\
+        --num-prompts 512 --request-rate 8 --prefix-len 2048 --num-prefixes 16 -- --load-format dummy --dtype bfloat16
 CPU smoke (the bundled model, seconds):
     python benchmarks/router_bench.py --cpu --prefix-len 160 --suffix-len 8 --num-prefixes 2 \\
         --num-prompts 6 --output-lens 2,4 --request-rate 4 --max-model-len 256
