@@ -117,3 +117,18 @@ def test_bitmask_triton_matches_torch(monkeypatch, kernel_options):
     bitmask = torch.randint(-(2**31), 2**31 - 1, (4, 66), generator=gen, dtype=torch.int64).to(torch.int32)
     out = ops.apply_token_bitmask(logits, bitmask.to(device))
     assert torch.equal(out.cpu(), apply_token_bitmask_ref(logits.cpu(), bitmask))
+
+
+def test_the_engine_refuses_schema_patterns_it_cannot_enforce():
+    """Offline too (no server's check before it): a lookahead or an untyped pattern is a ValueError, not ignored."""
+    pytest.importorskip("xgrammar")
+    from dsinfer.structured import backend
+
+    lookahead = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "string",
+                                                                                   "pattern": "(?=x)y"}}}}
+    with pytest.raises(ValueError, match=r"schema.properties.a.items.pattern '\(\?=x\)y' cannot be enforced"):
+        backend.build_grammar(parse_structured_outputs({"json": lookahead}))
+    with pytest.raises(ValueError, match=r"schema.anyOf\[1\].pattern needs \"type\": \"string\""):
+        backend.build_grammar(parse_structured_outputs({"json": {"anyOf": [{"type": "null"}, {"pattern": "a"}]}}))
+    data = {"type": "string", "pattern": "^a+$", "default": {"pattern": "("}, "enum": ["a", "aa"]}
+    backend.build_grammar(parse_structured_outputs({"json": data}))  # data keywords are not schemas
