@@ -20,10 +20,13 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from dsinfer import envs
 from dsinfer.engine.heap import startup_heap_frozen
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.sampling_params import SamplingParams
+from dsinfer.entrypoints.step_clock import StepClock, StepTimeoutError
+
+__all__ = ["AsyncEngine", "EngineCrashedError", "EngineDeadError", "EngineDrainingError", "EngineOverloadedError",
+           "RequestRejectedError", "StepTimeoutError"]
 
 logger = logging.getLogger("dsinfer.async_engine")
 
@@ -34,10 +37,6 @@ class EngineDeadError(RuntimeError):
 
 class EngineCrashedError(EngineDeadError):
     """The engine loop crashed while this request was in flight (its answer: 500, as vLLM's)."""
-
-
-class StepTimeoutError(RuntimeError):
-    """A step ran past the watchdog's timeout (the engine is then dead)."""
 
 
 class EngineDrainingError(RuntimeError):
@@ -97,8 +96,8 @@ class AsyncEngine:
         self.max_waiting_tokens = max_waiting_tokens
         self._in_transit_tokens = 0  # prompt tokens handed to the engine that its last stats do not count yet
         self._idle_wait_s = idle_wait_s
-        self.step_timeout_s = envs.STEP_TIMEOUT_S.get() if step_timeout_s is None else step_timeout_s
-        self._step_started: float | None = None  # time.monotonic() when the step in progress began
+        self._clock = StepClock(step_timeout_s)
+        self.step_timeout_s = self._clock.timeout_s
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._submissions: list[_Submission] = []
@@ -250,9 +249,9 @@ class AsyncEngine:
                         self._refresh_stats()
                         self._wake.wait(self._idle_wait_s)
                         continue
-                    self._step_started = time.monotonic()
+                    self._clock.begin()
                     outputs = self.engine.step()
-                    self._step_started = None
+                    self._clock.end()
                     self._dispatch(outputs)
                     self._refresh_stats()
         except BaseException as exc:  # noqa: BLE001 - any escape kills the engine; streams must learn it
@@ -301,14 +300,12 @@ class AsyncEngine:
 
     def _watch(self) -> None:
         """The step watchdog: a step running past ``step_timeout_s`` kills the engine (its thread stays stuck)."""
-        poll_s = min(0.5, self.step_timeout_s / 10)
         while not self._stop and self.error is None:
-            started = self._step_started
-            if started is not None and time.monotonic() - started > self.step_timeout_s:
-                self._die(StepTimeoutError(f"a step ran longer than {self.step_timeout_s:g}s "
-                                           "(DSINFER_STEP_TIMEOUT_S)"))
+            overdue = self._clock.overdue()
+            if overdue is not None:
+                self._die(overdue)
                 return
-            time.sleep(poll_s)
+            time.sleep(self._clock.poll_s)
 
     def _die(self, exc: BaseException) -> None:
         with self._lock:  # under the lock: a request that generate() adds after this sees the error

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -15,6 +16,7 @@ from dsinfer.engine.heap import startup_heap_frozen
 from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.sampling_params import RequestOutputKind, SamplingParams
+from dsinfer.entrypoints.step_clock import StepClock, StepTimeoutError
 from dsinfer.hf_tokenizer import HFTokenizerView
 
 logger = logging.getLogger("dsinfer")
@@ -37,6 +39,7 @@ class LLM:
         self.load_seconds = time.perf_counter() - started
         self._ids = itertools.count()
         self._hf_tokenizer: HFTokenizerView | None = None
+        self._dead: StepTimeoutError | None = None  # a step that hung: the engine is stuck in it for good
 
     @property
     def llm_engine(self) -> LLMEngine:
@@ -77,6 +80,7 @@ class LLM:
         ``scheduling_policy="priority"`` (vLLM's). ``lora_request``: None (dsinfer serves no LoRA adapters).
         ``kv_retention``: the KV store's traffic class for every prompt (over each SamplingParams' own)."""
         _check_no_lora(lora_request)
+        self._check_alive()
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray)):
@@ -184,7 +188,8 @@ class LLM:
             with startup_heap_frozen():
                 self._step_until_done(finished, bar)
         except BaseException:  # Ctrl-C, out of memory, a failing step: this call's requests end, the LLM stays usable
-            self.engine.abort_all()
+            if self._dead is None:  # (unless a step hangs: the engine is then another thread's for good)
+                self.engine.abort_all()
             raise
         finally:
             if bar is not None:
@@ -192,12 +197,53 @@ class LLM:
         return [finished[rid] for rid in request_ids]
 
     def _step_until_done(self, finished: dict[str, RequestOutput], bar: Any) -> None:
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
-                    if bar is not None:
-                        bar.update(1)
+        """Step the engine in a thread of its own while this one waits, so that a step that hangs past
+        ``DSINFER_STEP_TIMEOUT_S`` raises ``StepTimeoutError`` here instead of hanging the caller (where the
+        executor does not bound its steps itself): the stuck thread is left behind and the LLM is dead. Ctrl-C
+        lets the step in progress end first, within the same bound."""
+        clock = StepClock()
+        stop = threading.Event()
+        failed: list[BaseException] = []
+
+        def loop() -> None:
+            try:
+                while not stop.is_set() and self.engine.has_unfinished_requests():
+                    clock.begin()
+                    outputs = self.engine.step()
+                    clock.end()
+                    for output in outputs:
+                        if output.finished:
+                            finished[output.request_id] = output
+                            if bar is not None:
+                                bar.update(1)
+            except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+                failed.append(exc)
+
+        stepper = threading.Thread(target=loop, name="dsinfer-generate", daemon=True)
+        stepper.start()
+        watch = not self.engine.executor.bounds_step_time
+        try:
+            while stepper.is_alive():
+                stepper.join(clock.poll_s)
+                overdue = clock.overdue() if watch else None
+                if overdue is not None:
+                    self._dead = overdue
+                    raise overdue
+        except BaseException:
+            stop.set()
+            if self._dead is None:
+                stepper.join(clock.timeout_s)
+                if stepper.is_alive():
+                    self._dead = StepTimeoutError(f"a step ran longer than {clock.timeout_s:g}s "
+                                                  "(DSINFER_STEP_TIMEOUT_S) after an interrupt")
+            raise
+        if failed:
+            raise failed[0]
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise RuntimeError(f"this LLM's engine is dead ({type(self._dead).__name__}: {self._dead}): a step "
+                               "never finished and still holds it; make a new LLM")
 
     def _drain(self) -> None:
         while self.engine.has_unfinished_requests():

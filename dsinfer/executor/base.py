@@ -29,6 +29,9 @@ class Executor(abc.ABC):
     kv_group_windows: tuple[int | None, ...]  # per KV cache group, its sliding window (None: full attention)
     kv_bytes_per_token: int
     step_latency_points: dict[int, float]  # the runner's step-latency curve at start-up (confidence scheduling)
+    # True where the executor itself fails a step that runs past DSINFER_STEP_TIMEOUT_S (the mp executor kills a
+    # worker that does not answer in time); elsewhere its caller bounds the step (entrypoints.step_clock)
+    bounds_step_time: bool = False
 
     @abc.abstractmethod
     def launch(self, plan: StepPlan) -> StepResult:

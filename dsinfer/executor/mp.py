@@ -89,6 +89,8 @@ class _Worker:
 
 
 class MultiprocExecutor(Executor):
+    bounds_step_time = True  # a worker that has not answered within DSINFER_STEP_TIMEOUT_S is killed
+
     def __init__(self, config: EngineConfig):
         FaultInjector.from_env(in_worker=True)  # a bad DSINFER_FAULT_INJECT fails here, before the worker starts
         self._step_timeout_s = envs.STEP_TIMEOUT_S.get()

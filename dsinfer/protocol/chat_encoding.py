@@ -278,12 +278,12 @@ def _flatten_tool_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 {"role": "user", "content": f"<tool_response>\n{msg.get('content') or ''}\n</tool_response>"}
             )
         elif msg.get("tool_calls"):
-            calls = "".join(
-                f'\n<tool_call>\n{{"name": "{tc["function"]["name"]}", '
-                f'"arguments": {_arguments_json(tc["function"]["arguments"])}}}\n</tool_call>'
-                for tc in msg["tool_calls"]
-            )
-            out.append({"role": msg["role"], "content": (msg.get("content") or "") + calls})
+            # the text the model wrote: its calls one a line after any text (no newline before a first call)
+            calls = [f'<tool_call>\n{{"name": "{tc["function"]["name"]}", '
+                     f'"arguments": {_arguments_json(tc["function"]["arguments"])}}}\n</tool_call>'
+                     for tc in msg["tool_calls"]]
+            out.append({"role": msg["role"], "content": "\n".join([msg["content"], *calls] if msg.get("content")
+                                                                   else calls)})
         else:
             out.append({**msg, "content": msg.get("content") or ""})
     return out

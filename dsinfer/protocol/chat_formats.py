@@ -50,7 +50,7 @@ XML tags:
 <|im_start|>assistant
 {{ message['content'] or '' }}
 {%- for tc in message['tool_calls'] or [] %}{%- set args = tc['function']['arguments'] %}
-<tool_call>
+{{- '\n' if message['content'] or not loop.first else '' }}<tool_call>
 {"name": "{{ tc['function']['name'] }}", "arguments": {{ args if args is string else args | tojson }}}
 </tool_call>
 {%- endfor %}<|im_end|>

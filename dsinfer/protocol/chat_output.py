@@ -64,7 +64,9 @@ class ChatOutputParser:
     read, then its arguments follow in fragments, each sent once it can no longer change, so that they add up to
     the finished call's ``arguments``. A call announced whose markup then fails to parse sends no more parts;
     its text is content, as in the non-streamed answer. A call the length limit cuts off (``finish(cut_off=
-    True)``) ends as a call with the arguments sent so far, streamed or not."""
+    True)``) ends as a call with the arguments sent so far, streamed or not. ``forced_tools``: the tool names a
+    forced ``tool_choice`` allows (its grammar makes the output calls only): cut off, its markup is never content
+    (``ToolCallParser.finish``)."""
 
     def __init__(
         self,
@@ -72,7 +74,9 @@ class ChatOutputParser:
         in_reasoning: bool = False,
         tool_parser: type[ToolCallParser] | None = None,
         max_calls: int | None = None,
+        forced_tools: tuple[str, ...] = (),
     ):
+        self._forced_tools = forced_tools
         self._reasoning = ReasoningParser(in_reasoning) if reasoning or in_reasoning else None
         self._tools = tool_parser() if tool_parser else None
         self._max_calls = max_calls
@@ -96,7 +100,7 @@ class ChatOutputParser:
         else:
             out.content, out.tool_calls = self._tools.feed(content)
             if final:
-                rest, calls = self._tools.finish(cut_off)
+                rest, calls = self._tools.finish(cut_off, self._forced_tools)
                 out.content += rest
                 out.tool_calls.extend(calls)
             out.tool_call_parts, out.tool_call_indexes = self._parts(final)

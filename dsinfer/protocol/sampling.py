@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from dsinfer.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -90,8 +91,16 @@ def build_sampling_params(fields: dict[str, Any], vocab_size: int, stream: bool,
         params = SamplingParams(**kwargs)
         params.validate_for_vocab(vocab_size)
     except ValueError as exc:
-        raise ProtocolError(str(exc), param=str(exc).split(" ", 1)[0]) from None
+        raise ProtocolError(str(exc), param=_param_of(str(exc))) from None
     return params
+
+
+def _param_of(message: str) -> str | None:
+    """The field a SamplingParams error names first ("top_p must be ...", "structured_outputs.json is ..."); None
+    when the message starts with no field's name (never a word of prose as the param)."""
+    first = message.split(" ", 1)[0]
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    return first if first.split(".", 1)[0] in names else None
 
 
 def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import re
 from typing import Any
 
 from dsinfer.protocol.errors import ProtocolError
 from dsinfer.structured.finite import unproductive_rules
 from dsinfer.structured.lark import grammar_from_text
+from dsinfer.structured.schema_patterns import check_schema_patterns, xgrammar_reason
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -68,9 +68,6 @@ def structured_outputs_of(req: Any) -> tuple[dict[str, Any] | None, str | None]:
     return (sources[0][1], sources[0][0]) if sources else (None, None)
 
 
-_XGRAMMAR_PREFIX = re.compile(r"^(\[[^\]]*\]\s*)?(\S+\.(cc|cpp|h|hpp|py):\d+:\s*)?")
-
-
 @functools.cache
 def _tiny_compiler() -> Any:
     """A grammar compiler for a three-token vocabulary: compiling against it takes well under a millisecond."""
@@ -92,7 +89,9 @@ def check_grammar_syntax(constraint: dict[str, Any]) -> None:
         grammar = None
         if "json" in constraint:
             schema = constraint["json"]
-            grammar = xgr.Grammar.from_json_schema(schema if isinstance(schema, str) else json.dumps(schema))
+            schema = json.loads(schema) if isinstance(schema, str) else schema
+            check_schema_patterns(schema, xgr.Grammar.from_regex)
+            grammar = xgr.Grammar.from_json_schema(json.dumps(schema))
         elif "regex" in constraint:
             grammar = xgr.Grammar.from_regex(constraint["regex"])
         elif "grammar" in constraint:
@@ -107,8 +106,7 @@ def check_grammar_syntax(constraint: dict[str, Any]) -> None:
             _tiny_compiler().compile_grammar(grammar)
     except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports parse errors as RuntimeError
         kind = next(iter(constraint))
-        # xgrammar's messages start with "[time] /its/source.cc:line: ": the client needs the reason only
-        reason = _XGRAMMAR_PREFIX.sub("", str(exc).strip().splitlines()[0])
+        reason = xgrammar_reason(exc)
         raise ValueError(f"invalid {kind} constraint: {reason[:500]}") from None
 
 

@@ -78,3 +78,11 @@ def with_tool_constraint(structured: dict[str, Any] | None, field: str | None, t
     if structured is not None and not (forced and field == text_format):
         raise ProtocolError(f"a forced or strict tool choice cannot be combined with {field}", param=field)
     return tool, "tools"
+
+
+def forced_tool_names(tool_names: list[str], choice: str, named: str | None = None) -> tuple[str, ...]:
+    """The tools a ``tool_choice`` forces the model to call from (``ChatOutputParser``'s ``forced_tools``):
+    the named one ("named"), any of them ("required"), or none (the model may answer in text)."""
+    if choice == "named":
+        return (named,) if named else ()
+    return tuple(tool_names) if choice == "required" else ()

@@ -56,17 +56,33 @@ class ToolCallParser(ABC):
                 self._reset_pending()  # the head moved on: a call read next starts from scratch
         return "".join(content), calls
 
-    def finish(self, cut_off: bool = False) -> tuple[str, list[ParsedToolCall]]:
+    def finish(self, cut_off: bool = False, forced_names: tuple[str, ...] = ()) -> tuple[str, list[ParsedToolCall]]:
         """The text held back, as content. ``cut_off`` (the generation hit its length limit): a call whose name
         was read but not its end is a call with the arguments read so far, as OpenAI answers a call that
-        max_tokens cuts short; a stream has announced it and sent those arguments already."""
+        max_tokens cuts short; a stream has announced it and sent those arguments already.
+
+        ``forced_names``: the tools a forced ``tool_choice`` (a named one, or "required") lets the model call;
+        its grammar makes the whole output calls, so cut-off markup is never content: cut before the name was
+        read, it is a call of the one tool whose name fits what was read (arguments ""), or nothing."""
         rest, self._buf = self._buf, ""
-        pending = self._pending(rest.lstrip()) if cut_off and self._in_calls and rest.strip() else None
+        head = rest.lstrip()
+        pending = self._pending(head) if cut_off and self._in_calls and head else None
+        if pending is None and cut_off and forced_names and head:
+            read = self._name_read(head) if self._in_calls else ""
+            fitting = [name for name in forced_names if read is not None and name.startswith(read)]
+            pending = (fitting[0], "") if len(fitting) == 1 else None
+            if pending is None:
+                return "", []
         if pending is not None:
             call = ParsedToolCall(*pending)
             self._ended.append(call)
             return "", [call]
         return rest, []
+
+    def _name_read(self, head: str) -> str | None:
+        """The start of the name of the call being read (before ``_pending`` knows it whole): "" when none of it
+        has come yet, None when the text is no call of this format."""
+        return ""
 
     def pending(self) -> tuple[str, str] | None:
         """(name, arguments so far) of the call being read, once its name is known; else None."""
@@ -294,6 +310,11 @@ class _JsonEcho:
         self._after_value()
 
 
+# a Hermes call body cut off inside its name's string ({"name": "get_we), and the text before that string
+_HERMES_NAME_SO_FAR = re.compile(r'\s*\{\s*"name"\s*:\s*"(?P<name>[^"\\]*)$')
+_HERMES_BEFORE_NAME = '{"name":"'
+
+
 class HermesToolParser(ToolCallParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, possibly several in a row."""
 
@@ -326,6 +347,15 @@ class HermesToolParser(ToolCallParser):
         echo.feed(body[echo.fed :])
         echo.fed = len(body)
         return None if echo.name is None else (echo.name, echo.args)
+
+    def _name_read(self, head: str) -> str | None:
+        if not head.startswith(self.start):
+            return "" if self.start.startswith(head) else None
+        body = head[len(self.start) :]
+        match = _HERMES_NAME_SO_FAR.match(body)
+        if match is not None:
+            return match["name"]
+        return "" if _HERMES_BEFORE_NAME.startswith("".join(body.split())) else None
 
     @staticmethod
     def _parse(body: str) -> ParsedToolCall | None:
@@ -407,6 +437,15 @@ class DeepSeekV3ToolParser(ToolCallParser):
         if opening is None:  # the fence line is not all there yet, or this is no V3 call
             return None
         return rest[:nl].strip(), _ds_v3_args(rest[opening.end() :])
+
+    def _name_read(self, head: str) -> str | None:
+        if not head.startswith(_DS_CALL_BEGIN):
+            return "" if _DS_CALL_BEGIN.startswith(head) else None
+        body = head[len(_DS_CALL_BEGIN) :]
+        i = body.find(_DS_SEP)
+        if i < 0:  # V3's "function" (or V3.1's name) before the separator: which, it cannot yet tell
+            return ""
+        return body[i + len(_DS_SEP) :].split("\n", 1)[0].strip()
 
 
 TOOL_PARSERS: dict[str, type[ToolCallParser]] = {

@@ -18,7 +18,12 @@ from dsinfer.protocol.conversation import anthropic_messages, anthropic_tools
 from dsinfer.protocol.errors import ProtocolError
 from dsinfer.protocol.sampling import build_sampling_params
 from dsinfer.protocol.structured_request import validate_structured_outputs
-from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint, with_tool_constraint
+from dsinfer.protocol.tool_constraints import (
+    ToolSpec,
+    forced_tool_names,
+    tool_call_constraint,
+    with_tool_constraint,
+)
 from dsinfer.protocol.tool_parsers import ParsedToolCall
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.errors import anthropic_request_id
@@ -141,7 +146,10 @@ async def messages(request: Request):
     params = build_sampling_params(fields, ctx.vocab_size, req.stream, ctx.sampling_defaults)
     gen = Generation(ctx, encoded.token_ids, params, new_id("msg_"))
     single = req.tool_choice is not None and bool(req.tool_choice.disable_parallel_tool_use)
-    parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools, parallel_calls=not single)
+    choice = req.tool_choice.type if req.tool_choice is not None else "auto"
+    forced = forced_tool_names([t.name for t in req.tools or []], {"any": "required", "tool": "named"}.get(
+        choice, choice), req.tool_choice.name if req.tool_choice is not None else None)
+    parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools, parallel_calls=not single, forced_tools=forced)
     if req.stream:
         outputs = await primed(request, gen.outputs())
         return StreamingResponse(
@@ -151,7 +159,7 @@ async def messages(request: Request):
         )
     out = await gen.final(request)
     c = out.outputs[0]
-    deltas = _line_deltas(c.text, parser_kwargs)
+    deltas = _line_deltas(c.text, parser_kwargs, cut_off=_forced_call_cut(c, parser_kwargs))
     content = _blocks(*deltas)
     reason, sequence = _stop_reason(c, req, any(d.tool_calls for d in deltas))
     return JSONResponse(
@@ -179,12 +187,19 @@ def _usage(gen: Generation, output_tokens: int | None = None) -> dict[str, int]:
     }
 
 
-def _line_deltas(text: str, parser_kwargs: dict[str, Any]) -> list[OutputDelta]:
+def _forced_call_cut(c: Any, parser_kwargs: dict[str, Any]) -> bool:
+    """max_tokens cut off a call that ``tool_choice`` forced ("tool" / "any"): it is a tool_use block with the
+    input read so far (the output is calls only). Unforced, a call cut short is left as text, its block closed."""
+    return c.finish_reason == "length" and bool(parser_kwargs.get("forced_tools"))
+
+
+def _line_deltas(text: str, parser_kwargs: dict[str, Any], cut_off: bool = False) -> list[OutputDelta]:
     """A whole answer parsed a line at a time, as a stream parses it token by token: each delta says what came
-    before what (one parse of the whole text has its content in one piece, text after a tool call included)."""
+    before what (one parse of the whole text has its content in one piece, text after a tool call included).
+    ``cut_off``: ``_forced_call_cut``."""
     parser = ChatOutputParser(**parser_kwargs)
     deltas = [parser.feed(line) for line in text.splitlines(keepends=True)]
-    deltas.append(parser.finish())
+    deltas.append(parser.finish(cut_off))
     return deltas
 
 
@@ -420,7 +435,7 @@ async def _stream(
                 continue
             delta = parser.feed(c.text)
             if c.finish_reason is not None:
-                delta.extend(parser.finish())
+                delta.extend(parser.finish(cut_off=_forced_call_cut(c, parser_kwargs)))
             made_calls |= bool(delta.tool_calls)
             for event in writer.write(delta, final=c.finish_reason is not None):
                 yield sse_event(event["type"], event)

@@ -24,6 +24,7 @@ from dsinfer.server.errors import REQUEST_ID_KEY, InternalErrors, family_for, in
 from dsinfer.server.generation import ClientDisconnected
 from dsinfer.server.guard import GuardMiddleware
 from dsinfer.server.metrics import StatusCounter
+from dsinfer.server.openapi import install_openapi
 from dsinfer.server.settings import ServerSettings
 
 
@@ -49,6 +50,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     for module in (openai_chat, openai_completions, openai_responses, anthropic_messages, tokenize, health, load):
         app.include_router(module.router)
     install_error_handlers(app)
+    install_openapi(app)
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:

@@ -148,15 +148,18 @@ class ServingContext:
         but its answer is not parsed for calls, as vLLM), unless the server excludes them then."""
         return bool(tools) and not (choice_is_none and self.settings.exclude_tools_when_tool_choice_none)
 
-    def output_parser_kwargs(self, prompt_text: str, use_tools: bool, parallel_calls: bool = True) -> dict[str, Any]:
+    def output_parser_kwargs(self, prompt_text: str, use_tools: bool, parallel_calls: bool = True,
+                             forced_tools: tuple[str, ...] = ()) -> dict[str, Any]:
         """``parallel_calls`` false (OpenAI's ``parallel_tool_calls``, Anthropic's ``disable_parallel_tool_use``):
-        the answer keeps its first tool call only."""
+        the answer keeps its first tool call only. ``forced_tools``: the names a forced ``tool_choice`` (named,
+        "required", Anthropic's "tool" / "any") lets the model call (``ChatOutputParser``)."""
         in_reasoning = self.reasoning and prompt_opens_reasoning(prompt_text)
         return {
             "reasoning": self.reasoning,
             "in_reasoning": in_reasoning,
             "tool_parser": self.tool_parser if use_tools else None,
             "max_calls": None if parallel_calls else 1,
+            "forced_tools": forced_tools if use_tools else (),
         }
 
 

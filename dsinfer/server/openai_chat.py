@@ -24,7 +24,12 @@ from dsinfer.protocol.sampling import (
     logit_bias_ids,
 )
 from dsinfer.protocol.structured_request import structured_outputs_of, validate_structured_outputs
-from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint, with_tool_constraint
+from dsinfer.protocol.tool_constraints import (
+    ToolSpec,
+    forced_tool_names,
+    tool_call_constraint,
+    with_tool_constraint,
+)
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.generation import Batch, Generation, primed
 from dsinfer.server.sse import SSE_DONE, SSE_HEADERS, sse_data
@@ -122,6 +127,13 @@ def _tool_choice_constraint(ctx: ServingContext, req: ChatCompletionRequest) -> 
     return tool_call_constraint(tools, choice or "auto", ctx.tool_parser, parallel=req.parallel_tool_calls)
 
 
+def _forced_tools(req: ChatCompletionRequest) -> tuple[str, ...]:
+    names = [t.function.name for t in req.tools or []]
+    if isinstance(req.tool_choice, NamedToolChoice):
+        return forced_tool_names(names, "named", req.tool_choice.function.name)
+    return forced_tool_names(names, req.tool_choice or "auto")
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     ctx: ServingContext = request.app.state.ctx
@@ -148,7 +160,7 @@ async def chat_completions(request: Request):
     params = _params(ctx, req, len(ids), use_tools, structured)
     await validate_structured_outputs(structured, field)
     gen = Generation(ctx, ids, params, new_id("chatcmpl-"), req.priority)
-    parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools, req.parallel_tool_calls)
+    parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools, req.parallel_tool_calls, _forced_tools(req))
     echo = (messages[-1]["content"] or "") if req.echo and req.messages[-1].role == _role(ctx, req) else ""
     if req.stream:
         outputs = await primed(request, gen.outputs())

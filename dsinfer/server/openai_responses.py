@@ -18,7 +18,12 @@ from dsinfer.protocol.logprobs import chat_logprobs
 from dsinfer.protocol.responses_schemas import NamedFunction, ResponsesRequest
 from dsinfer.protocol.sampling import build_sampling_params, check_logprobs_limit
 from dsinfer.protocol.structured_request import text_format_constraint, validate_structured_outputs
-from dsinfer.protocol.tool_constraints import ToolSpec, tool_call_constraint, with_tool_constraint
+from dsinfer.protocol.tool_constraints import (
+    ToolSpec,
+    forced_tool_names,
+    tool_call_constraint,
+    with_tool_constraint,
+)
 from dsinfer.protocol.tool_parsers import ParsedToolCall
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.generation import Generation, primed
@@ -65,7 +70,10 @@ async def responses(request: Request):
     params = build_sampling_params(fields, ctx.vocab_size, req.stream, ctx.sampling_defaults)
     await validate_structured_outputs(structured, field)
     gen = Generation(ctx, encoded.token_ids, params, new_id("resp_"), req.priority)
-    parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools, req.parallel_tool_calls)
+    names, choice = [t.name for t in req.tools or []], req.tool_choice
+    forced_names = (forced_tool_names(names, "named", choice.name) if isinstance(choice, NamedFunction)
+                    else forced_tool_names(names, choice or "auto"))
+    parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools, req.parallel_tool_calls, forced_names)
     if req.stream:
         outputs = await primed(request, gen.outputs())
         return StreamingResponse(

@@ -13,6 +13,7 @@ from typing import Any
 import xgrammar as xgr
 
 from dsinfer.structured.lark import grammar_from_text
+from dsinfer.structured.schema_patterns import check_schema_patterns
 from dsinfer.structured.spec import StructuredSpec
 from dsinfer.tokenizer import Tokenizer
 
@@ -54,6 +55,7 @@ def _build(spec: StructuredSpec) -> xgr.Grammar:
             schema, strict = ({"type": "object"} if schema is None else {}), False
         if schema is False:
             raise ValueError("the schema `false` accepts no value")
+        check_schema_patterns(schema, xgr.Grammar.from_regex)
         return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=spec.any_whitespace,
                                             strict_mode=strict, max_whitespace_cnt=MAX_JSON_WHITESPACE)
     if spec.kind == "regex":

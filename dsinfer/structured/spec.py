@@ -100,4 +100,9 @@ def _check_value(kind: str, value: Any) -> Any:
         return list(value)
     if not isinstance(value, (dict, str)):
         raise ValueError("structured_outputs.structural_tag must be a structural tag object or JSON string")
-    return json.loads(value) if isinstance(value, str) else value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {exc}") from None
+    return value

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from dsinfer import LLM, SamplingParams, envs
+from dsinfer.entrypoints.step_clock import StepTimeoutError
 from dsinfer.executor.base import WorkerDiedError
 from dsinfer.executor.faults import FaultInjector, InjectedFault
 
@@ -44,6 +45,22 @@ def test_a_raising_step_fails_generate_and_the_llm_stays_usable(tiny_llama_dir, 
         llm.generate(PROMPTS, LONG, use_tqdm=False)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+
+
+def test_a_stalled_step_in_process_fails_generate_in_bounded_time_and_the_llm_says_it_is_dead(
+        tiny_llama_dir, monkeypatch):
+    """The in-process executor cannot interrupt a hung step: generate() steps in a thread of its own and raises
+    StepTimeoutError once a step runs past DSINFER_STEP_TIMEOUT_S; the LLM then refuses work, naming why."""
+    monkeypatch.setenv("DSINFER_FAULT_INJECT", "stall:step=3")
+    monkeypatch.setenv("DSINFER_STEP_TIMEOUT_S", "1")
+    llm = LLM(str(tiny_llama_dir), device="cpu")
+    started = time.monotonic()
+    with pytest.raises(StepTimeoutError, match=r"a step ran longer than 1s \(DSINFER_STEP_TIMEOUT_S\)"):
+        llm.generate(PROMPTS, LONG, use_tqdm=False)
+    took = time.monotonic() - started
+    assert 1 <= took < 5, f"generate raised after {took:.1f}s"
+    with pytest.raises(RuntimeError, match=r"this LLM's engine is dead \(StepTimeoutError: a step ran longer"):
+        llm.generate(PROMPTS, LONG, use_tqdm=False)
 
 
 def test_kill_is_refused_in_process_before_the_model_loads(tiny_llama_dir, monkeypatch):

@@ -1,6 +1,7 @@
 """Overload is back-pressure, never failure: a short soak of a live server at twice its capacity (running plus
 queued requests), some clients hanging up early, sees only 200s and 429s (with Retry-After), and ends with no
-request left running or waiting; the queued-prompt-token bound answers the same 429."""
+request left running or waiting and the server's RSS within 10% of what it was after a warm-up; the
+queued-prompt-token bound answers the same 429."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 MAX_NUM_SEQS, MAX_WAITING = 2, 2
 NUM_CLIENTS = 2 * (MAX_NUM_SEQS + MAX_WAITING)  # twice what the server holds
 SOAK_S = 4.0
+WARMUP_S = 1.5  # the same load first, so that RSS is measured with the allocator and caches at working size
 
 
 def _body(rng: random.Random, stream: bool) -> dict:
@@ -58,6 +60,22 @@ def _gauges(url: str) -> dict[str, float]:
             re.findall(r"^dsinfer_(num_requests_(?:running|waiting)) (\S+)$", text, re.M)}
 
 
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def _load(url: str, seconds: float, first_seed: int, seen: list, lock: threading.Lock) -> None:
+    until = time.monotonic() + seconds
+    clients = [threading.Thread(target=_client, args=(url, first_seed + k, until, seen, lock))
+               for k in range(NUM_CLIENTS)]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join(seconds + 30)
+    assert not any(t.is_alive() for t in clients), "a client hung"
+
+
 def test_a_soak_at_twice_capacity_sees_only_200_and_429_and_leaks_no_request(tiny_llama_dir, tmp_path):
     proc, url, log = start_tiny_server(
         tmp_path, tiny_llama_dir, write_tiny_tokenizer(tmp_path / "tok"), "uni",
@@ -65,13 +83,9 @@ def test_a_soak_at_twice_capacity_sees_only_200_and_429_and_leaks_no_request(tin
     try:
         seen: list[tuple[int, str | None]] = []
         lock = threading.Lock()
-        until = time.monotonic() + SOAK_S
-        clients = [threading.Thread(target=_client, args=(url, seed, until, seen, lock)) for seed in range(NUM_CLIENTS)]
-        for t in clients:
-            t.start()
-        for t in clients:
-            t.join(SOAK_S + 30)
-        assert not any(t.is_alive() for t in clients), "a client hung"
+        _load(url, WARMUP_S, 1000, seen, lock)
+        warm_rss = _rss_mib(proc.pid)
+        _load(url, SOAK_S, 0, seen, lock)
         statuses = [status for status, _ in seen]
         assert set(statuses) <= {200, 429}, set(statuses)
         assert statuses.count(200) >= 10 and statuses.count(429) >= 1, (statuses.count(200), statuses.count(429))
@@ -81,6 +95,8 @@ def test_a_soak_at_twice_capacity_sees_only_200_and_429_and_leaks_no_request(tin
             assert time.monotonic() < deadline, gauges
             time.sleep(0.05)
         assert proc.poll() is None and httpx.get(f"{url}/health", timeout=5).status_code == 200
+        end_rss = _rss_mib(proc.pid)
+        assert end_rss <= 1.10 * warm_rss, f"the server's RSS grew from {warm_rss:.0f} to {end_rss:.0f} MiB"
     finally:
         proc.terminate()
         proc.wait(30)

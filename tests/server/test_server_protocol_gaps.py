@@ -1,9 +1,11 @@
 """Protocol gaps real clients hit (issue 45): /openapi.json, /tokenizer_info, /tokenize's size cap, echo with
-``max_tokens: 0`` (lm-eval's loglikelihood), and a grammar that can never finish refused at compile time."""
+``max_tokens: 0`` (lm-eval's loglikelihood), a grammar that can never finish refused at compile time, patterns the
+backend cannot enforce (lookaheads, untyped) refused, and a bad structural tag's 400 naming the field."""
 
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -92,3 +94,42 @@ def test_finishing_grammars_are_productive():
     schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "number"}}}}
     assert unproductive_rules(str(xgr.Grammar.from_json_schema(json.dumps(schema)))) == []
     assert unproductive_rules(str(xgr.Grammar.builtin_json_grammar())) == []
+
+
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize("structured, where, reason", [
+    ({"regex": "(?=a)b"}, "invalid regex constraint", "Lookahead is not supported"),
+    ({"json": {"type": "object", "properties": {"x": {"type": "string", "pattern": "(?=a)b"}}}},
+     "schema.properties.x.pattern '(?=a)b' cannot be enforced", "Lookahead is not supported"),
+    ({"json": {"type": "object", "properties": {"x": {"type": "string", "pattern": r"(a)\1"}}}},
+     "schema.properties.x.pattern", "Backreference is not supported"),
+    ({"json": {"type": "object", "properties": {"x": {"pattern": "[unclosed"}}}},
+     'schema.properties.x.pattern needs "type": "string"', "ignores the pattern"),
+    ({"json": {"$defs": {"d": {"type": "string", "pattern": "a(?!b)"}}, "$ref": "#/$defs/d"}},
+     "schema.$defs.d.pattern", "Lookahead"),
+])
+def test_a_pattern_the_backend_cannot_enforce_is_a_400(server, structured, where, reason):
+    r = server.post("/v1/chat/completions", json={**CHAT, "structured_outputs": structured})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert where in error["message"] and reason in error["message"] and error["param"] == "structured_outputs"
+
+
+def test_an_enforceable_pattern_is_enforced(server):
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[0-9]{3}-[a-z]{2}$"}},
+              "required": ["code"], "additionalProperties": False}
+    r = server.post("/v1/chat/completions", json={**CHAT, "max_tokens": 40, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "c", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", json.loads(r.json()["choices"][0]["message"]["content"])["code"])
+
+
+@pytest.mark.parametrize("tag, param", [("{bad json", "structured_outputs.structural_tag"),
+                                        ({"type": "nope"}, "structured_outputs")])
+def test_a_bad_structural_tag_is_a_400_naming_the_field(server, tag, param):
+    r = server.post("/v1/chat/completions", json={**CHAT, "structured_outputs": {"structural_tag": tag}})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "structural_tag" in error["message"], error

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -117,3 +119,51 @@ def test_bitmask_triton_matches_torch(monkeypatch, kernel_options):
     bitmask = torch.randint(-(2**31), 2**31 - 1, (4, 66), generator=gen, dtype=torch.int64).to(torch.int32)
     out = ops.apply_token_bitmask(logits, bitmask.to(device))
     assert torch.equal(out.cpu(), apply_token_bitmask_ref(logits.cpu(), bitmask))
+
+
+def test_the_engine_refuses_schema_patterns_it_cannot_enforce():
+    """Offline too (no server's check before it): a lookahead or an untyped pattern is a ValueError, not ignored."""
+    pytest.importorskip("xgrammar")
+    from dsinfer.structured import backend
+
+    lookahead = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "string",
+                                                                                   "pattern": "(?=x)y"}}}}
+    with pytest.raises(ValueError, match=r"schema.properties.a.items.pattern '\(\?=x\)y' cannot be enforced"):
+        backend.build_grammar(parse_structured_outputs({"json": lookahead}))
+    with pytest.raises(ValueError, match=r"schema.anyOf\[1\].pattern needs \"type\": \"string\""):
+        backend.build_grammar(parse_structured_outputs({"json": {"anyOf": [{"type": "null"}, {"pattern": "a"}]}}))
+    data = {"type": "string", "pattern": "^a+$", "default": {"pattern": "("}, "enum": ["a", "aa"]}
+    backend.build_grammar(parse_structured_outputs({"json": data}))  # data keywords are not schemas
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="RSS is read from /proc")
+def test_a_thousand_distinct_schemas_past_the_bound_leave_rss_flat():
+    """Issue 45 (CVE-2025-32381's kind: memory that grows with distinct grammars): with the bundled model's 49k
+    vocabulary a compiled schema is ~1 MB, so 1,000 kept would be ~1 GB; past the cache's 4 MB bound the
+    process's RSS stays within 10% of what it was after warm-up."""
+    pytest.importorskip("xgrammar")
+    from dsinfer.models.loader.gguf import cached_gguf_dir, default_model_path
+    from dsinfer.structured.manager import StructuredOutputManager
+    from dsinfer.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(cached_gguf_dir(default_model_path()))
+    mgr = StructuredOutputManager(tok, tok.vocab_size, [tok.token_to_id("<|im_end|>")], cache_bytes=4 << 20,
+                                  compile_threads=2)
+
+    def compile_schemas(first: int, count: int) -> None:
+        for i in range(first, first + count):
+            schema = {"type": "object", "properties": {f"f{i}": {"type": "integer", "maximum": i}},
+                      "required": [f"f{i}"]}
+            mgr.prepare({"json": schema})[1].result()
+
+    compile_schemas(0, 200)  # warm-up: well past the bound, the allocator at its working size
+    warm = _rss_mib()
+    compile_schemas(200, 1000)
+    after = _rss_mib()
+    assert mgr.cache.evictions >= 1000 and mgr.cache.bytes_used <= mgr.cache.limit_bytes
+    assert after <= 1.10 * warm, f"RSS grew from {warm:.0f} MiB to {after:.0f} MiB over 1,000 distinct schemas"
