@@ -46,7 +46,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         openapi_url="/openapi.json",  # the schema, for client generators and schemathesis (no docs pages)
     )
     app.state.ctx = ctx = ServingContext(engine, settings)
-    app.state.replica_constants = load.replica_constants(engine.engine)  # /load's fixed facts
+    app.state.replica_constants = load.replica_constants(getattr(engine, "engine", None))  # /load's fixed facts
     for module in (openai_chat, openai_completions, openai_responses, anthropic_messages, tokenize, health, load):
         app.include_router(module.router)
     install_error_handlers(app)
@@ -57,7 +57,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         return Response(status_code=499)
 
     app.add_middleware(InternalErrors)  # innermost: its 500s pass the middlewares below like any answer
-    app.add_middleware(load.KVFlush, wait_saves=engine.wait_kv_saves)  # the router's prefill answers (load.py)
+    app.add_middleware(load.KVFlush, wait_saves=lambda: engine.wait_kv_saves())  # the router's prefill answers (load.py)
     app.add_middleware(GuardMiddleware, settings=settings, is_draining=lambda: engine.draining)
     app.add_middleware(StatusCounter, metrics=ctx.metrics)
     # outside the guard, so that its 401/413 replies carry the ids too

@@ -15,8 +15,10 @@ import httpx
 API_KEY = "sk-test-key"
 MAX_MODEL_LEN = 512
 REPO = Path(__file__).resolve().parents[2]
-# Extra engine flags for the server under test (prefix caching stays on, as users run it).
-ENGINE_FLAGS: tuple[str, ...] = ()
+# Extra engine flags for the server under test (prefix caching stays on, as users run it). float32: the exact path
+# the protocol tests compare logprobs on (the CPU default for the bundled GGUF is its 4-bit blocks, whose own
+# tests are tests/engine/test_cpu_quantization.py)
+ENGINE_FLAGS: tuple[str, ...] = ("--dtype", "float32")
 
 
 @dataclass
