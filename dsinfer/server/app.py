@@ -57,7 +57,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         return Response(status_code=499)
 
     app.add_middleware(InternalErrors)  # innermost: its 500s pass the middlewares below like any answer
-    app.add_middleware(load.KVFlush, wait_saves=lambda: engine.wait_kv_saves())  # the router's prefill answers (load.py)
+    app.add_middleware(load.KVFlush, wait_saves=lambda: engine.wait_kv_saves())  # the router's prefill answers
     app.add_middleware(GuardMiddleware, settings=settings, is_draining=lambda: engine.draining)
     app.add_middleware(StatusCounter, metrics=ctx.metrics)
     # outside the guard, so that its 401/413 replies carry the ids too
