@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,7 +92,7 @@ def native_available() -> bool:
             # libgomp.so.1 it needs is the one torch loaded, so the kernel shares torch's thread pool
             extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"],
             is_python_module=False,
-            verbose=os.environ.get("DSINFER_LOG_LEVEL", "").upper() == "DEBUG",
+            verbose=str(envs.LOG_LEVEL.get()).upper() == "DEBUG",
         )
     except Exception as exc:  # no compiler, no ninja, a failed build: the layers fall back to dense weights
         if envs.CPU_QUANT_KERNEL.get() == "native":

@@ -18,6 +18,7 @@ replicas available now (never empty: the pool answers 503 before asking), and ne
 
 from __future__ import annotations
 
+import abc
 import bisect
 import random
 from collections.abc import Sequence
@@ -46,11 +47,12 @@ def load_score(replica: Replica, num_tokens: int) -> tuple[float, float]:
     return max(requests, kv), requests + kv
 
 
-class Policy:
+class Policy(abc.ABC):
     name = ""
 
+    @abc.abstractmethod
     def choose(self, replicas: Sequence[Replica], request: RequestInfo) -> tuple[Replica, str]:
-        raise NotImplementedError
+        """The replica for ``request`` and the reason (a metrics label)."""
 
 
 class RoundRobin(Policy):
