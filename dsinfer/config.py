@@ -118,6 +118,8 @@ class DeviceConfig:
     max_prefill_graph_tokens: int = 2048
 
 
+# the models whose routed experts partition over expert-parallel ranks (``enable_expert_parallel``)
+EP_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 EPLB_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 
 
@@ -170,12 +172,20 @@ class ParallelConfig:
     # ranks the model's heads, MLP columns and vocabulary are split over (one GPU each; "mp" above 1); the world
     # size of the torch.distributed group (dsinfer/distributed/)
     tensor_parallel_size: int = 1
+    # vLLM's enable_expert_parallel: the routed experts partitioned over the ranks (EP size = tensor_parallel_size
+    # x data_parallel_size; data_parallel_size is 1 for now) instead of split by intermediate columns
+    enable_expert_parallel: bool = False
     enable_eplb: bool = False  # expert-parallel load balancing (vLLM's name): counters, replicas, rebalances
     eplb_config: EplbConfig = EplbConfig()  # its settings (vLLM's names)
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks the routed experts are partitioned over (1: expert parallelism off)."""
+        return self.world_size if self.enable_expert_parallel else 1
 
 
 SPEC_METHODS = ("ngram", "mtp")  # vLLM's names: n-gram prompt lookup, the checkpoint's multi-token prediction layers

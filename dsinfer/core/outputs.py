@@ -38,3 +38,4 @@ class RunnerOutput:
     kv_host_events: list[list] = field(default_factory=list)  # [key, present] changes of the host tier, in order
     kv_store_counters: dict[str, float] = field(default_factory=dict)  # the worker's totals (``kvstore.counters``)
     expert_load: list[list[float]] | None = None  # EPLB's window of expert-load counters (see the module doc)
+    eplb_stats: dict[str, int] | None = None  # with it, rank 0's rebalance totals (``eplb.balancer.RebalanceStats``)

@@ -1,4 +1,15 @@
-"""Expert parallelism: a MoE layer's experts partitioned across EP ranks, tokens moved with ``all_to_all_single``.
+"""Expert parallelism: a MoE layer's experts partitioned across EP ranks, and the two ways tokens meet them.
+
+Which exchange depends on where the tokens are (vLLM's sizes: EP = tensor_parallel_size x data_parallel_size):
+- **every rank holds every token** (data_parallel_size 1: attention is tensor-parallel, so its all-reduce has
+  already given each rank the whole batch): ``ep_moe_replicated``. This is the all-gather + reduce-scatter
+  scheme with its all-gather already done by attention and its reduce-scatter widened to the all-reduce the
+  block does anyway (the next attention needs every token on every rank): each rank runs only the (token,
+  expert) pairs of its own experts and the one all-reduce sums them with the shared experts' tensor-parallel
+  parts. No extra collective over tensor parallelism, nothing read by the host but the pairs' count, and each
+  pair computed once. An all-to-all here would move tokens every rank already has.
+- **each rank its own tokens** (DP attention, data_parallel_size > 1): ``ep_moe``, below: pairs travel to the
+  rank of their expert with ``all_to_all_single`` and come back; the traffic is the pairs, not the batch.
 
 Each rank holds ``slots_per_rank`` physical experts (rank r: global slots [r S, (r + 1) S), rank-major, as the
 EPLB planner numbers them; with redundant experts a logical expert may have replicas on several ranks, and its
@@ -90,3 +101,21 @@ def ep_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_slots: torch.T
     dist.all_to_all_single(back, computed, send_splits, recv_splits, group=ep.group)
     out = torch.zeros_like(hidden).index_add_(0, token_of, back)
     return out if shared_out is None else out + shared_out
+
+
+def ep_moe_replicated(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_slots: torch.Tensor, w13: torch.Tensor,
+                      w2: torch.Tensor, first_slot: int) -> torch.Tensor:
+    """hidden [T, H] (every token, the same on every EP rank), topk_weights / topk_slots [T, k] (global storage
+    slots), w13 [S, 2I, H] / w2 [S, H, I] (this rank's S slots, global ``first_slot`` onwards) -> [T, H]: the
+    weighted sum of the pairs whose slot this rank holds (zero rows for tokens with none); the caller
+    all-reduces it over the EP group. One host read: the number of this rank's pairs."""
+    top_k, per_rank = topk_slots.shape[1], w13.shape[0]
+    local = topk_slots.reshape(-1) - first_slot
+    pairs = ((local >= 0) & (local < per_rank)).nonzero().squeeze(1)
+    out = torch.zeros_like(hidden)
+    if pairs.numel() == 0:
+        return out
+    token_of = torch.div(pairs, top_k, rounding_mode="floor")
+    rows = fused_moe(hidden[token_of], w13, w2, topk_weights.reshape(-1)[pairs].unsqueeze(1),
+                     local[pairs].unsqueeze(1))
+    return out.index_add_(0, token_of, rows)

@@ -40,15 +40,21 @@ class ControlChannel:
         return data.numpy().tobytes()
 
 
-def init_parallel_state(rdv: Rendezvous, rank: int, device: torch.device,
-                        timeout_s: float) -> tuple[ParallelState, ControlChannel]:
-    """Join the rendezvous as ``rank``; -> the tensor-parallel state (every rank of the world, for now) and the
-    control channel. Blocks until every rank has joined (or the store's timeout passes)."""
+def init_parallel_state(rdv: Rendezvous, rank: int, device: torch.device, timeout_s: float,
+                        expert_parallel: bool = False) -> tuple[ParallelState, ControlChannel]:
+    """Join the rendezvous as ``rank``; -> the parallel state (every rank of the world in the tensor-parallel
+    group, and with ``expert_parallel`` in the expert-parallel group too: data_parallel_size 1) and the control
+    channel. Blocks until every rank has joined (or the store's timeout passes)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=rdv.url, rank=rank, world_size=rdv.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=rdv.url, rank=rank, world_size=rdv.world_size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=max(CONTROL_TIMEOUT_S, timeout_s)))
-    state = ParallelState(tp_size=rdv.world_size, tp_rank=rank, tp_group=dist.group.WORLD)
+    ep = {}
+    if expert_parallel:  # every rank creates the same groups in the same order
+        ep = dict(ep_size=rdv.world_size, ep_rank=rank, ep_group=dist.group.WORLD,
+                  ep_move_group=dist.new_group(backend=backend, timeout=timeout),
+                  ep_host_group=dist.new_group(backend="gloo", timeout=timeout))
+    state = ParallelState(tp_size=rdv.world_size, tp_rank=rank, tp_group=dist.group.WORLD, **ep)
     return state, ControlChannel(control)
 
 

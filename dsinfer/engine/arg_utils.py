@@ -18,6 +18,7 @@ import torch
 from dsinfer import envs
 from dsinfer.config import (
     _DTYPES,
+    EP_ARCHITECTURES,
     EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
@@ -86,6 +87,10 @@ class EngineArgs:
     # vLLM's tensor_parallel_size: ranks (GPUs) the model is split over; dsinfer spawns them, or joins a
     # torchrun / SLURM job's (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
     tensor_parallel_size: int = 1
+    # vLLM's enable_expert_parallel: DeepSeek's routed experts partitioned over the ranks (EP size =
+    # tensor_parallel_size, data_parallel_size being 1) instead of split by intermediate columns; attention and
+    # the shared experts stay tensor-parallel
+    enable_expert_parallel: bool = False
     # vLLM's speculative_config: {"method": "ngram" | "mtp", "num_speculative_tokens": k, "prompt_lookup_min",
     # "prompt_lookup_max", "acceptance": "rejection" | "exact", "confidence_scheduling"} (``SpeculativeConfig``)
     speculative_config: dict[str, Any] | None = None
@@ -125,6 +130,7 @@ class EngineArgs:
             raise ValueError(f"enable_eplb must be true or false, got {self.enable_eplb!r}")
         eplb = EplbConfig.from_dict(self.eplb_config)
         eplb.check_model(self.enable_eplb, hf_config)
+        self._check_expert_parallel(hf_config, eplb)
         quantization = _resolve_quantization(self.quantization, self.dtype, device, self.model, self.load_format,
                                              hf_config)
         if quantization is not None and self.tensor_parallel_size > 1:
@@ -173,11 +179,32 @@ class EngineArgs:
                                 self.max_prefill_graph_tokens),
             parallel=ParallelConfig(self.distributed_executor_backend or ("mp" if self.tensor_parallel_size > 1
                                                                           else "uni"), self.tensor_parallel_size,
-                                    self.enable_eplb, eplb),
+                                    self.enable_expert_parallel, self.enable_eplb, eplb),
             speculative=speculative,
             kernel=KernelConfig.from_envs(),
             kv_store=kv_store,
         )
+
+    def _check_expert_parallel(self, hf_config: dict[str, Any], eplb: EplbConfig) -> None:
+        """ValueErrors for an expert-parallel setting this model or these sizes cannot take (before any rank
+        starts)."""
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be true or false, got {self.enable_expert_parallel!r}")
+        if not self.enable_expert_parallel:
+            return
+        arch = hf_config["architectures"][0]
+        if arch not in EP_ARCHITECTURES or not hf_config.get("n_routed_experts"):
+            raise ValueError(f"enable_expert_parallel=True needs a DeepSeek V2 / V3 MoE model ({EP_ARCHITECTURES} "
+                             f"with n_routed_experts); {arch} has no routed experts to partition over ranks")
+        experts, redundant = hf_config["n_routed_experts"], eplb.num_redundant_experts if self.enable_eplb else 0
+        if (experts + redundant) % self.tensor_parallel_size:
+            spelled = f"n_routed_experts ({experts})" + (
+                f" + eplb_config.num_redundant_experts ({redundant})" if redundant else "")
+            raise ValueError(f"{spelled} is not divisible by the expert-parallel size tensor_parallel_size="
+                             f"{self.tensor_parallel_size} (enable_expert_parallel=True: each rank holds an equal "
+                             "share of the physical experts); pick a tensor_parallel_size that divides it"
+                             + (", or set eplb_config.num_redundant_experts so that it does" if self.enable_eplb
+                                else ""))
 
     def _sampling_defaults(self, model_generation_config: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         """(ModelConfig.sampling_defaults, ModelConfig.max_tokens_limit), checked as SamplingParams values so that

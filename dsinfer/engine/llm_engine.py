@@ -118,6 +118,7 @@ class LLMEngine:
         self._needs_host_tokens: set[str] = set()  # unfinished child ids whose sampling reads earlier tokens
         # EPLB: the worker's latest expert-load window (asked for by the next plan after each ``get_stats``)
         self.expert_load: list[list[float]] | None = None
+        self.eplb_counters: dict[str, int] | None = None  # rank 0's rebalance totals, with the expert load
         self._want_expert_load = config.parallel.enable_eplb
 
     @classmethod
@@ -332,7 +333,7 @@ class LLMEngine:
 
     def _process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         if result.expert_load is not None:
-            self.expert_load = result.expert_load
+            self.expert_load, self.eplb_counters = result.expert_load, result.eplb_stats
         if self.store_index is not None:
             self.store_index.apply([(key, present) for key, present in result.kv_host_events])
             self.kv_store_counters = result.kv_store_counters or self.kv_store_counters
@@ -459,8 +460,9 @@ class LLMEngine:
         }
 
     def eplb_stats(self) -> dict[str, Any] | None:
-        """moe_lb per MoE layer and overall from the latest expert-load window (None: EPLB off or no window
-        yet); asks the next step for a fresh one (the figures are one call behind)."""
+        """moe_lb per MoE layer and overall (over the expert-parallel ranks) from the latest expert-load window,
+        and the rebalances' totals (None: EPLB off or no window yet); asks the next step for a fresh one (the
+        figures are one call behind)."""
         if not self.config.parallel.enable_eplb:
             return None
         self._want_expert_load = True
@@ -468,8 +470,12 @@ class LLMEngine:
             return None
         from dsinfer.distributed.eplb.planner import balancedness
 
-        per_layer, overall = balancedness(np.asarray(self.expert_load), num_ranks=1)
-        return {"moe_lb": per_layer.tolist(), "moe_lb_overall": overall}
+        per_layer, overall = balancedness(np.asarray(self.expert_load),
+                                          num_ranks=self.config.parallel.expert_parallel_size)
+        counters = self.eplb_counters or {}
+        return {"moe_lb": per_layer.tolist(), "moe_lb_overall": overall,
+                "num_rebalances": counters.get("num_rebalances", 0), "num_switches": counters.get("num_switches", 0),
+                "received_bytes": counters.get("received_bytes", 0)}
 
     def flush_kv_store(self) -> None:
         """Wait until the KV store's queued saves are written, and let the index know them now (the in-process

@@ -248,7 +248,8 @@ def _join(config: EngineConfig, rdv: Rendezvous | None, rank: int) -> tuple[Para
     if envs.NUMA_BIND.get():
         local_world = rdv.world_size if not rdv.launched else int(envs.launcher_env().get("LOCAL_WORLD_SIZE", 1))
         numa.bind_rank(local_rank, local_world, device.type, visible=envs.cuda_visible_devices())
-    return init_parallel_state(rdv, rank, device, envs.DIST_TIMEOUT_S.get())
+    return init_parallel_state(rdv, rank, device, envs.DIST_TIMEOUT_S.get(),
+                               config.parallel.enable_expert_parallel)
 
 
 def _ready_info(runner: Any, rank: int) -> dict[str, Any]:

@@ -18,6 +18,12 @@ Redundant experts (EPLB, ``ExpertSlots``): the stack then holds ``num_storage`` 
 copies new replicas; the shared slots follow them. ``ExpertMap`` turns the router's logical ids into storage
 slots, a replica chosen by token index, and counts each slot's tokens on the device. A checkpoint loads into
 slots 0..E-1 (expert e in slot e); ``fill_replicas`` copies each into the other slots that hold it.
+
+Expert parallelism (``ParallelState.ep_size`` = N > 1): the storage slots are global and rank-major, rank r holding
+``[r L, (r + 1) L)`` with L = P / N + spares per rank (its physical experts, then its own spare slots), and a
+rank's ``FusedExperts`` holds only its L slots (``local_log``: the logical expert each starts with): the
+checkpoint's expert e loads straight into every local slot holding it, the other ranks' experts are read and
+skipped. Without EPLB, P = E and rank r holds experts ``[r E / N, (r + 1) E / N)``.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 from torch import nn
 
 from dsinfer import batch_invariant
-from dsinfer.distributed.state import SINGLE, ParallelState, split_evenly
+from dsinfer.distributed.state import SINGLE, ParallelState, split_evenly, split_over_experts
 from dsinfer.layers.fp8_linear import BlockScaledShards, Fp8Config
 from dsinfer.ops.activation import silu_and_mul
 from dsinfer.ops.fp8 import FP8_DTYPE, fp8_block_linear
@@ -141,19 +147,32 @@ class ExpertMap(nn.Module):
     slot's count on the device (``index_add_``: no host read, CUDA-graph safe). The host keeps ``slot_log``
     (the logical expert of each storage slot, -1 for a spare); ``assign`` rewrites the device tables from it."""
 
-    def __init__(self, num_logical: int, num_shared: int, slots: ExpertSlots):
+    def __init__(self, num_logical: int, num_shared: int, slots: ExpertSlots, ep_size: int = 1):
+        """``ep_size``: the expert-parallel ranks the storage slots are spread over (rank-major, each rank its
+        share of the physical experts and its own ``num_spare`` spares; see the module doc)."""
         super().__init__()
         self.num_logical, self.num_shared = num_logical, num_shared
         self.num_physical = num_logical + slots.num_redundant
-        self.num_storage = self.num_physical + slots.num_spare
+        what = "n_routed_experts + eplb_config.num_redundant_experts" if slots.num_redundant else "n_routed_experts"
+        physical_per_rank = split_over_experts(self.num_physical, ep_size, what)
+        self.ep_size = ep_size
+        self.num_storage = self.num_physical + ep_size * slots.num_spare
+        self.storage_per_rank = self.num_storage // ep_size
         self.max_replicas = slots.num_redundant + 1
         self.register_buffer("table", torch.zeros(num_logical + num_shared, self.max_replicas, dtype=torch.int64),
                              persistent=False)
         self.register_buffer("counts", torch.ones(num_logical + num_shared, dtype=torch.int64), persistent=False)
         self.load: torch.Tensor | None = None
-        initial = [p % num_logical for p in range(self.num_physical)] + [-1] * slots.num_spare
+        initial: list[int] = []
+        for rank in range(ep_size):  # its physical experts (p holds logical p % E), then its spares
+            first = rank * physical_per_rank
+            initial += [p % num_logical for p in range(first, first + physical_per_rank)] + [-1] * slots.num_spare
         self.slot_log: list[int] = []
         self.assign(initial)
+
+    def rank_slots(self, rank: int) -> range:
+        """The global storage slots expert-parallel rank ``rank`` holds."""
+        return range(rank * self.storage_per_rank, (rank + 1) * self.storage_per_rank)
 
     def tables(self, slot_log: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(table, counts) on the host for ``slot_log`` (replicas in ascending slot order)."""
@@ -191,11 +210,19 @@ class FusedExperts(nn.Module):
     0..E-1 the routed experts, E..E+S-1 the shared ones (``num_shared``, see the module doc)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, quant: Fp8Config | None,
-                 num_shared: int = 0, tp: ParallelState = SINGLE, num_storage: int | None = None):
+                 num_shared: int = 0, tp: ParallelState = SINGLE, num_storage: int | None = None,
+                 local_log: list[int] | None = None):
         """``tp``: every expert's intermediate columns split across its ranks (each holds I / tp of them; its
         output is then its part of the sum, for the caller to all-reduce); ``num_storage``: routed storage slots
-        (EPLB: physical experts and spares; None: ``num_experts``)."""
+        (EPLB: physical experts and spares; None: ``num_experts``); ``local_log``: expert parallelism: the
+        logical expert each of this rank's storage slots holds at load (-1: a spare; ``num_storage`` is its
+        length), the checkpoint's other experts are skipped (None: slot e holds expert e)."""
         super().__init__()
+        self.local_log = None if local_log is None else list(local_log)
+        if local_log is not None:
+            if num_shared:
+                raise ValueError("experts partitioned over ranks (local_log) stack no shared experts")
+            num_storage = len(local_log)
         if tp.tp_size > 1 and quant:
             raise ValueError("FP8 experts are not supported with tensor_parallel_size > 1 yet (the block scales "
                              "would need splitting too): use a bf16 checkpoint")
@@ -228,7 +255,7 @@ class FusedExperts(nn.Module):
                 scale.dummy_init = lambda std, gen: None  # written by the weight's dummy init
                 setattr(self, f"{name}_scale_inv", scale)
                 getattr(self, name).dummy_init = self._dummy_init_fn(name)
-        if self.num_storage > num_experts and not quant:  # the random numbers of the stack without replicas
+        if (self.num_storage > num_experts or local_log is not None) and not quant:  # as drawn without replicas
             self.w13.dummy_init, self.w2.dummy_init = self._logical_init("w13"), self._logical_init("w2")
         self.dtype = torch.get_default_dtype()
         self.dense: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -249,8 +276,14 @@ class FusedExperts(nn.Module):
             """``shard``: (expert, 'gate' | 'up' | 'down') for a per-expert tensor, ("shared", kind) for the
             shared experts' MLP; None: the routed experts stacked."""
             targets, dim = self._targets(name, is_scale, param.data, shard)
+            leaf = f"{name}_scale_inv" if is_scale else name
+            if self.local_log is not None:  # expert parallelism: this rank's experts only, each in all its slots
+                loaded, targets = self._local_part(loaded, shard, targets)
             if self.tp.tp_size > 1:
                 loaded = self._rank_slice(loaded, name, shard is None, len(targets))
+            if not targets:  # another expert-parallel rank's expert
+                self.filled.add((leaf, *shard))
+                return
             size, want = targets[0].shape[dim], list(targets[0].shape)
             want[dim] *= len(targets)
             if tuple(loaded.shape) != tuple(want):
@@ -262,7 +295,6 @@ class FusedExperts(nn.Module):
                 )
             for target, part in zip(targets, loaded.split(size, dim)):
                 target.copy_(part)
-            leaf = f"{name}_scale_inv" if is_scale else name
             if shard is None:  # the stacked layout: every routed expert's shards of this parameter
                 self.filled.update((leaf, e, kind) for e in range(self.num_routed)
                                    for kind, (owner, _) in SHARDS.items() if owner == name)
@@ -278,6 +310,8 @@ class FusedExperts(nn.Module):
         of that tensor they lie along: one view, or the shared experts' S chunks (rows of gate / up, columns of
         down_proj: its input is the intermediate dimension)."""
         if shard is None:
+            if self.local_log is not None:
+                return [data[slot] for slot, logical in enumerate(self.local_log) if logical >= 0], 0
             return [data[: self.num_routed]], 0
         expert, kind = shard
         if kind not in SHARDS or SHARDS[kind][0] != name:
@@ -288,7 +322,8 @@ class FusedExperts(nn.Module):
                 raise ValueError("a shared-expert tensor for experts stacked without shared slots (num_shared=0)")
             slots, dim = range(self.num_storage, self.num_experts), 1 if kind == "down" else 0
         elif isinstance(expert, int) and 0 <= expert < self.num_routed:
-            slots, dim = [expert], 0
+            slots, dim = ([expert] if self.local_log is None else
+                          [slot for slot, logical in enumerate(self.local_log) if logical == expert]), 0
         else:
             raise ValueError(f"expert index {expert!r} out of range [0, {self.num_routed}) (routed experts)")
         index = SHARDS[kind][1]
@@ -299,6 +334,15 @@ class FusedExperts(nn.Module):
             size = data.shape[1] // 2
             return [data[e].narrow(0, index * size, size) for e in slots], dim
         return [data[e] for e in slots], dim
+
+    def _local_part(self, loaded: torch.Tensor, shard: tuple[int | str, str] | None,
+                    targets: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Expert parallelism: (the loaded rows for ``targets``, laid end to end along dimension 0, and the
+        targets): the stacked layout's experts of this rank's slots, or one expert repeated for its replicas."""
+        if shard is None:
+            used = [logical for logical in self.local_log if logical >= 0]
+            return loaded[used].flatten(0, 1), targets
+        return (loaded if len(targets) <= 1 else torch.cat([loaded] * len(targets))), targets
 
     def _rank_slice(self, loaded: torch.Tensor, name: str, stacked: bool, chunks: int) -> torch.Tensor:
         """This rank's intermediate columns of a checkpoint tensor: w13's rows (an expert's gate or up
@@ -318,18 +362,31 @@ class FusedExperts(nn.Module):
         ``leaf`` ("w13", "w2", "w13_scale_inv", ...), rebuilt from our slots (to copy our weights elsewhere)."""
         name = leaf.removesuffix("_scale_inv")
         targets, dim = self._targets(name, leaf != name, getattr(self, leaf).data, shard)
+        if self.local_log is not None:  # one of this rank's replicas of the expert (or the stacked experts')
+            if not targets:
+                raise ValueError(f"expert {shard[0]} is not on this expert-parallel rank")
+            return targets[0] if shard is not None else torch.stack(targets)
         return targets[0] if len(targets) == 1 else torch.cat(targets, dim)
 
     def logical_slots(self) -> list[int]:
-        """The slots a checkpoint fills: the routed experts' 0..E-1, then the shared ones."""
+        """The slots a checkpoint fills: the routed experts' 0..E-1, then the shared ones (expert parallelism:
+        the numbers the draws of one rank's stack hold, 0..E-1)."""
+        if self.local_log is not None:
+            return list(range(self.num_routed))
         return [*range(self.num_routed), *range(self.num_storage, self.num_experts)]
 
     def _logical_init(self, name: str):
         def init(std: float, generator: torch.Generator) -> None:
             """Random weights into the checkpoint's slots, drawn as for a stack without replicas."""
             data, slots = getattr(self, name).data, self.logical_slots()
-            data[slots] = torch.empty((len(slots), *data.shape[1:]), dtype=data.dtype,
-                                      device=data.device).normal_(0.0, std, generator=generator)
+            drawn = torch.empty((len(slots), *data.shape[1:]), dtype=data.dtype,
+                                device=data.device).normal_(0.0, std, generator=generator)
+            if self.local_log is None:
+                data[slots] = drawn
+                return
+            for slot, logical in enumerate(self.local_log):  # this rank's experts, as one rank draws them
+                if logical >= 0:
+                    data[slot] = drawn[logical]
 
         return init
 

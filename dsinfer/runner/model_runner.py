@@ -80,6 +80,7 @@ class StepHandle:
         self._done = done
         self._draft = draft
         self._kv = kv or {}
+        self.eplb_stats: dict[str, int] | None = None  # EPLB's rebalance totals, sent with the expert load
 
     def result(self) -> RunnerOutput:
         if self._done is not None:
@@ -87,6 +88,7 @@ class StepHandle:
         out = RunnerOutput(prompt_logprobs=self._prompt_logprobs, **self._kv)
         if "expert_load" in self._copies:
             out.expert_load = self._copies["expert_load"].tolist()
+            out.eplb_stats = self.eplb_stats
         if not self.rows:
             return out
         tokens = self._copies["tokens"].tolist()
@@ -133,7 +135,7 @@ class ModelRunner:
             from dsinfer.distributed.eplb.balancer import ExpertLoadBalancer
 
             self.eplb = ExpertLoadBalancer(self.model.moe_blocks(), config.parallel.eplb_config,
-                                           int(config.model.hf_config.get("n_group") or 1), self.device)
+                                           int(config.model.hf_config.get("n_group") or 1), self.device, parallel)
         self.vocab_size = config.model.vocab_size
         self.block_size = config.cache.block_size
         layers = self.model.attention_layers()
@@ -344,8 +346,7 @@ class ModelRunner:
             self._last_rows = {row.state.request_id: i for i, row in enumerate(inputs.sample_rows)}
         if self.kv_transfer is not None and plan.kv_saves:  # after the forward: the gathers see its KV
             self.kv_transfer.save(plan.kv_saves)
-        if self.eplb is not None:
-            self._eplb_step(plan, inputs, copies)
+        eplb_stats = self._eplb_step(plan, inputs, copies) if self.eplb is not None else None
         prompt_logprobs = {}
         for rows in inputs.prompt_rows:
             n = len(rows.target_ids)
@@ -363,15 +364,20 @@ class ModelRunner:
             draft = functools.partial(self._draft, inputs, hidden)
         elif self.mtp is not None:  # prompt chunks only: nothing to draft, but their MTP KV is written now
             self._draft(inputs, hidden, [])
-        return StepHandle(inputs.sample_rows, copies, prompt_logprobs, done, draft, self._kv_report(plan))
+        handle = StepHandle(inputs.sample_rows, copies, prompt_logprobs, done, draft, self._kv_report(plan))
+        handle.eplb_stats = eplb_stats
+        return handle
 
-    def _eplb_step(self, plan: StepPlan, inputs: StepInputs, copies: dict[str, torch.Tensor]) -> None:
+    def _eplb_step(self, plan: StepPlan, inputs: StepInputs, copies: dict[str, torch.Tensor]
+                   ) -> dict[str, int] | None:
         """The step boundary of the expert load balancer; the window's loads on their way to the host when the
-        plan asks for them."""
+        plan asks for them, with the rebalances' totals (returned)."""
         sampled = {row.state.request_id for row in inputs.sample_rows}
         self.eplb.end_step(mid_prefill=any(rid not in sampled for rid in plan.num_scheduled_tokens))
-        if plan.want_expert_load:
-            copies["expert_load"] = _to_host(self.eplb.physical_load())
+        if not plan.want_expert_load:
+            return None
+        copies["expert_load"] = _to_host(self.eplb.physical_load())
+        return self.eplb.stats.as_dict()
 
     def _kv_report(self, plan: StepPlan) -> dict | None:
         """The KV store's part of the step's output: loads finished, host-tier changes, counters."""
@@ -475,7 +481,7 @@ def _check_weights_fit(config: EngineConfig, parallel: ParallelState) -> None:
     saying by how much."""
     try:
         with _default_dtype_and_device(config.model.dtype, torch.device("meta")):
-            meta = build_model(config, ParallelState(tp_size=parallel.tp_size, tp_rank=parallel.tp_rank))
+            meta = build_model(config, parallel.for_shapes())
     except Exception:  # a model that cannot be built on the meta device: loading will tell
         return
     weight_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(meta.parameters(), meta.buffers()))

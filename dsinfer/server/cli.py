@@ -51,6 +51,7 @@ _ENGINE_ARGS = (
     "scheduling_policy",
     "distributed_executor_backend",
     "tensor_parallel_size",
+    "enable_expert_parallel",
     "speculative_config",
     "enable_eplb",
     "eplb_config",
@@ -107,6 +108,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     eng.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int, default=None,
                      help="split the model over this many GPUs (ranks spawned here; under torchrun / SLURM the "
                           "job's WORLD_SIZE, RANK 0 serving; see the README)")
+    eng.add_argument("--enable-expert-parallel", dest="enable_expert_parallel", action="store_true",
+                     default=None, help="DeepSeek V2 / V3: partition the routed experts over the ranks (EP size = "
+                                        "--tensor-parallel-size) instead of splitting each expert's columns")
     eng.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None, help="no CUDA graphs")
     eng.add_argument("--max-prefill-graph-tokens", type=int, default=None,
                      help="steps with prompt tokens up to this many replay piecewise CUDA graphs (0: eager)")

@@ -199,6 +199,10 @@ class _EngineCounters:
         yield family
         yield GaugeMetricFamily("dsinfer_moe_lb_overall", "MoE balancedness over all MoE layers: their slowest "
                                 "ranks' tokens summed / their mean ranks' summed", value=eplb["moe_lb_overall"])
+        yield CounterMetricFamily("dsinfer_eplb_rebalances", "EPLB rebalances completed",
+                                  value=eplb.get("num_rebalances", 0))
+        yield CounterMetricFamily("dsinfer_eplb_received_bytes", "Expert weights rank 0 received from other "
+                                  "expert-parallel ranks in rebalances", value=eplb.get("received_bytes", 0))
 
     def _store(self) -> Iterator[Metric]:
         store = self.metrics.engine_stats.get("kv_store")

@@ -125,14 +125,17 @@ def test_deterministic_mode_is_identical_across_rebalances(ckpt):
 def test_engine_stats_and_metrics_report_moe_lb(ckpt):
     from dsinfer.server.metrics import ServerMetrics
 
-    llm = _llm(ckpt, enable_eplb=True, eplb_config={"num_redundant_experts": 1})
+    llm = _llm(ckpt, enable_eplb=True, eplb_config={"num_redundant_experts": 1, "window_size": 4, "step_interval": 8})
     engine = llm.engine
     assert engine.get_stats()["eplb"] is None  # nothing came back yet; the next step asks
     _greedy(llm)
     stats = engine.get_stats()
-    assert stats["eplb"] == {"moe_lb": [1.0, 1.0], "moe_lb_overall": 1.0}  # one rank: balanced by definition
+    eplb = stats["eplb"]
+    assert eplb["moe_lb"] == [1.0, 1.0] and eplb["moe_lb_overall"] == 1.0  # one rank: balanced by definition
+    assert eplb["num_rebalances"] >= 1 and eplb["received_bytes"] == 0  # one rank receives nothing
     text = ServerMetrics().render(stats).decode()
     assert 'dsinfer_moe_lb{layer="1"} 1.0' in text and "dsinfer_moe_lb_overall 1.0" in text
+    assert f"dsinfer_eplb_rebalances_total {float(eplb['num_rebalances'])}" in text
 
 
 def test_mtp_layers_are_balanced_too():

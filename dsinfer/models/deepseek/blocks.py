@@ -11,7 +11,8 @@ from torch import nn
 from dsinfer import batch_invariant
 from dsinfer.config import KernelConfig
 from dsinfer.core.forward_batch import ForwardBatch
-from dsinfer.distributed.state import SINGLE, ParallelState
+from dsinfer.distributed.expert_parallel import EPGroup, ep_moe, ep_moe_replicated
+from dsinfer.distributed.state import SINGLE, ParallelState, split_over_experts
 from dsinfer.layers.fp8_linear import Fp8Config, make_linear
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.mla import MLAAttention
@@ -154,18 +155,28 @@ class DeepseekMoE(nn.Module):
         """``side_stream``: the model's, to run separate shared experts beside the routed ones in CUDA graphs
         (None: in sequence). ``tp``: every expert's intermediate columns split across its ranks (each rank routes
         every token); the routed and shared partial sums are all-reduced once, as the block's output.
-        ``expert_slots``: redundant and spare expert slots under EPLB (None: one slot per expert, no map)."""
+        ``expert_slots``: redundant and spare expert slots under EPLB (None: one slot per expert, no map).
+        Expert parallelism (``tp.ep_size`` > 1): this rank holds its share of the routed experts whole (see
+        ``distributed.expert_parallel``), the shared experts stay a tensor-parallel MLP beside them."""
         super().__init__()
         kernel = kernel or KernelConfig()
         hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
-        router = replace(router, num_shared=fused_shared_experts(cfg, quant, kernel.fuse_shared_experts))
+        ep = tp.expert_parallel
+        router = replace(router, num_shared=fused_shared_experts(cfg, quant, kernel.fuse_shared_experts and not ep))
         self.gate = Router(hidden, router)
         self.top_k = router.top_k
         self.expert_map = None if expert_slots is None else ExpertMap(router.num_experts, router.num_shared,
-                                                                      expert_slots)
+                                                                      expert_slots, tp.ep_size)
         storage = None if self.expert_map is None else self.expert_map.num_storage
-        self.experts = FusedExperts(router.num_experts, hidden, inter, quant, num_shared=router.num_shared, tp=tp,
-                                    num_storage=storage)
+        local_log = None
+        if ep:  # this rank's storage slots and the experts they hold at load
+            if self.expert_map is None:
+                per_rank = split_over_experts(router.num_experts, tp.ep_size, "n_routed_experts")
+                local_log = list(range(tp.ep_rank * per_rank, (tp.ep_rank + 1) * per_rank))
+            else:
+                local_log = [self.expert_map.slot_log[s] for s in self.expert_map.rank_slots(tp.ep_rank)]
+        self.experts = FusedExperts(router.num_experts, hidden, inter, quant, num_shared=router.num_shared,
+                                    tp=SINGLE if ep else tp, num_storage=storage, local_log=local_log)
         shared = 0 if router.num_shared else cfg.get("n_shared_experts") or 0
         self.shared_experts = DeepseekMLP(hidden, inter * shared, quant, kernel.fused_silu_mul, tp,
                                           reduce_results=False) if shared else None
@@ -174,7 +185,26 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, graphed: bool = False) -> torch.Tensor:
         """``graphed``: this forward is captured into a CUDA graph or warms a capture up (``in_graphs``)."""
+        if self.tp.expert_parallel:
+            return self._expert_parallel(x)
         return self.tp.all_reduce(self._experts(x, graphed))
+
+    def _expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts wherever they live, plus the shared experts (``distributed.expert_parallel``):
+        with DP attention each rank's own tokens travel to the experts' ranks and back (``ep_moe``); otherwise
+        every rank holds every token, runs the pairs of its own experts, and one all-reduce sums the ranks'
+        parts with the shared experts' tensor-parallel partial sums (``ep_moe_replicated``)."""
+        topk_weights, topk_slots = self.route(x, with_shared=False)
+        per_rank = self.experts.num_storage
+        if self.tp.dp_size > 1:
+            group = EPGroup(self.tp.ep_rank, self.tp.ep_size, self.tp.ep_group)
+            return ep_moe(x, topk_weights, topk_slots, self.experts.w13, self.experts.w2, group,
+                          shared=self.shared_experts)
+        out = ep_moe_replicated(x, topk_weights, topk_slots, self.experts.w13, self.experts.w2,
+                                self.tp.ep_rank * per_rank)
+        if self.shared_experts is not None:
+            out = self.shared_experts(x, add_to=out)
+        return self.tp.all_reduce(out)
 
     def _experts(self, x: torch.Tensor, graphed: bool) -> torch.Tensor:
         """The routed and shared experts' sum (this rank's part of it)."""
@@ -212,7 +242,7 @@ class DeepseekMoE(nn.Module):
 
     def fill_replicas(self) -> None:
         """Copy each loaded expert (slot e holds expert e) into the other slots the map gives it."""
-        if self.expert_map is None:
+        if self.expert_map is None or self.experts.local_log is not None:  # EP: the loader filled every slot
             return
         for slot, logical in enumerate(self.expert_map.slot_log):
             if slot != logical:

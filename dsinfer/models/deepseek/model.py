@@ -68,6 +68,7 @@ class DeepseekV2ForCausalLM(DecoderStack):
     }
 
     supports_tensor_parallel = True
+    supports_expert_parallel = True  # routed experts partitioned over the EP ranks (``DeepseekMoE``)
 
     def __init__(self, cfg: dict[str, Any], kernel: KernelConfig | None = None, parallel: ParallelState = SINGLE,
                  expert_slots: ExpertSlots | None = None):
@@ -80,7 +81,9 @@ class DeepseekV2ForCausalLM(DecoderStack):
         cfg.setdefault("rms_norm_eps", 1e-6)
         kernel = kernel or KernelConfig()
         self.cfg, self.quant = cfg, Fp8Config.from_hf(cfg)
-        self.fuses_shared_experts = fused_shared_experts(cfg, self.quant, kernel.fuse_shared_experts) > 0
+        # under expert parallelism the shared experts stay a tensor-parallel MLP beside the partitioned experts
+        self.fuses_shared_experts = fused_shared_experts(cfg, self.quant, kernel.fuse_shared_experts
+                                                         and not parallel.expert_parallel) > 0
         # one side stream for every layer that overlaps work in CUDA graphs (streams made on first use)
         self.side_stream = SideStream() if kernel.side_stream else None
         self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"], parallel)
@@ -202,6 +205,7 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
         "attention": IndexedMLAAttention,
     }
     supports_tensor_parallel = False  # the indexer's heads are not split yet
+    supports_expert_parallel = False
 
     def __init__(self, cfg: dict[str, Any], kernel: KernelConfig | None = None,
                  expert_slots: ExpertSlots | None = None):

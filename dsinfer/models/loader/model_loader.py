@@ -33,8 +33,9 @@ SPARE_SLOTS = 1
 
 def build_model(config: EngineConfig, parallel: ParallelState = SINGLE) -> nn.Module:
     """The model class of ``config`` built (weights uninitialized) on the current default device; ``parallel``:
-    this rank's tensor-parallel state. A model class without ``supports_tensor_parallel`` is refused at more
-    than one rank; a size the ranks do not divide is the layers' ValueError."""
+    this rank's tensor- (and expert-) parallel state. A model class without ``supports_tensor_parallel`` is
+    refused at more than one rank, one without ``supports_expert_parallel`` with expert parallelism; a size the
+    ranks do not divide is the layers' ValueError."""
     cls = model_class(config.model.architecture)
     extra = {}
     if config.parallel.enable_eplb:  # the MoE layers' redundant and spare slots (``layers.moe.ExpertSlots``)
@@ -44,15 +45,20 @@ def build_model(config: EngineConfig, parallel: ParallelState = SINGLE) -> nn.Mo
     if not getattr(cls, "supports_tensor_parallel", False):
         raise ValueError(f"{config.model.architecture} does not support tensor_parallel_size > 1 yet (got "
                          f"{parallel.tp_size}); supported: Llama, Qwen2, Qwen3, Mistral, GPT-OSS, DeepSeek-V2/V3")
+    if parallel.expert_parallel and not getattr(cls, "supports_expert_parallel", False):
+        raise ValueError(f"enable_expert_parallel=True needs a DeepSeek V2 / V3 MoE model; "
+                         f"{config.model.architecture} has no routed experts dsinfer partitions over ranks")
     return cls(dict(config.model.hf_config), config.kernel, parallel, **extra)
 
 
 def check_parallel_shapes(config: EngineConfig, tp_size: int) -> None:
-    """Build the model on the meta device as one of ``tp_size`` ranks: the sizes that do not split (heads,
-    key/value heads, intermediate sizes, vocabulary) fail here, as ValueErrors naming them, before any process
-    starts or any weight loads."""
+    """Build the model on the meta device as one of ``tp_size`` ranks (and of the expert-parallel group, when
+    enabled): the sizes that do not split (heads, key/value heads, intermediate sizes, vocabulary, physical
+    experts over the EP ranks) fail here, as ValueErrors naming them, before any process starts or any weight
+    loads."""
+    ep_size = config.parallel.expert_parallel_size
     with _default_dtype_and_device(config.model.dtype, torch.device("meta")):
-        build_model(config, ParallelState(tp_size=tp_size))
+        build_model(config, ParallelState(tp_size=tp_size, ep_size=ep_size))
 
 
 def load_model(config: EngineConfig, parallel: ParallelState = SINGLE) -> nn.Module:

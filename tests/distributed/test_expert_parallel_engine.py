@@ -1,0 +1,74 @@
+"""Expert parallelism in the engine on CPU (gloo, two spawned ranks, data_parallel_size 1): the routed experts of
+DeepSeek-V2 partitioned over the ranks give the tokens of one process, with logprobs within float32 tolerance of
+transformers', through prefix-cache hits and preemption; sizes that cannot be partitioned are refused before any
+rank starts."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+from dsinfer import LLM
+from tests.distributed.test_tensor_parallel import ENGINE, LOGPROB_TOLERANCE, _prompts, _run
+
+pytest.importorskip("transformers")
+
+
+def _transformers_logprobs(path: str, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The logprob transformers gives each generated token after the prompt and the tokens before it."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logprobs = hf(ids).logits[0].float().log_softmax(-1)
+    return [logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
+
+
+def test_ep2_deepseek_v2_gives_one_process_tokens_and_transformers_logprobs(tiny_deepseek_dir):
+    path = str(tiny_deepseek_dir)
+    prompts = _prompts(256)
+    expected = _run(LLM(path, **ENGINE), prompts)
+    two = LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE)
+    try:
+        got = _run(two, prompts)
+        stats = two.engine.get_stats()
+        assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0  # both paths were taken
+    finally:
+        two.engine.shutdown()
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    for prompt, (tokens, lps) in zip(prompts, got):
+        want = _transformers_logprobs(path, prompt["prompt_token_ids"], tokens)
+        assert max(abs(a - b) for a, b in zip(lps, want)) < LOGPROB_TOLERANCE
+    assert not any(p.is_alive() for p in two.engine.executor.processes)
+
+
+def _refused(path, match: str, **kwargs) -> None:
+    with pytest.raises(ValueError, match=match):
+        LLM(str(path), device="cpu", **kwargs)
+    assert not multiprocessing.active_children()  # said before any rank started
+
+
+def test_expert_parallel_sizes_that_do_not_partition_are_refused(tiny_deepseek_dir, tiny_llama_dir):
+    _refused(tiny_deepseek_dir, r"n_routed_experts \(8\) is not divisible by the expert-parallel size "
+             r"tensor_parallel_size=3", tensor_parallel_size=3, enable_expert_parallel=True,
+             hf_overrides={"num_attention_heads": 3})
+    _refused(tiny_deepseek_dir, r"n_routed_experts \(8\) \+ eplb_config.num_redundant_experts \(1\) is not "
+             r"divisible", tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+             eplb_config={"num_redundant_experts": 1})
+    _refused(tiny_llama_dir, "enable_expert_parallel=True needs a DeepSeek V2 / V3 MoE model",
+             tensor_parallel_size=2, enable_expert_parallel=True)
+    _refused(tiny_deepseek_dir, "enable_expert_parallel must be true or false", enable_expert_parallel="yes")
+
+
+def test_serve_flag_enables_expert_parallel():
+    import argparse
+
+    from dsinfer.server.cli import add_serve_args, engine_args
+
+    parser = add_serve_args(argparse.ArgumentParser())
+    args = parser.parse_args(["m", "-tp", "2", "--enable-expert-parallel"])
+    eargs = engine_args(args)
+    assert eargs.enable_expert_parallel is True and eargs.tensor_parallel_size == 2
