@@ -129,6 +129,8 @@ def test_engine_stats_and_metrics_report_moe_lb(ckpt):
     engine = llm.engine
     assert engine.get_stats()["eplb"] is None  # nothing came back yet; the next step asks
     _greedy(llm)
+    engine.get_stats()  # asks the next step for the window and the totals of the rebalances run by then
+    _greedy(llm)
     stats = engine.get_stats()
     eplb = stats["eplb"]
     assert eplb["moe_lb"] == [1.0, 1.0] and eplb["moe_lb_overall"] == 1.0  # one rank: balanced by definition

@@ -69,15 +69,24 @@ class RebalanceStats:
 @dataclass
 class _Round:
     """One layer's round in flight: its moves (rank, losing, gaining), each rank's spare, and this rank's part
-    of the copies (their works and CUDA events)."""
+    of the copies (point-to-point works, CUDA events of local copies; ``received``: on gloo, whose works report
+    completion only to ``wait()``, a helper thread's wait on them)."""
 
     moves: list[tuple[int, int, int]]
     spares: dict[int, int]
     works: list = field(default_factory=list)
     events: list = field(default_factory=list)
+    received: Future | None = None
 
     def copied(self) -> bool:
-        return all(w.is_completed() for w in self.works) and all(e.query() for e in self.events)
+        """Whether this rank's copies are done, asked without waiting; a failed transfer raises here."""
+        if self.received is not None:
+            if not self.received.done():
+                return False
+            self.received.result()
+        elif not all(w.is_completed() for w in self.works):
+            return False
+        return all(e.query() for e in self.events)
 
 
 class ExpertLoadBalancer:
@@ -121,6 +130,7 @@ class ExpertLoadBalancer:
         cuda = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if cuda else None
         self._threads = ThreadPoolExecutor(1, thread_name_prefix="eplb-plan") if cuda else None
+        self._waits: ThreadPoolExecutor | None = None
 
     # ---- counters ----------------------------------------------------------------------------------------
 
@@ -234,9 +244,17 @@ class ExpertLoadBalancer:
             for rank, _, gaining in chosen:
                 started += self._copy(layer, flight, spares[rank], rank, self._source(slot_log, gaining, rank))
             moves.take(excess, missing, chosen)
+            if flight.works and self.device.type == "cpu":
+                flight.received = self._waiter().submit(lambda works=flight.works: [w.wait() for w in works])
             self._rounds[layer] = flight
         self.stats.copy_bytes += started
         self.stats.max_copy_bytes_per_step = max(self.stats.max_copy_bytes_per_step, started)
+
+    def _waiter(self) -> ThreadPoolExecutor:
+        """The thread that waits on gloo's transfers for the step loop (made on first use)."""
+        if self._waits is None:
+            self._waits = ThreadPoolExecutor(1, thread_name_prefix="eplb-move")
+        return self._waits
 
     def _source(self, slot_log: list[int], expert: int, rank: int) -> int:
         """The slot to copy ``expert`` from for ``rank``: one of its own, else the lowest holding it."""
@@ -307,5 +325,6 @@ class ExpertLoadBalancer:
         self.window.zero_()
 
     def close(self) -> None:
-        if self._threads is not None:
-            self._threads.shutdown(wait=False, cancel_futures=True)
+        for threads in (self._threads, self._waits):
+            if threads is not None:
+                threads.shutdown(wait=False, cancel_futures=True)
