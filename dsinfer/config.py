@@ -424,6 +424,8 @@ def check_parallel_size(value: Any, spelled: str) -> None:
     "--pipeline-parallel-size 2"): a ValueError unless it is 1."""
     if type(value) is not int or value != 1:
         kind = spelled.lstrip("-").split("_")[0].split("-")[0]  # pipeline | data
-        raise ValueError(f"{spelled}: dsinfer has no {kind} parallelism yet (only 1 is accepted); spread a model "
-                         "over GPUs with tensor_parallel_size (-tp), or run one engine per GPU behind a load "
+        extra = (" (DP attention is not built yet: for DeepSeek MoE, tensor_parallel_size N with "
+                 "enable_expert_parallel partitions the experts over N ranks)") if kind == "data" else ""
+        raise ValueError(f"{spelled}: dsinfer has no {kind} parallelism yet (only 1 is accepted){extra}; spread a "
+                         "model over GPUs with tensor_parallel_size (-tp), or run one engine per GPU behind a load "
                          "balancer")

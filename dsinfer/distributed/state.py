@@ -70,7 +70,8 @@ class ParallelState:
 
     def for_shapes(self) -> ParallelState:
         """The same sizes and ranks without process groups (a model built on the meta device to check shapes)."""
-        return ParallelState(self.tp_size, self.tp_rank, ep_size=self.ep_size, ep_rank=self.ep_rank, dp_size=self.dp_size)
+        return ParallelState(self.tp_size, self.tp_rank, ep_size=self.ep_size, ep_rank=self.ep_rank,
+                             dp_size=self.dp_size)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over the group, in place (at one rank: ``x`` itself)."""

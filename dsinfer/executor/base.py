@@ -28,6 +28,8 @@ class Executor(abc.ABC):
     num_state_slots: int  # per-sequence state slots (0: the model keeps no per-sequence state)
     kv_group_windows: tuple[int | None, ...]  # per KV cache group, its sliding window (None: full attention)
     kv_bytes_per_token: int
+    # routed-expert storage slots one rank holds per MoE layer (expert parallelism: its share; 0 without MoE)
+    num_local_expert_slots: int
     step_latency_points: dict[int, float]  # the runner's step-latency curve at start-up (confidence scheduling)
     # True where the executor itself fails a step that runs past DSINFER_STEP_TIMEOUT_S (the mp executor kills a
     # worker that does not answer in time); elsewhere its caller bounds the step (entrypoints.step_clock)

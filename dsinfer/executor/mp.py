@@ -114,6 +114,7 @@ class MultiprocExecutor(Executor):
         self.num_state_slots = int(info["num_state_slots"])
         self.kv_group_windows = tuple(info["kv_group_windows"])
         self.kv_bytes_per_token = int(info["kv_bytes_per_token"])
+        self.num_local_expert_slots = int(info["num_local_expert_slots"])
         self.step_latency_points = {int(t): float(s) for t, s in info["step_latency_points"]}
         logger.info("%d worker process(es) ready (rank 0: pid %d)", len(self._workers), self.process.pid)
 
@@ -255,7 +256,7 @@ def _join(config: EngineConfig, rdv: Rendezvous | None, rank: int) -> tuple[Para
 def _ready_info(runner: Any, rank: int) -> dict[str, Any]:
     return {"num_kv_blocks": runner.num_blocks, "rank": rank, "pid": os.getpid(),
             "kv_bytes_per_token": runner.kv_bytes_per_token, "num_state_slots": runner.num_state_slots,
-            "kv_group_windows": list(runner.kv_group_windows),
+            "kv_group_windows": list(runner.kv_group_windows), "num_local_expert_slots": runner.num_local_expert_slots,
             "step_latency_points": [[t, s] for t, s in runner.step_latency_points.items()]}
 
 

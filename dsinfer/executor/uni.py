@@ -17,6 +17,7 @@ class UniExecutor(Executor):
         self.num_kv_blocks = self.runner.num_blocks
         self.num_state_slots = self.runner.num_state_slots
         self.kv_group_windows = self.runner.kv_group_windows
+        self.num_local_expert_slots = self.runner.num_local_expert_slots
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
         self.step_latency_points = self.runner.step_latency_points
 

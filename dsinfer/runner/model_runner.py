@@ -136,6 +136,9 @@ class ModelRunner:
 
             self.eplb = ExpertLoadBalancer(self.model.moe_blocks(), config.parallel.eplb_config,
                                            int(config.model.hf_config.get("n_group") or 1), self.device, parallel)
+        moe = self.model.moe_blocks() if hasattr(self.model, "moe_blocks") else []
+        # routed-expert storage slots per MoE layer on this rank (its share under expert parallelism)
+        self.num_local_expert_slots = moe[0].experts.num_storage if moe else 0
         self.vocab_size = config.model.vocab_size
         self.block_size = config.cache.block_size
         layers = self.model.attention_layers()

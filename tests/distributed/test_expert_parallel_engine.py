@@ -33,6 +33,7 @@ def test_ep2_deepseek_v2_gives_one_process_tokens_and_transformers_logprobs(tiny
     expected = _run(LLM(path, **ENGINE), prompts)
     two = LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE)
     try:
+        assert two.engine.executor.num_local_expert_slots == 4  # each rank holds 4 of the 8 routed experts
         got = _run(two, prompts)
         stats = two.engine.get_stats()
         assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0  # both paths were taken
