@@ -104,18 +104,23 @@ def ep_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_slots: torch.T
 
 
 def ep_moe_replicated(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_slots: torch.Tensor, w13: torch.Tensor,
-                      w2: torch.Tensor, first_slot: int) -> torch.Tensor:
+                      w2: torch.Tensor, first_slot: int, static: bool = False) -> torch.Tensor:
     """hidden [T, H] (every token, the same on every EP rank), topk_weights / topk_slots [T, k] (global storage
     slots), w13 [S, 2I, H] / w2 [S, H, I] (this rank's S slots, global ``first_slot`` onwards) -> [T, H]: the
     weighted sum of the pairs whose slot this rank holds (zero rows for tokens with none); the caller
-    all-reduces it over the EP group. One host read: the number of this rank's pairs."""
+    all-reduces it over the EP group. One host read: the number of this rank's pairs; ``static`` (CUDA-graph
+    capture) reads nothing: every pair runs, the other ranks' with weight 0 on this rank's first slot (decode-
+    sized batches: the extra rows cost little next to the experts' weight reads)."""
     top_k, per_rank = topk_slots.shape[1], w13.shape[0]
-    local = topk_slots.reshape(-1) - first_slot
-    pairs = ((local >= 0) & (local < per_rank)).nonzero().squeeze(1)
+    local = topk_slots - first_slot
+    mine = (local >= 0) & (local < per_rank)
+    if static:
+        return fused_moe(hidden, w13, w2, torch.where(mine, topk_weights, 0.0), torch.where(mine, local, 0))
+    pairs = mine.reshape(-1).nonzero().squeeze(1)
     out = torch.zeros_like(hidden)
     if pairs.numel() == 0:
         return out
     token_of = torch.div(pairs, top_k, rounding_mode="floor")
     rows = fused_moe(hidden[token_of], w13, w2, topk_weights.reshape(-1)[pairs].unsqueeze(1),
-                     local[pairs].unsqueeze(1))
+                     local.reshape(-1)[pairs].unsqueeze(1))
     return out.index_add_(0, token_of, rows)

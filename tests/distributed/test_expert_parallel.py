@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dsinfer.distributed.expert_parallel import EPGroup, ep_moe, local_slots
+from dsinfer.distributed.expert_parallel import EPGroup, ep_moe, ep_moe_replicated, local_slots
 from dsinfer.layers.moe import ExpertMap, ExpertSlots
 from dsinfer.ops.moe import fused_moe, select_experts
 
@@ -70,6 +70,20 @@ def test_two_ranks_match_the_single_rank_moe(tmp_path):
     grouped sigmoid gate. One spawn for all (a rank's start costs seconds)."""
     cfgs = {2: _cfg(2), 3: _cfg(3)}  # built here: the ranks need not import transformers
     mp.spawn(_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", cfgs), nprocs=2, join=True)
+
+
+def test_each_rank_part_of_the_replicated_moe_sums_to_the_whole():
+    """Two ranks' parts (4 slots each, eager and CUDA-graph-static) add up to the one-rank MoE."""
+    w13, w2, gate, _ = _weights()
+    w13, w2 = torch.cat([w13, w13[:2]]), torch.cat([w2, w2[:2]])  # 8 slots: experts 0..5, replicas of 0 and 1
+    x = _tokens(0, 0)
+    weights, ids = select_experts(x @ gate.t(), TOP_K)
+    reference = fused_moe(x, w13, w2, weights, ids)
+    for static in (False, True):
+        parts = [ep_moe_replicated(x, weights, ids, w13[r * 4:(r + 1) * 4], w2[r * 4:(r + 1) * 4], r * 4, static)
+                 for r in range(2)]
+        torch.testing.assert_close(parts[0] + parts[1], reference, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(parts[0], reference)  # each rank holds a part only
 
 
 def test_physical_experts_must_divide_over_the_ranks():

@@ -200,8 +200,9 @@ class DeepseekMoE(nn.Module):
             group = EPGroup(self.tp.ep_rank, self.tp.ep_size, self.tp.ep_group)
             return ep_moe(x, topk_weights, topk_slots, self.experts.w13, self.experts.w2, group,
                           shared=self.shared_experts)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()  # no host read inside a graph
         out = ep_moe_replicated(x, topk_weights, topk_slots, self.experts.w13, self.experts.w2,
-                                self.tp.ep_rank * per_rank)
+                                self.tp.ep_rank * per_rank, static=capturing)
         if self.shared_experts is not None:
             out = self.shared_experts(x, add_to=out)
         return self.tp.all_reduce(out)
