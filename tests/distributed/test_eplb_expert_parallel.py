@@ -18,10 +18,7 @@ from dsinfer import LLM, SamplingParams
 from dsinfer.config import EplbConfig
 from dsinfer.distributed.eplb import moves
 from dsinfer.layers.moe import ExpertSlots
-from tests.distributed.eplb_fixture import save_skewed_v2
 from tests.distributed.test_expert_parallel import _cfg, _load_like, _moe_block, _reference_block
-
-pytest.importorskip("transformers")
 
 RANKS = [range(0, 4), range(4, 8)]  # 3 physical experts and a spare per rank
 
@@ -118,10 +115,14 @@ def _balancer_rank(rank: int, world: int, init: str, cfg: dict) -> None:
 
 
 def test_rebalances_over_two_ranks_move_weights_exactly_and_keep_outputs(tmp_path):
+    pytest.importorskip("transformers")  # here, not at the top: the spawned ranks import this module
     mp.spawn(_balancer_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", _cfg(2)), nprocs=2, join=True)
 
 
 def test_ep2_engine_greedy_is_identical_across_rebalances(tmp_path):
+    pytest.importorskip("transformers")
+    from tests.distributed.eplb_fixture import save_skewed_v2
+
     save_skewed_v2(tmp_path)
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 1 for j in range(30 + 9 * i)]} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
