@@ -29,8 +29,8 @@ QUANTIZATIONS = ("gguf", "int8", "int4")
 EXECUTOR_BACKENDS = ("uni", "mp")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's parallel sizes that dsinfer does not split a model by yet: 1 is the only value (``check_parallel_size``);
-# tensor_parallel_size is ParallelConfig's
-PARALLEL_SIZES = ("pipeline_parallel_size", "data_parallel_size")
+# tensor_parallel_size and data_parallel_size are ParallelConfig's
+PARALLEL_SIZES = ("pipeline_parallel_size",)
 # vLLM's --kv-cache-dtype values: "auto" keeps the model's dtype; "fp8" is e4m3 (per-layer scales, see Attention)
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}
@@ -173,14 +173,17 @@ class ParallelConfig:
     # size of the torch.distributed group (dsinfer/distributed/)
     tensor_parallel_size: int = 1
     # vLLM's enable_expert_parallel: the routed experts partitioned over the ranks (EP size = tensor_parallel_size
-    # x data_parallel_size; data_parallel_size is 1 for now) instead of split by intermediate columns
+    # x data_parallel_size) instead of split by intermediate columns
     enable_expert_parallel: bool = False
+    # vLLM's data_parallel_size: with expert parallelism, DP attention: each rank its own scheduler, KV cache and
+    # batch (engine/dp_engine.py), the MoE layers across all of them (tensor_parallel_size is then 1)
+    data_parallel_size: int = 1
     enable_eplb: bool = False  # expert-parallel load balancing (vLLM's name): counters, replicas, rebalances
     eplb_config: EplbConfig = EplbConfig()  # its settings (vLLM's names)
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size
+        return self.tensor_parallel_size * self.data_parallel_size
 
     @property
     def expert_parallel_size(self) -> int:
@@ -424,8 +427,6 @@ def check_parallel_size(value: Any, spelled: str) -> None:
     "--pipeline-parallel-size 2"): a ValueError unless it is 1."""
     if type(value) is not int or value != 1:
         kind = spelled.lstrip("-").split("_")[0].split("-")[0]  # pipeline | data
-        extra = (" (DP attention is not built yet: for DeepSeek MoE, tensor_parallel_size N with "
-                 "enable_expert_parallel partitions the experts over N ranks)") if kind == "data" else ""
-        raise ValueError(f"{spelled}: dsinfer has no {kind} parallelism yet (only 1 is accepted){extra}; spread a "
+        raise ValueError(f"{spelled}: dsinfer has no {kind} parallelism yet (only 1 is accepted); spread a "
                          "model over GPUs with tensor_parallel_size (-tp), or run one engine per GPU behind a load "
                          "balancer")

@@ -41,10 +41,11 @@ class ControlChannel:
 
 
 def init_parallel_state(rdv: Rendezvous, rank: int, device: torch.device, timeout_s: float,
-                        expert_parallel: bool = False) -> tuple[ParallelState, ControlChannel]:
-    """Join the rendezvous as ``rank``; -> the parallel state (every rank of the world in the tensor-parallel
-    group, and with ``expert_parallel`` in the expert-parallel group too: data_parallel_size 1) and the control
-    channel. Blocks until every rank has joined (or the store's timeout passes)."""
+                        expert_parallel: bool = False, dp_size: int = 1) -> tuple[ParallelState, ControlChannel]:
+    """Join the rendezvous as ``rank``; -> the parallel state and the control channel. Every rank of the world
+    is in the tensor-parallel group, and with ``expert_parallel`` in the expert-parallel group too; with
+    ``dp_size`` > 1 (DP attention) each rank is its own tensor-parallel group of one and the world is the EP
+    group. Blocks until every rank has joined (or the store's timeout passes)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=rdv.url, rank=rank, world_size=rdv.world_size, timeout=timeout)
@@ -54,6 +55,8 @@ def init_parallel_state(rdv: Rendezvous, rank: int, device: torch.device, timeou
         ep = dict(ep_size=rdv.world_size, ep_rank=rank, ep_group=dist.group.WORLD,
                   ep_move_group=dist.new_group(backend=backend, timeout=timeout),
                   ep_host_group=dist.new_group(backend="gloo", timeout=timeout))
+    if dp_size > 1:
+        return ParallelState(dp_size=dp_size, **ep), ControlChannel(control)
     state = ParallelState(tp_size=rdv.world_size, tp_rank=rank, tp_group=dist.group.WORLD, **ep)
     return state, ControlChannel(control)
 

@@ -88,9 +88,12 @@ class EngineArgs:
     # torchrun / SLURM job's (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
     tensor_parallel_size: int = 1
     # vLLM's enable_expert_parallel: DeepSeek's routed experts partitioned over the ranks (EP size =
-    # tensor_parallel_size, data_parallel_size being 1) instead of split by intermediate columns; attention and
-    # the shared experts stay tensor-parallel
+    # tensor_parallel_size x data_parallel_size) instead of split by intermediate columns; attention and the
+    # shared experts stay tensor-parallel (data_parallel_size 1) or data-parallel
     enable_expert_parallel: bool = False
+    # vLLM's data_parallel_size: with enable_expert_parallel (and tensor_parallel_size 1), DP attention: each rank
+    # its own scheduler, KV cache and batch, the MoE layers across all ranks (offline ``LLM`` only for now)
+    data_parallel_size: int = 1
     # vLLM's speculative_config: {"method": "ngram" | "mtp", "num_speculative_tokens": k, "prompt_lookup_min",
     # "prompt_lookup_max", "acceptance": "rejection" | "exact", "confidence_scheduling"} (``SpeculativeConfig``)
     speculative_config: dict[str, Any] | None = None
@@ -133,7 +136,7 @@ class EngineArgs:
         self._check_expert_parallel(hf_config, eplb)
         quantization = _resolve_quantization(self.quantization, self.dtype, device, self.model, self.load_format,
                                              hf_config)
-        if quantization is not None and self.tensor_parallel_size > 1:
+        if quantization is not None and self.tensor_parallel_size * self.data_parallel_size > 1:
             if self.quantization is not None:
                 raise ValueError(f"quantization={self.quantization!r} is not supported with tensor_parallel_size > 1 "
                                  "yet (the packed CPU weights are not split across ranks)")
@@ -157,10 +160,11 @@ class EngineArgs:
         if not self.enable_chunked_prefill:
             batched = max(batched, model.max_model_len)
         deterministic = envs.DETERMINISTIC.get() if self.deterministic is None else self.deterministic
+        world = self.tensor_parallel_size * self.data_parallel_size
         # Default: on for CUDA (DSINFER_ASYNC_SCHEDULING turns it off); an explicit True also runs the overlap
         # logic on CPU (tests), where there is nothing to overlap.
         if self.async_scheduling is None:
-            async_sched = envs.ASYNC_SCHEDULING.get() and device.type == "cuda"
+            async_sched = envs.ASYNC_SCHEDULING.get() and device.type == "cuda" and self.data_parallel_size == 1
         else:
             async_sched = self.async_scheduling
         block_size = _resolve_block_size(self.block_size, hf_config, device)
@@ -175,15 +179,33 @@ class EngineArgs:
             load=LoadConfig(load_format, self.seed),
             # deterministic mode keeps CUDA graphs: the runner captures them inside the batch-invariant mode, and
             # the invariant kernels give a row the same result whatever the (padded) batch around it
-            device=DeviceConfig(device, bool(deterministic), bool(async_sched), self.enforce_eager,
-                                self.max_prefill_graph_tokens),
-            parallel=ParallelConfig(self.distributed_executor_backend or ("mp" if self.tensor_parallel_size > 1
-                                                                          else "uni"), self.tensor_parallel_size,
-                                    self.enable_expert_parallel, self.enable_eplb, eplb),
+            # DP attention runs eagerly: ep_moe reads its split sizes on the host
+            device=DeviceConfig(device, bool(deterministic), bool(async_sched),
+                                self.enforce_eager or self.data_parallel_size > 1, self.max_prefill_graph_tokens),
+            parallel=ParallelConfig(self.distributed_executor_backend or ("mp" if world > 1 else "uni"),
+                                    self.tensor_parallel_size, self.enable_expert_parallel, self.data_parallel_size,
+                                    self.enable_eplb, eplb),
             speculative=speculative,
             kernel=KernelConfig.from_envs(),
             kv_store=kv_store,
         )
+
+    def _check_data_parallel(self) -> None:
+        """ValueErrors for what DP attention does not take (yet)."""
+        if self.data_parallel_size == 1:
+            return
+        size = f"data_parallel_size={self.data_parallel_size}"
+        if self.enable_expert_parallel is not True:
+            raise ValueError(f"{size} needs enable_expert_parallel=True (DP attention with the MoE experts across "
+                             "the ranks); for replicas of a dense model run one engine per GPU behind "
+                             "`dsinfer router`")
+        refused = {"tensor_parallel_size > 1": self.tensor_parallel_size > 1,
+                   "speculative_config": bool(self.speculative_config), "kv_store": bool(self.kv_store),
+                   "enable_eplb": self.enable_eplb is True, "async_scheduling=True": self.async_scheduling is True,
+                   "distributed_executor_backend='uni'": self.distributed_executor_backend == "uni"}
+        for name, given in refused.items():
+            if given:
+                raise ValueError(f"{size} (DP attention) does not take {name} yet")
 
     def _check_expert_parallel(self, hf_config: dict[str, Any], eplb: EplbConfig) -> None:
         """ValueErrors for an expert-parallel setting this model or these sizes cannot take (before any rank
@@ -197,12 +219,13 @@ class EngineArgs:
             raise ValueError(f"enable_expert_parallel=True needs a DeepSeek V2 / V3 MoE model ({EP_ARCHITECTURES} "
                              f"with n_routed_experts); {arch} has no routed experts to partition over ranks")
         experts, redundant = hf_config["n_routed_experts"], eplb.num_redundant_experts if self.enable_eplb else 0
-        if (experts + redundant) % self.tensor_parallel_size:
+        ep_size = self.tensor_parallel_size * self.data_parallel_size
+        if (experts + redundant) % ep_size:
             spelled = f"n_routed_experts ({experts})" + (
                 f" + eplb_config.num_redundant_experts ({redundant})" if redundant else "")
-            raise ValueError(f"{spelled} is not divisible by the expert-parallel size tensor_parallel_size="
-                             f"{self.tensor_parallel_size} (enable_expert_parallel=True: each rank holds an equal "
-                             "share of the physical experts); pick a tensor_parallel_size that divides it"
+            raise ValueError(f"{spelled} is not divisible by the expert-parallel size tensor_parallel_size x "
+                             f"data_parallel_size={ep_size} (enable_expert_parallel=True: each rank holds an "
+                             "equal share of the physical experts); pick sizes that divide it"
                              + (", or set eplb_config.num_redundant_experts so that it does" if self.enable_eplb
                                 else ""))
 
@@ -254,6 +277,8 @@ class EngineArgs:
             raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got "
                              f"{self.distributed_executor_backend!r}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 1 << 12)
+        _check_int("data_parallel_size", self.data_parallel_size, 1, 1 << 12)
+        self._check_data_parallel()
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} runs one worker process per rank: "
                              "distributed_executor_backend='uni' (in process) cannot; use 'mp' or leave it unset")

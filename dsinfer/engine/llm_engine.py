@@ -73,11 +73,17 @@ def make_executor(config: EngineConfig) -> Executor:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None, drafter: Drafter | None = None):
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None, drafter: Drafter | None = None,
+                 executor: Executor | None = None):
+        """``executor``: where the model runs (None: ``make_executor``'s for the config; a data-parallel rank's
+        engine gets its rank's, ``engine.dp_engine``)."""
         self.config = config
         self.model_config = config.model
         self.tokenizer = tokenizer
-        self.executor = make_executor(config)
+        self.executor = executor if executor is not None else make_executor(config)
+        # DP attention: a step with nothing to compute still runs (empty), the other ranks' MoE exchanges wait on it
+        self.runs_empty_steps = config.parallel.data_parallel_size > 1
+        self.num_empty_steps = 0
         num_blocks = self.executor.num_kv_blocks
         self.kv_manager = kv_cache_manager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                            self.executor.num_state_slots, self.executor.kv_group_windows,
@@ -123,6 +129,11 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, usage: str = "offline") -> LLMEngine:
+        return cls(*cls.config_and_tokenizer(args, usage))
+
+    @staticmethod
+    def config_and_tokenizer(args: EngineArgs, usage: str = "offline") -> tuple[EngineConfig, Tokenizer | None]:
+        """The engine config of ``args`` and the model's tokenizer (None, with a warning, when it has none)."""
         config = args.create_engine_config(usage)
         tok_dir = args.tokenizer or config.model.path
         tokenizer = None
@@ -130,7 +141,7 @@ class LLMEngine:
             tokenizer = Tokenizer.from_dir(tok_dir, config.model.eos_token_ids)
         except FileNotFoundError:
             logger.warning("no tokenizer in %s: only token-id prompts are accepted", tok_dir)
-        return cls(config, tokenizer)
+        return config, tokenizer
 
     @property
     def runner(self) -> Any:
@@ -231,6 +242,9 @@ class LLMEngine:
         self._propose_drafts()
         sched = self._schedule()
         if sched.is_empty and not self._has_store_work(sched):
+            if self.runs_empty_steps:
+                self.executor.execute(sched.plan)
+                self.num_empty_steps += 1
             return outputs
         started = time.perf_counter()
         result = self.executor.execute(sched.plan)

@@ -36,7 +36,13 @@ class LLM:
             raise TypeError(f"LLM() got unknown argument(s) {sorted(unknown)}; "
                             f"valid: {sorted(EngineArgs.field_names())}")
         started = time.perf_counter()
-        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        args = EngineArgs(model=model, **kwargs)
+        if args.data_parallel_size != 1:  # DP attention: an engine per rank (validated when the config is made)
+            from dsinfer.engine.dp_engine import DataParallelEngine
+
+            self.engine = DataParallelEngine.from_engine_args(args)
+        else:
+            self.engine = LLMEngine.from_engine_args(args)
         self.load_seconds = time.perf_counter() - started
         self._ids = itertools.count()
         self._hf_tokenizer: HFTokenizerView | None = None

@@ -53,8 +53,8 @@ _SHUTDOWN_WAIT_S = 10.0
 
 
 class _StepFuture:
-    def __init__(self, executor: MultiprocExecutor):
-        self._executor = executor
+    def __init__(self, resolve: Any):
+        self._resolve = resolve  # its executor's resolve_until
         self._output: RunnerOutput | None = None
         self.done = False
 
@@ -62,7 +62,7 @@ class _StepFuture:
         self._output, self.done = output, True
 
     def result(self) -> RunnerOutput:
-        self._executor.resolve_until(self)
+        self._resolve(self)
         return self._output
 
 
@@ -94,7 +94,7 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig):
         FaultInjector.from_env(in_worker=True)  # a bad DSINFER_FAULT_INJECT fails here, before the worker starts
         self._step_timeout_s = envs.STEP_TIMEOUT_S.get()
-        world = config.parallel.tensor_parallel_size
+        world = config.parallel.world_size
         rdv = None
         if world > 1:
             from dsinfer.models.loader.model_loader import check_parallel_shapes
@@ -103,13 +103,15 @@ class MultiprocExecutor(Executor):
             if rdv.launched and rdv.launched_rank != 0:
                 raise ValueError(f"RANK={rdv.launched_rank}: only RANK 0 of a launched job runs the engine; the "
                                  "others follow it (dsinfer serve / generate do so by themselves)")
-            check_parallel_shapes(config, world)
+            check_parallel_shapes(config)
         ctx = torch_mp.get_context("spawn")
         ranks = [0] if rdv is None else rdv.spawned_ranks
         self._workers = [_Worker(ctx, config, rank, torch.get_num_threads(), rdv) for rank in ranks]
         self._pending: collections.deque[_StepFuture] = collections.deque()
         self._closed = False
-        info = self._await_ready()
+        self._data_parallel = config.parallel.data_parallel_size > 1
+        self._infos = self._await_ready()
+        info = self._infos[0]
         self.num_kv_blocks = int(info["num_kv_blocks"])
         self.num_state_slots = int(info["num_state_slots"])
         self.kv_group_windows = tuple(info["kv_group_windows"])
@@ -118,9 +120,9 @@ class MultiprocExecutor(Executor):
         self.step_latency_points = {int(t): float(s) for t, s in info["step_latency_points"]}
         logger.info("%d worker process(es) ready (rank 0: pid %d)", len(self._workers), self.process.pid)
 
-    def _await_ready(self) -> dict[str, Any]:
-        """Every worker's "ready" (in any order); -> rank 0's. A worker that fails or dies first: every worker is
-        stopped and a RuntimeError says why."""
+    def _await_ready(self) -> dict[int, dict[str, Any]]:
+        """Every worker's "ready" (in any order); -> each rank's. A worker that fails or dies first: every worker
+        is stopped and a RuntimeError says why."""
         waiting = {w.conn: w for w in self._workers}
         sentinels = {w.process.sentinel: w for w in self._workers}
         infos: dict[int, dict[str, Any]] = {}
@@ -140,7 +142,7 @@ class MultiprocExecutor(Executor):
                 raise RuntimeError(f"{worker.describe()} failed to start: {message[1]}")
             infos[worker.rank] = message[1]
             del sentinels[worker.process.sentinel]
-        return infos[0]
+        return infos
 
     @property
     def process(self) -> multiprocessing.Process:
@@ -152,37 +154,53 @@ class MultiprocExecutor(Executor):
         return [worker.process for worker in self._workers]
 
     def launch(self, plan: StepPlan) -> _StepFuture:
-        self._send(["step", plan])
-        future = _StepFuture(self)
-        self._pending.append(future)
-        return future
+        return self._launch_on(self._workers[0], self._pending, plan)
 
     def resolve_until(self, future: _StepFuture) -> None:
-        """Read outputs in launch order until ``future``'s has come."""
+        self._resolve_on(self._workers[0], self._pending, future)
+
+    def rank_view(self, rank: int) -> RankExecutor:
+        """Data parallelism: the executor of DP rank ``rank``'s engine (its worker, its pipe, its KV blocks)."""
+        if not self._data_parallel:
+            raise ValueError("rank views are for data_parallel_size > 1 (each rank its own plans)")
+        return RankExecutor(self, self._workers[rank], self._infos[rank])
+
+    def _launch_on(self, worker: _Worker, pending: collections.deque, plan: StepPlan) -> _StepFuture:
+        self._send(["step", plan], worker)
+        future = _StepFuture(lambda f: self._resolve_on(worker, pending, f))
+        pending.append(future)
+        return future
+
+    def _resolve_on(self, worker: _Worker, pending: collections.deque, future: _StepFuture) -> None:
+        """Read ``worker``'s outputs in launch order until ``future``'s has come."""
         while not future.done:
-            if not self._pending:
+            if not pending:
                 raise RuntimeError("a step's result was asked for twice, or after the executor shut down")
-            head = self._pending.popleft()
-            self._send(["result"])
-            kind, payload = self._receive(self._workers[0], self._step_timeout_s)
+            head = pending.popleft()
+            self._send(["result"], worker)
+            kind, payload = self._receive(worker, self._step_timeout_s)
             if kind == "error":
                 raise RuntimeError(f"the worker process failed in a step: {payload}")
             head.set(payload)
 
-    def _send(self, message: list[Any]) -> None:
+    def _send(self, message: list[Any], worker: _Worker | None = None) -> None:
+        worker = worker or self._workers[0]
         if self._closed:
             raise WorkerDiedError("the executor was shut down")
         try:
-            self._workers[0].conn.send_bytes(wire.encode(message))
+            worker.conn.send_bytes(wire.encode(message))
         except (BrokenPipeError, ConnectionResetError, OSError):
-            raise self._died(self._workers[0]) from None
+            raise self._died(worker) from None
 
     def _receive(self, worker: _Worker, timeout_s: float | None = None) -> tuple[str, Any]:
         """``worker``'s next message, while watching every worker: one that exits or reports an error (the other
-        ranks speak only then) is a ``WorkerDiedError``."""
+        ranks speak only then) is a ``WorkerDiedError``. Data parallelism: every rank answers its own engine
+        (another thread's), so only the other ranks' deaths are watched."""
         others = [w for w in self._workers if w is not worker]
         waits = {worker.conn: worker, worker.process.sentinel: worker}
-        waits.update({w.conn: w for w in others} | {w.process.sentinel: w for w in others})
+        if not self._data_parallel:
+            waits.update({w.conn: w for w in others})
+        waits.update({w.process.sentinel: w for w in others})
         ready = multiprocessing.connection.wait(list(waits), timeout_s)
         if not ready:
             for w in self._workers:
@@ -223,12 +241,13 @@ class MultiprocExecutor(Executor):
                 w.process.kill()
 
     def shutdown(self) -> None:
-        rank0 = self._workers[0]
-        if rank0.process.is_alive() and not self._closed:
-            try:
-                rank0.conn.send_bytes(wire.encode(["shutdown"]))
-            except OSError:
-                pass
+        told = self._workers if self._data_parallel else self._workers[:1]  # rank 0 tells the others, or each
+        for worker in told:
+            if worker.process.is_alive() and not self._closed:
+                try:
+                    worker.conn.send_bytes(wire.encode(["shutdown"]))
+                except OSError:
+                    pass
         self._closed = True
         for w in self._workers:
             w.process.join(timeout=_SHUTDOWN_WAIT_S)
@@ -236,6 +255,34 @@ class MultiprocExecutor(Executor):
                 w.process.kill()
                 w.process.join(timeout=_SHUTDOWN_WAIT_S)
             w.conn.close()
+
+
+class RankExecutor(Executor):
+    """One data-parallel rank's executor inside a ``MultiprocExecutor``: its engine's plans go to that rank's
+    worker only, and its results come from it (each DP engine steps in a thread of its own, so every rank runs a
+    step at once and the MoE layers' collectives meet). The KV cache sizes are the rank's own."""
+
+    bounds_step_time = True
+
+    def __init__(self, parent: MultiprocExecutor, worker: _Worker, info: dict[str, Any]):
+        self.parent, self.worker = parent, worker
+        self._pending: collections.deque[_StepFuture] = collections.deque()
+        self.num_kv_blocks = int(info["num_kv_blocks"])
+        self.num_state_slots = int(info["num_state_slots"])
+        self.kv_group_windows = tuple(info["kv_group_windows"])
+        self.kv_bytes_per_token = int(info["kv_bytes_per_token"])
+        self.num_local_expert_slots = int(info["num_local_expert_slots"])
+        self.step_latency_points = {int(t): float(s) for t, s in info["step_latency_points"]}
+
+    @property
+    def processes(self) -> list[multiprocessing.Process]:
+        return self.parent.processes
+
+    def launch(self, plan: StepPlan) -> _StepFuture:
+        return self.parent._launch_on(self.worker, self._pending, plan)
+
+    def shutdown(self) -> None:
+        self.parent.shutdown()
 
 
 def _join(config: EngineConfig, rdv: Rendezvous | None, rank: int) -> tuple[ParallelState, ControlChannel | None]:
@@ -250,7 +297,7 @@ def _join(config: EngineConfig, rdv: Rendezvous | None, rank: int) -> tuple[Para
         local_world = rdv.world_size if not rdv.launched else int(envs.launcher_env().get("LOCAL_WORLD_SIZE", 1))
         numa.bind_rank(local_rank, local_world, device.type, visible=envs.cuda_visible_devices())
     return init_parallel_state(rdv, rank, device, envs.DIST_TIMEOUT_S.get(),
-                               config.parallel.enable_expert_parallel)
+                               config.parallel.enable_expert_parallel, config.parallel.data_parallel_size)
 
 
 def _ready_info(runner: Any, rank: int) -> dict[str, Any]:
@@ -279,8 +326,9 @@ def run_worker(config: EngineConfig, conn: multiprocessing.connection.Connection
     # the worker's own objects live as long as it does: its collections walk only what steps make
     gc.collect()
     gc.freeze()
+    data_parallel = config.parallel.data_parallel_size > 1  # each rank its own plans, over its own pipe
     try:
-        _serve(runner, faults, conn if rank == 0 else None, control)
+        _serve(runner, faults, conn if rank == 0 or data_parallel else None, None if data_parallel else control)
     except BaseException:  # noqa: BLE001 - a rank other than 0 failed: it cannot go on, the engine must know
         _report(conn, traceback.format_exc())
         sys.exit(1)
@@ -292,7 +340,7 @@ def run_worker(config: EngineConfig, conn: multiprocessing.connection.Connection
 def run_launched_rank(config: EngineConfig) -> int:
     """The main of a launched process whose RANK is not 0 (torchrun, SLURM): join rank 0's engine and follow it
     until it shuts down; -> the exit code."""
-    rdv = Rendezvous.resolve(config.parallel.tensor_parallel_size)
+    rdv = Rendezvous.resolve(config.parallel.world_size)
     if not rdv.launched or rdv.launched_rank == 0:
         raise ValueError("run_launched_rank is for a launched job's ranks other than 0 (RANK >= 1)")
     logger.info("rank %d of %d: following the engine of rank 0 at %s:%d", rdv.launched_rank, rdv.world_size,

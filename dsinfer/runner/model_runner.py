@@ -331,6 +331,8 @@ class ModelRunner:
         if self.kv_transfer is not None and plan.kv_loads:
             self.kv_transfer.start(plan.kv_loads)
         if inputs is None:
+            if self.parallel.dp_size > 1:
+                self._dummy_moe()
             if self.kv_transfer is not None and plan.kv_saves:
                 self.kv_transfer.save(plan.kv_saves)
             return StepHandle([], {}, {}, None, kv=self._kv_report(plan))
@@ -370,6 +372,15 @@ class ModelRunner:
         handle = StepHandle(inputs.sample_rows, copies, prompt_logprobs, done, draft, self._kv_report(plan))
         handle.eplb_stats = eplb_stats
         return handle
+
+    def _dummy_moe(self) -> None:
+        """DP attention: a rank with nothing to compute this step still takes part in every MoE layer's
+        exchange, with no tokens (the other ranks' forwards wait for it there); its attention has nothing to do."""
+        hidden = self.config.model.hf_config["hidden_size"]
+        empty = torch.empty(0, hidden, dtype=self.config.model.dtype, device=self.device)
+        for layer in self.model.layers:  # the main model's MoE layers, in the forward's order (no MTP layers)
+            if getattr(layer, "is_moe", False):
+                layer.mlp(empty)
 
     def _eplb_step(self, plan: StepPlan, inputs: StepInputs, copies: dict[str, torch.Tensor]
                    ) -> dict[str, int] | None:

@@ -286,6 +286,11 @@ def check_serve_args(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None:
             check_parallel_size(value, f"--{name.replace('_', '-')} {value}")
+    if args.data_parallel_size not in (None, 1):
+        raise ValueError(f"--data-parallel-size {args.data_parallel_size}: dsinfer has no data parallelism in the "
+                         "server yet (DP attention runs offline: LLM(data_parallel_size=N, "
+                         "enable_expert_parallel=True)); serve with -tp N --enable-expert-parallel, or run one "
+                         "server per GPU behind `dsinfer router`")
     if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: must be >= 1")
     for flag, value in (("--max-waiting-tokens", args.max_waiting_tokens), ("--header-timeout", args.header_timeout),

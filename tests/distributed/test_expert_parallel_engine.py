@@ -46,6 +46,32 @@ def test_ep2_deepseek_v2_gives_one_process_tokens_and_transformers_logprobs(tiny
     assert not any(p.is_alive() for p in two.engine.executor.processes)
 
 
+def test_dp2_attention_gives_one_process_tokens_and_logprobs(tiny_deepseek_dir):
+    """Each rank its own requests, scheduler and KV cache (12 blocks each: preemptions), the MoE layers across
+    the two ranks through ``ep_moe``; an idle rank runs empty steps. The second round hits each rank's prefix
+    cache."""
+    path = str(tiny_deepseek_dir)
+    engine = {k: v for k, v in ENGINE.items() if k != "async_scheduling"} | {"num_kv_blocks": 12}
+    prompts = _prompts(256) + [{"prompt_token_ids": [9, 8, 7, 6, 5]}]  # 7 prompts: one rank ends up idle
+    expected = _run(LLM(path, **engine), prompts)
+    dp = LLM(path, data_parallel_size=2, enable_expert_parallel=True, **engine)
+    try:
+        assert dp.engine.executor.num_local_expert_slots == 4
+        got = _run(dp, prompts)
+        again = _run(dp, prompts[:4])
+        stats = dp.engine.get_stats()
+        per_rank = stats["per_rank"]
+    finally:
+        dp.engine.shutdown()
+    assert [tokens for tokens, _ in got + again] == [tokens for tokens, _ in expected + expected[:4]]
+    for (_, lps), (_, want) in zip(got + again, expected + expected[:4]):
+        assert max(abs(a - b) for a, b in zip(lps, want)) < LOGPROB_TOLERANCE
+    assert all(s["num_generation_tokens"] > 0 for s in per_rank)  # both ranks served requests
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert sum(stats["num_empty_steps"]) > 0  # a rank without work took part in the others' steps
+    assert not any(p.is_alive() for p in dp.engine.executor.processes)
+
+
 def _refused(path, match: str, **kwargs) -> None:
     with pytest.raises(ValueError, match=match):
         LLM(str(path), device="cpu", **kwargs)
@@ -54,7 +80,7 @@ def _refused(path, match: str, **kwargs) -> None:
 
 def test_expert_parallel_sizes_that_do_not_partition_are_refused(tiny_deepseek_dir, tiny_llama_dir):
     _refused(tiny_deepseek_dir, r"n_routed_experts \(8\) is not divisible by the expert-parallel size "
-             r"tensor_parallel_size=3", tensor_parallel_size=3, enable_expert_parallel=True,
+             r"tensor_parallel_size x data_parallel_size=3", tensor_parallel_size=3, enable_expert_parallel=True,
              hf_overrides={"num_attention_heads": 3})
     _refused(tiny_deepseek_dir, r"n_routed_experts \(8\) \+ eplb_config.num_redundant_experts \(1\) is not "
              r"divisible", tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
@@ -62,6 +88,13 @@ def test_expert_parallel_sizes_that_do_not_partition_are_refused(tiny_deepseek_d
     _refused(tiny_llama_dir, "enable_expert_parallel=True needs a DeepSeek V2 / V3 MoE model",
              tensor_parallel_size=2, enable_expert_parallel=True)
     _refused(tiny_deepseek_dir, "enable_expert_parallel must be true or false", enable_expert_parallel="yes")
+    _refused(tiny_deepseek_dir, r"data_parallel_size=2 needs enable_expert_parallel=True", data_parallel_size=2)
+    _refused(tiny_deepseek_dir, r"data_parallel_size=2 \(DP attention\) does not take tensor_parallel_size > 1",
+             data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)
+    _refused(tiny_deepseek_dir, r"does not take speculative_config", data_parallel_size=2,
+             enable_expert_parallel=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    _refused(tiny_deepseek_dir, r"n_routed_experts \(8\) is not divisible by the expert-parallel size "
+             r"tensor_parallel_size x data_parallel_size=3", data_parallel_size=3, enable_expert_parallel=True)
 
 
 def test_serve_flag_enables_expert_parallel():

@@ -40,9 +40,9 @@ def build_model(config: EngineConfig, parallel: ParallelState = SINGLE) -> nn.Mo
     extra = {}
     if config.parallel.enable_eplb:  # the MoE layers' redundant and spare slots (``layers.moe.ExpertSlots``)
         extra["expert_slots"] = ExpertSlots(config.parallel.eplb_config.num_redundant_experts, SPARE_SLOTS)
-    if parallel.tp_size == 1:
+    if parallel.tp_size == 1 and not parallel.expert_parallel:
         return cls(dict(config.model.hf_config), config.kernel, **extra)
-    if not getattr(cls, "supports_tensor_parallel", False):
+    if parallel.tp_size > 1 and not getattr(cls, "supports_tensor_parallel", False):
         raise ValueError(f"{config.model.architecture} does not support tensor_parallel_size > 1 yet (got "
                          f"{parallel.tp_size}); supported: Llama, Qwen2, Qwen3, Mistral, GPT-OSS, DeepSeek-V2/V3")
     if parallel.expert_parallel and not getattr(cls, "supports_expert_parallel", False):
@@ -51,14 +51,16 @@ def build_model(config: EngineConfig, parallel: ParallelState = SINGLE) -> nn.Mo
     return cls(dict(config.model.hf_config), config.kernel, parallel, **extra)
 
 
-def check_parallel_shapes(config: EngineConfig, tp_size: int) -> None:
-    """Build the model on the meta device as one of ``tp_size`` ranks (and of the expert-parallel group, when
-    enabled): the sizes that do not split (heads, key/value heads, intermediate sizes, vocabulary, physical
+def check_parallel_shapes(config: EngineConfig) -> None:
+    """Build the model on the meta device as one of the tensor-parallel ranks (and of the expert-parallel group,
+    when enabled): the sizes that do not split (heads, key/value heads, intermediate sizes, vocabulary, physical
     experts over the EP ranks) fail here, as ValueErrors naming them, before any process starts or any weight
     loads."""
-    ep_size = config.parallel.expert_parallel_size
+    parallel = config.parallel
+    shapes = ParallelState(tp_size=parallel.tensor_parallel_size, ep_size=parallel.expert_parallel_size,
+                           dp_size=parallel.data_parallel_size if parallel.enable_expert_parallel else 1)
     with _default_dtype_and_device(config.model.dtype, torch.device("meta")):
-        build_model(config, ParallelState(tp_size=tp_size, ep_size=ep_size))
+        build_model(config, shapes)
 
 
 def load_model(config: EngineConfig, parallel: ParallelState = SINGLE) -> nn.Module:
