@@ -201,7 +201,7 @@ class EngineArgs:
                              "`dsinfer router`")
         refused = {"tensor_parallel_size > 1": self.tensor_parallel_size > 1,
                    "speculative_config": bool(self.speculative_config), "kv_store": bool(self.kv_store),
-                   "enable_eplb": self.enable_eplb is True, "async_scheduling=True": self.async_scheduling is True,
+                   "async_scheduling=True": self.async_scheduling is True,
                    "distributed_executor_backend='uni'": self.distributed_executor_backend == "uni"}
         for name, given in refused.items():
             if given:

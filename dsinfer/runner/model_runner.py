@@ -333,6 +333,8 @@ class ModelRunner:
         if inputs is None:
             if self.parallel.dp_size > 1:
                 self._dummy_moe()
+                if self.eplb is not None:  # the step boundary every rank shares
+                    self.eplb.end_step(mid_prefill=False)
             if self.kv_transfer is not None and plan.kv_saves:
                 self.kv_transfer.save(plan.kv_saves)
             return StepHandle([], {}, {}, None, kv=self._kv_report(plan))

@@ -6,11 +6,16 @@ rank starts."""
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
+import threading
+import time
 
 import pytest
 import torch
 
-from dsinfer import LLM
+from dsinfer import LLM, SamplingParams
+from dsinfer.executor.base import WorkerDiedError
 from tests.distributed.test_tensor_parallel import ENGINE, LOGPROB_TOLERANCE, _prompts, _run
 
 pytest.importorskip("transformers")
@@ -48,16 +53,18 @@ def test_ep2_deepseek_v2_gives_one_process_tokens_and_transformers_logprobs(tiny
 
 def test_dp2_attention_gives_one_process_tokens_and_logprobs(tiny_deepseek_dir):
     """Each rank its own requests, scheduler and KV cache (12 blocks each: preemptions), the MoE layers across
-    the two ranks through ``ep_moe``; an idle rank runs empty steps. The second round hits each rank's prefix
-    cache."""
+    the two ranks through ``ep_moe``, rebalanced by EPLB from both ranks' loads; an idle rank runs empty steps.
+    The second round hits each rank's prefix cache."""
     path = str(tiny_deepseek_dir)
     engine = {k: v for k, v in ENGINE.items() if k != "async_scheduling"} | {"num_kv_blocks": 12}
     prompts = _prompts(256) + [{"prompt_token_ids": [9, 8, 7, 6, 5]}]  # 7 prompts: one rank ends up idle
     expected = _run(LLM(path, **engine), prompts)
-    dp = LLM(path, data_parallel_size=2, enable_expert_parallel=True, **engine)
+    dp = LLM(path, data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+             eplb_config={"num_redundant_experts": 2, "window_size": 4, "step_interval": 8}, **engine)
     try:
-        assert dp.engine.executor.num_local_expert_slots == 4
+        assert dp.engine.executor.num_local_expert_slots == 6  # (8 experts + 2 redundant) / 2 ranks + a spare
         got = _run(dp, prompts)
+        dp.engine.get_stats()  # the next step brings rank 0's rebalance totals
         again = _run(dp, prompts[:4])
         stats = dp.engine.get_stats()
         per_rank = stats["per_rank"]
@@ -69,7 +76,25 @@ def test_dp2_attention_gives_one_process_tokens_and_logprobs(tiny_deepseek_dir):
     assert all(s["num_generation_tokens"] > 0 for s in per_rank)  # both ranks served requests
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert sum(stats["num_empty_steps"]) > 0  # a rank without work took part in the others' steps
+    assert stats["eplb"]["num_rebalances"] >= 1 and stats["eplb"]["received_bytes"] > 0  # outputs unchanged
     assert not any(p.is_alive() for p in dp.engine.executor.processes)
+
+
+def test_a_killed_dp_rank_fails_generate_within_30s(tiny_deepseek_dir):
+    llm = LLM(str(tiny_deepseek_dir), device="cpu", data_parallel_size=2, enable_expert_parallel=True)
+    rank1 = llm.engine.executor.processes[1]
+    killer = threading.Timer(0.5, os.kill, (rank1.pid, signal.SIGKILL))
+    long = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)  # far longer than the delay
+    started = time.monotonic()
+    killer.start()
+    try:
+        with pytest.raises(WorkerDiedError, match=r"worker process 1 \(pid \d+\) died \(signal 9\)"):
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 4, long, use_tqdm=False)
+    finally:
+        killer.cancel()
+        llm.engine.shutdown()
+    assert time.monotonic() - started < 30
+    assert not any(p.is_alive() for p in llm.engine.executor.processes)
 
 
 def _refused(path, match: str, **kwargs) -> None:

@@ -25,8 +25,10 @@ A rebalance (the first after a quarter of ``step_interval``, then every interval
 Every intermediate map is a valid placement, and replicas are byte copies routed by token index, so greedy
 outputs do not change across a rebalance (at one rank the sums are the same bits; over several ranks a pair's
 rank decides only where it is summed). The window restarts after each rebalance (its loads described the old
-placement). Every rank runs the same decisions on the same loads (with data_parallel_size 1 each rank routes
-every token, so their counters are equal), so the maps stay identical everywhere.
+placement). Every rank runs the same decisions on the same loads, so the maps stay identical everywhere: with
+data_parallel_size 1 each rank routes every token (equal counters); with DP attention each counts its own
+tokens, the window's loads are all-reduced over the EP group when a plan starts, and whether the boundary is
+inside a prefill is agreed (any rank's prefill counts) at the boundaries where it decides something.
 """
 
 from __future__ import annotations
@@ -160,6 +162,9 @@ class ExpertLoadBalancer:
         self.current.zero_()
         self.pos = (self.pos + 1) % self.config.window_size
         self.step += 1
+        due = self._moves is not None or (self._plan is None and self.step >= self.next_rebalance)
+        if self.parallel.dp_size > 1 and due:  # DP attention: each rank its own batch, one answer for all
+            mid_prefill = not self._agree([not mid_prefill])[0]
         if self._moves is not None:
             self._switch_finished(mid_prefill)
         if self._moves is None and self._plan is not None and self._agree([self._plan.done()])[0]:
@@ -184,6 +189,8 @@ class ExpertLoadBalancer:
         self.next_rebalance = self.step + self.config.step_interval
         slot_log = [list(m.slot_log) for m in self.maps]
         loads = self.window.sum(dim=0)
+        if self.parallel.dp_size > 1:  # DP attention: each rank counted its own tokens; plan from all of them
+            dist.all_reduce(loads, group=self.parallel.ep_group)
         if self._threads is None:
             future: Future = Future()
             future.set_result(self._plan_moves(loads, slot_log))
