@@ -294,13 +294,15 @@ class ModelRunner:
         if self.device.type == "cpu":
             return int(envs.CPU_KV_CACHE_GB.get() * GiB)
         free, total = torch.cuda.mem_get_info(self.device)
+        own = torch.cuda.memory_reserved(self.device)
         activation_reserve = 2 * GiB  # logits, activations of the largest step, CUDA graphs
-        budget = int(total * cache.gpu_memory_utilization) - (total - free) - activation_reserve
+        budget = memory_left_to_take(free, total, own, cache.gpu_memory_utilization) - activation_reserve
         if budget <= 0:
             raise ValueError(
-                f"the model leaves no room for a KV cache: {(total - free) / GiB:.1f} GiB used of "
-                f"{total / GiB:.1f} GiB, gpu_memory_utilization={cache.gpu_memory_utilization} allows "
-                f"{total * cache.gpu_memory_utilization / GiB:.1f} GiB; short by {-budget / GiB:.1f} GiB")
+                f"the model leaves no room for a KV cache: this process holds {own / GiB:.1f} GiB and "
+                f"{free / GiB:.1f} GiB are free of {total / GiB:.1f} GiB; gpu_memory_utilization="
+                f"{cache.gpu_memory_utilization} allows {total * cache.gpu_memory_utilization / GiB:.1f} GiB; short "
+                f"by {-budget / GiB:.1f} GiB")
         return budget
 
     @contextlib.contextmanager
@@ -481,13 +483,20 @@ def _check_weights_fit(config: EngineConfig, parallel: ParallelState) -> None:
     weight_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(meta.parameters(), meta.buffers()))
     free, total = torch.cuda.mem_get_info(config.device.device)
     util = config.cache.gpu_memory_utilization
-    allowed = total * util - (total - free)
+    allowed = memory_left_to_take(free, total, torch.cuda.memory_reserved(config.device.device), util)
     if weight_bytes > allowed:
         raise ValueError(
             f"the model does not fit: its weights need {weight_bytes / GiB:.2f} GiB, but "
-            f"gpu_memory_utilization={util} of {total / GiB:.1f} GiB with {(total - free) / GiB:.1f} GiB already "
-            f"in use leaves {allowed / GiB:.2f} GiB: short by {(weight_bytes - allowed) / GiB:.2f} GiB (before "
-            "any KV cache); raise gpu_memory_utilization, free GPU memory or pick a smaller model or dtype")
+            f"gpu_memory_utilization={util} of {total / GiB:.1f} GiB with {free / GiB:.1f} GiB free leaves "
+            f"{allowed / GiB:.2f} GiB: short by {(weight_bytes - allowed) / GiB:.2f} GiB (before any KV cache); "
+            "raise gpu_memory_utilization, free GPU memory or pick a smaller model or dtype")
+
+
+def memory_left_to_take(free: int, total: int, own: int, utilization: float) -> int:
+    """Bytes this process may still allocate on its GPU: its share (``utilization`` x total) less what it holds
+    (``own``: torch's reserved bytes), never more than is free. Other processes' memory is not charged to this
+    one's share, as in vLLM: two replicas at 0.45 share one GPU whichever starts first."""
+    return min(int(total * utilization) - own, free)
 
 
 def _score_tokens(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprobs]:
