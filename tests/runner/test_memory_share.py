@@ -17,5 +17,5 @@ def test_never_more_than_is_free():
 
 
 def test_what_it_holds_counts_against_its_share():
-    assert memory_left_to_take(free=100 * GiB, total=TOTAL, own=60 * GiB, utilization=0.45) == int(TOTAL * 0.45) \
-        - 60 * GiB < 0
+    assert memory_left_to_take(free=100 * GiB, total=TOTAL, own=70 * GiB, utilization=0.45) == int(TOTAL * 0.45) \
+        - 70 * GiB < 0
