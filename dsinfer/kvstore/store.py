@@ -4,7 +4,8 @@
   host memory, or on its way there: ``ready`` waits for that copy); the writer thread puts it in the host tier and
   writes its file. The queue is bounded: when it is full the save is dropped and counted (a save never makes a
   step wait);
-- ``load(load_id, keys)`` queues the read of a run of grains; the loader thread takes each from the host tier,
+- ``load(load_id, keys)`` queues the read of a run of grains; a loader thread (``load_threads`` of them read
+  different loads at once) takes each from the host tier,
   else from the directory (then also keeps it in the host tier: promotion), and stops at the first miss;
   a sliding-window model's window state is read last, only when every grain was found;
   ``finished_loads`` hands back (load_id, payloads of the grains found, in order);
@@ -53,9 +54,9 @@ class KVStore:
         self._loads: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
         self._stop = threading.Event()
+        loaders = [(f"loader-{i}", self._load_loop) for i in range(config.load_threads)]
         self._threads = [threading.Thread(target=fn, name=f"dsinfer-kvstore-{name}", daemon=True)
-                         for name, fn in (("writer", self._write_loop), ("loader", self._load_loop),
-                                          ("gc", self._gc_loop))]
+                         for name, fn in (("writer", self._write_loop), *loaders, ("gc", self._gc_loop))]
         for thread in self._threads:
             thread.start()
         atexit.register(self.close)  # an offline script's last saves are written before the process ends
@@ -176,6 +177,7 @@ class KVStore:
         self._stop.set()
         atexit.unregister(self.close)
         self._saves.put(None)
-        self._loads.put(None)
+        for _ in range(self.config.load_threads):
+            self._loads.put(None)
         for thread in self._threads:
             thread.join(timeout=30)

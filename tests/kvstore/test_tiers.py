@@ -267,3 +267,27 @@ def test_an_unexpected_error_ends_one_job_not_the_threads(tmp_path, monkeypatch)
     counts = store.counters.snapshot()
     assert counts["save_errors"] == 1 and counts["load_errors"] == 1
     store.close()
+
+
+def test_loads_are_read_at_once_and_handed_back_as_they_finish(tmp_path, monkeypatch):
+    """Two loader threads: a load stuck in its read does not hold up the next one."""
+    store = KVStore(KVStoreConfig(host_gb=1e-3, grain=32, load_threads=2), FP, LAYOUT)
+    data = torch.from_numpy(payload(10))
+    slow, fast = b"s" * 16, b"f" * 16
+    assert store.save(slow, data, 100.0) and store.save(fast, data, 100.0)
+    store.flush()
+    gate, real_read = threading.Event(), store._read
+
+    def read(key):
+        if key == slow:
+            assert gate.wait(10)
+        return real_read(key)
+
+    monkeypatch.setattr(store, "_read", read)
+    store.load("slow", [slow])
+    store.load("fast", [fast])
+    [(first, _)] = store.finished_loads(5.0)
+    gate.set()
+    [(second, payloads)] = store.finished_loads(5.0)
+    assert (first, second) == ("fast", "slow") and torch.equal(payloads[0], data)
+    store.close()
