@@ -19,6 +19,7 @@ class UniExecutor(Executor):
         self.kv_group_windows = self.runner.kv_group_windows
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
         self.step_latency_points = self.runner.step_latency_points
+        self.decode_padding = self.runner.decode_padding
 
     def launch(self, plan: StepPlan) -> StepResult:
         self._faults.before_step()
