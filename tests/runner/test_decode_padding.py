@@ -1,7 +1,9 @@
 """Steps whose sequences verify different draft counts, padded to the step's longest query (``runner.decode_padding``,
 what lets them replay a decode CUDA graph): the padded layout itself, and a padded step against the same step
-unpadded on the Llama and DeepSeek-V2 (MLA, MoE) tiny models, forced on CPU (``force_decode_padding``): the same
-logits rows, tokens and logprobs, the same KV cache after it, and a next step that reads that cache alike."""
+unpadded on the Llama and DeepSeek-V2 (MLA, MoE) tiny models on CPU: the same logits rows, tokens and logprobs,
+the same KV cache after it, and a next step that reads that cache alike. Padded either by force on the eager model
+(``force_decode_padding``) or through the decode graphs' own path (their buffers, sizes and forward) with each
+"graph" replayed by running the forward it would have captured."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import pytest
 import torch
 
 from dsinfer.core.plan import CachedRequestData, NewRequestData, RequestSampling, StepPlan
+from dsinfer.core.step_latency import DecodePadding
 from dsinfer.engine.arg_utils import EngineArgs
+from dsinfer.runner.cuda_graphs import DecodeGraphs
 from dsinfer.runner.decode_padding import pad_step
 from dsinfer.runner.input_batch import HostInputs
 from dsinfer.runner.model_runner import ModelRunner
@@ -55,11 +59,34 @@ def test_a_sequence_with_fewer_tokens_before_it_than_its_padding_is_not_padded()
     assert pad_step(_host([4, 1], [5, 3], [[1, 2, 3], [4, 0, 0]]), 3) is None  # longer than the length
 
 
-def _runner(path, force: bool) -> ModelRunner:
+class _ForwardAsReplay:
+    """A captured graph's stand-in on CPU: its replay runs the forward a capture would have recorded."""
+
+    def __init__(self, graphs: DecodeGraphs, size: int, q: int):
+        self.graphs, self.key = graphs, (size, q)
+
+    def replay(self) -> None:
+        self.graphs.logits[self.key] = self.graphs._forward(*self.key)
+
+
+def _with_graphs(runner: ModelRunner, max_q: int) -> None:
+    """Decode graphs of batch sizes 1, 2 and 8 (four sequences replay size 8: four rows of graph padding too) and
+    every length 1..max_q, replayed by ``_ForwardAsReplay``."""
+    graphs = DecodeGraphs(runner.model, 8, 16, 64, runner.device, sizes=(1, 2, 8),
+                          tokens_per_seq=tuple(range(1, max_q + 1)))
+    for size in graphs.sizes:
+        for q in graphs.tokens_per_seq:
+            graphs.graphs[size, q] = _ForwardAsReplay(graphs, size, q)
+    runner.graphs = graphs
+
+
+def _runner(path, mode: str) -> ModelRunner:
     config = EngineArgs(model=str(path), dtype="float32", block_size=BLOCK, num_kv_blocks=40, max_model_len=64,
                         max_num_seqs=8, device="cpu").create_engine_config()
     runner = ModelRunner(config)
-    runner.force_decode_padding = force
+    runner.force_decode_padding = mode == "forced"
+    if mode == "graphs":
+        _with_graphs(runner, 4)
     runner.seen_logits = []  # what sampling is handed, each step
     sample = runner._sample
 
@@ -76,6 +103,13 @@ def _runner(path, force: bool) -> ModelRunner:
         return forward_padded(*args)
 
     runner._forward_padded = counting
+    replay = runner._replay
+
+    def replaying(inputs, size, q, padded):
+        runner.padded_steps += padded is not None
+        return replay(inputs, size, q, padded)
+
+    runner._replay = replaying
     return runner
 
 
@@ -130,10 +164,13 @@ def _caches(runner: ModelRunner) -> list[torch.Tensor]:
     return [layer.kv_cache for layer in runner.model.attention_layers()]
 
 
-@pytest.mark.parametrize("model", ["llama", "deepseek_v2"])
-def test_a_padded_step_samples_what_the_unpadded_step_samples(model, request):
+@pytest.mark.parametrize("model,mode", [("llama", "forced"), ("deepseek_v2", "forced"), ("llama", "graphs"),
+                                        ("deepseek_v2", "graphs")])
+def test_a_padded_step_samples_what_the_unpadded_step_samples(model, mode, request):
     path = request.getfixturevalue("tiny_llama_dir" if model == "llama" else "tiny_deepseek_dir")
-    plain, padded = _runner(path, force=False), _runner(path, force=True)
+    plain, padded = _runner(path, "plain"), _runner(path, mode)
+    if mode == "graphs":
+        assert padded.decode_padding == DecodePadding(8, 4)
     vocab = plain.vocab_size
     expected, got = _steps(plain, vocab), _steps(padded, vocab)
     assert padded.padded_steps == 2 and plain.padded_steps == 0  # the prompt step is not padded (too short)
