@@ -80,9 +80,9 @@ def _with_graphs(runner: ModelRunner, max_q: int) -> None:
     runner.graphs = graphs
 
 
-def _runner(path, mode: str) -> ModelRunner:
+def _runner(path, mode: str, deterministic: bool = False) -> ModelRunner:
     config = EngineArgs(model=str(path), dtype="float32", block_size=BLOCK, num_kv_blocks=40, max_model_len=64,
-                        max_num_seqs=8, device="cpu").create_engine_config()
+                        max_num_seqs=8, device="cpu", deterministic=deterministic).create_engine_config()
     runner = ModelRunner(config)
     runner.force_decode_padding = mode == "forced"
     if mode == "graphs":
@@ -186,3 +186,15 @@ def test_a_padded_step_samples_what_the_unpadded_step_samples(model, mode, reque
                 np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
     for want, have in zip(_caches(plain), _caches(padded)):  # padding stored nothing; the real tokens the same
         torch.testing.assert_close(have, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("model", ["llama", "deepseek_v2"])
+def test_in_deterministic_mode_a_padded_step_is_bit_identical(model, request):
+    """The batch-invariant kernels give every row the same result whatever the step's layout: padding changes
+    no bit (what lets the oracle benchmark compare padded steps with speculation off in bf16)."""
+    path = request.getfixturevalue("tiny_llama_dir" if model == "llama" else "tiny_deepseek_dir")
+    plain, padded = _runner(path, "plain", deterministic=True), _runner(path, "forced", deterministic=True)
+    assert _steps(plain, plain.vocab_size) == _steps(padded, padded.vocab_size)
+    assert padded.padded_steps == 2
+    assert all(torch.equal(a, b) for a, b in zip(plain.seen_logits, padded.seen_logits))
+    assert all(torch.equal(a, b) for a, b in zip(_caches(plain), _caches(padded)))
