@@ -9,6 +9,7 @@ Each run draws its own prefixes (seed + run index), so a run never hits what an 
 H200 (the issue's run):
     python benchmarks/router_bench.py --model benchmarks/configs/llama-3.1-8b --gpu-memory-utilization 0.45 \\
         --num-prompts 512 --request-rate 8 --prefix-len 2048 --num-prefixes 16 -- --load-format dummy --dtype bfloat16
+A model directory without a tokenizer (benchmarks/configs/*) runs with the bundled model's.
 CPU smoke (the bundled model, seconds):
     python benchmarks/router_bench.py --cpu --prefix-len 160 --suffix-len 8 --num-prefixes 2 \\
         --num-prompts 6 --output-lens 2,4 --request-rate 4 --max-model-len 256
@@ -38,6 +39,9 @@ POLICIES = ("round_robin", "load_aware", "prefix_aware")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model dir or .gguf (default: the bundled SmolLM2)")
+    p.add_argument("--tokenizer", default=None,
+                   help="the replicas' and the router's tokenizer (default: the model's; a model directory without "
+                        "one, such as benchmarks/configs/*, gets the bundled model's: the prompts are token ids)")
     p.add_argument("--cpu", action="store_true",
                    help="a machine without a GPU: no --gpu-memory-utilization (the replicas run on their default "
                         "device, the CPU there)")
@@ -75,9 +79,20 @@ def _vocab_size(model: str | None) -> int:
     return int(config["vocab_size"])
 
 
+def _tokenizer(model: str | None) -> str | None:
+    """None where the model has its own tokenizer; else the bundled model's (a config-only benchmark model)."""
+    from dsinfer.models.loader.resolve import resolve_model_dir
+
+    if (resolve_model_dir(model, "auto")[0] / "tokenizer.json").exists():
+        return None
+    return str(resolve_model_dir(None, "auto")[0])
+
+
 def _serve_args(args: argparse.Namespace, extra: list[str] = ()) -> list[str]:
     out = ([args.model] if args.model else []) + ["--max-model-len", str(args.max_model_len), "--log-level",
                                                    "warning"]
+    if args.tokenizer:
+        out += ["--tokenizer", args.tokenizer]
     if not args.cpu:
         out += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     return out + list(extra) + list(args.serve_args)
@@ -88,6 +103,8 @@ def _router(args: argparse.Namespace, log_dir: Path, flags: list[str]) -> tuple[
     cmd = [sys.executable, "-m", "dsinfer.router", "--port", str(port), "--log-level", "warning", *flags]
     if args.model:
         cmd += ["--model", args.model]
+    if args.tokenizer:
+        cmd += ["--tokenizer", args.tokenizer]
     log = (log_dir / f"router-{port}.log").open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
@@ -133,8 +150,14 @@ def table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.tokenizer = args.tokenizer or _tokenizer(args.model)
     log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
     vocab = _vocab_size(args.model)
+    if args.tokenizer:  # token ids the replicas' tokenizer knows
+        from tokenizers import Tokenizer
+
+        vocab = min(vocab, Tokenizer.from_file(str(Path(args.tokenizer) / "tokenizer.json")).get_vocab_size())
     results, run = [], 0
     mixed = launch.launch(["mixed", "mixed"], _serve_args(args), log_dir)
     try:

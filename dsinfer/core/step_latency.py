@@ -9,6 +9,10 @@ persist under the cache directory (``$DSINFER_CACHE_DIR/step_latency/<fingerprin
 covers the model's config, dtype, device, block size and kernel choices), so a restart reuses them and skips the
 measurement. The curve is plain data: the scheduler reads it (confidence scheduling), nothing here touches a
 device.
+
+Where the runner pads a decode step whose sequences have different query lengths to the longest, so that it
+replays a CUDA graph (``runner.decode_padding``), the step costs what its sequences x that length cost:
+``DecodePadding`` says which steps it pads and prices them (``step_tokens``); other steps cost their tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +32,26 @@ from dsinfer import envs
 from dsinfer.config import EngineConfig
 
 FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DecodePadding:
+    """Which steps the runner pads to one query length a sequence (its decode graphs): steps of at most
+    ``max_seqs`` sequences, none longer than ``max_query_len`` tokens. The default pads nothing."""
+
+    max_seqs: int = 0  # the largest decode graph's batch (0: no step is padded)
+    max_query_len: int = 1  # the longest query a sequence of a padded step may have (1 + k drafts)
+
+    def pads(self, num_seqs: int, longest: int) -> bool:
+        """Whether a step of ``num_seqs`` sequences, the longest of ``longest`` tokens, runs padded."""
+        return 0 < num_seqs <= self.max_seqs and longest <= self.max_query_len
+
+    def step_tokens(self, query_lens: Sequence[int]) -> int:
+        """The tokens a step of these query lengths costs on the curve: sequences x the longest where it runs
+        padded, else its tokens."""
+        if query_lens and self.pads(len(query_lens), max(query_lens)):
+            return len(query_lens) * max(query_lens)
+        return sum(query_lens)
 
 
 class StepLatencyCurve:

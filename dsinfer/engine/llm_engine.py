@@ -98,7 +98,7 @@ class LLMEngine:
         confidence = None
         if config.speculative.enabled and config.speculative.confidence_scheduling:
             self.step_latency = step_latency.StepLatencyCurve(self.executor.step_latency_points)
-            confidence = ConfidenceScheduler(self.step_latency)
+            confidence = ConfidenceScheduler(self.step_latency, padding=self.executor.decode_padding)
         self._curve_path = step_latency.cache_path(config) if self.step_latency is not None else None
         self._last_result_time = 0.0  # when the last step's result came back (a step's time starts no earlier)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.model.max_model_len,
@@ -340,7 +340,9 @@ class LLMEngine:
         step's result when it was queued behind that one (overlap)."""
         now = time.perf_counter()
         if self.step_latency is not None:
-            self.step_latency.observe(sched.num_batched_tokens, now - max(started, self._last_result_time))
+            # a step the runner padded to its longest query costs that many tokens (``DecodePadding``)
+            tokens = self.executor.decode_padding.step_tokens([item.num_new_tokens for item in sched.scheduled])
+            self.step_latency.observe(tokens, now - max(started, self._last_result_time))
             if self.step_latency.num_observed % CURVE_SAVE_EVERY == 0:
                 self._save_curve()
         self._last_result_time = now

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from dsinfer.core.outputs import RunnerOutput
 from dsinfer.core.plan import StepPlan
+from dsinfer.core.step_latency import DecodePadding
 
 
 class WorkerDiedError(RuntimeError):
@@ -31,6 +32,7 @@ class Executor(abc.ABC):
     # routed-expert storage slots one rank holds per MoE layer (expert parallelism: its share; 0 without MoE)
     num_local_expert_slots: int
     step_latency_points: dict[int, float]  # the runner's step-latency curve at start-up (confidence scheduling)
+    decode_padding: DecodePadding = DecodePadding()  # the steps the runner pads to their longest query (its graphs)
     # True where the executor itself fails a step that runs past DSINFER_STEP_TIMEOUT_S (the mp executor kills a
     # worker that does not answer in time); elsewhere its caller bounds the step (entrypoints.step_clock)
     bounds_step_time: bool = False

@@ -40,6 +40,7 @@ from dsinfer.config import EngineConfig
 from dsinfer.core import wire
 from dsinfer.core.outputs import RunnerOutput
 from dsinfer.core.plan import StepPlan
+from dsinfer.core.step_latency import DecodePadding
 from dsinfer.distributed import numa
 from dsinfer.distributed.groups import PING_S, ControlChannel, destroy, init_parallel_state
 from dsinfer.distributed.rendezvous import Rendezvous
@@ -118,6 +119,7 @@ class MultiprocExecutor(Executor):
         self.kv_bytes_per_token = int(info["kv_bytes_per_token"])
         self.num_local_expert_slots = int(info["num_local_expert_slots"])
         self.step_latency_points = {int(t): float(s) for t, s in info["step_latency_points"]}
+        self.decode_padding = DecodePadding(*info["decode_padding"])
         logger.info("%d worker process(es) ready (rank 0: pid %d)", len(self._workers), self.process.pid)
 
     def _await_ready(self) -> dict[int, dict[str, Any]]:
@@ -273,6 +275,7 @@ class RankExecutor(Executor):
         self.kv_bytes_per_token = int(info["kv_bytes_per_token"])
         self.num_local_expert_slots = int(info["num_local_expert_slots"])
         self.step_latency_points = {int(t): float(s) for t, s in info["step_latency_points"]}
+        self.decode_padding = DecodePadding(*info["decode_padding"])
 
     @property
     def processes(self) -> list[multiprocessing.Process]:
@@ -304,7 +307,8 @@ def _ready_info(runner: Any, rank: int) -> dict[str, Any]:
     return {"num_kv_blocks": runner.num_blocks, "rank": rank, "pid": os.getpid(),
             "kv_bytes_per_token": runner.kv_bytes_per_token, "num_state_slots": runner.num_state_slots,
             "kv_group_windows": list(runner.kv_group_windows), "num_local_expert_slots": runner.num_local_expert_slots,
-            "step_latency_points": [[t, s] for t, s in runner.step_latency_points.items()]}
+            "step_latency_points": [[t, s] for t, s in runner.step_latency_points.items()],
+            "decode_padding": [runner.decode_padding.max_seqs, runner.decode_padding.max_query_len]}
 
 
 def run_worker(config: EngineConfig, conn: multiprocessing.connection.Connection | None, rank: int,

@@ -20,6 +20,7 @@ class UniExecutor(Executor):
         self.num_local_expert_slots = self.runner.num_local_expert_slots
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
         self.step_latency_points = self.runner.step_latency_points
+        self.decode_padding = self.runner.decode_padding
 
     def launch(self, plan: StepPlan) -> StepResult:
         self._faults.before_step()

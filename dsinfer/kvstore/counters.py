@@ -3,8 +3,9 @@
 Names (Prometheus exports them as ``dsinfer_kv_store_<name>_total``): ``lookups`` (grains asked for at
 admission), ``hit_tokens_host`` / ``hit_tokens_dir`` (tokens loaded from each tier), ``bytes_loaded`` /
 ``bytes_saved``, ``loads`` and ``load_seconds`` (their sum: the mean load latency), ``queue_drops`` (saves dropped
-by a full write-behind queue), ``save_errors`` (writes the file system refused: full, quota), ``evictions_host``
-/ ``evictions_dir`` (LRU under the watermark), ``expiries`` (entries past their TTL), ``corrupt_files`` (foreign,
+by a full write-behind queue), ``save_errors`` (saves that failed: a write the file system refused (full, quota)
+or an unexpected error), ``load_errors`` (loads cut short by an unexpected error), ``evictions_host`` /
+``evictions_dir`` (LRU under the watermark), ``expiries`` (entries past their TTL), ``corrupt_files`` (foreign,
 truncated or corrupt files removed).
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import threading
 
 NAMES = ("lookups", "hit_tokens_host", "hit_tokens_dir", "bytes_loaded", "bytes_saved", "loads", "load_seconds",
-         "queue_drops", "save_errors", "evictions_host", "evictions_dir", "expiries", "corrupt_files")
+         "queue_drops", "save_errors", "load_errors", "evictions_host", "evictions_dir", "expiries", "corrupt_files")
 
 
 class Counters:

@@ -4,17 +4,22 @@
   host memory, or on its way there: ``ready`` waits for that copy); the writer thread puts it in the host tier and
   writes its file. The queue is bounded: when it is full the save is dropped and counted (a save never makes a
   step wait);
-- ``load(load_id, keys)`` queues the read of a run of grains; the loader thread takes each from the host tier,
+- ``load(load_id, keys)`` queues the read of a run of grains; a loader thread (``load_threads`` of them read
+  different loads at once) takes each from the host tier,
   else from the directory (then also keeps it in the host tier: promotion), and stops at the first miss;
   a sliding-window model's window state is read last, only when every grain was found;
   ``finished_loads`` hands back (load_id, payloads of the grains found, in order);
 - a GC thread sweeps both tiers every ``gc_interval_s`` (expired entries, the directory's watermark).
+An unexpected error in a save or a load is logged and counted (``save_errors`` / ``load_errors``) and ends only
+that job: a failed load hands back the grains read before it (the rest are recomputed), so a request waiting on it
+is never left waiting, and the threads keep serving the others.
 Payloads are flat uint8 tensors (``runner.kv_transfer`` knows the layer layout inside).
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import queue
 import threading
 import time
@@ -29,6 +34,7 @@ from dsinfer.kvstore.directory import DirectoryTier
 from dsinfer.kvstore.host import HostTier
 
 GiB = 1 << 30
+logger = logging.getLogger(__name__)
 
 
 class KVStore:
@@ -48,9 +54,9 @@ class KVStore:
         self._loads: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
         self._stop = threading.Event()
+        loaders = [(f"loader-{i}", self._load_loop) for i in range(config.load_threads)]
         self._threads = [threading.Thread(target=fn, name=f"dsinfer-kvstore-{name}", daemon=True)
-                         for name, fn in (("writer", self._write_loop), ("loader", self._load_loop),
-                                          ("gc", self._gc_loop))]
+                         for name, fn in (("writer", self._write_loop), *loaders, ("gc", self._gc_loop))]
         for thread in self._threads:
             thread.start()
         atexit.register(self.close)  # an offline script's last saves are written before the process ends
@@ -82,16 +88,21 @@ class KVStore:
             try:
                 if job is None:
                     return
-                key, payload, ttl_s, ready = job
-                if ready is not None:
-                    ready()
-                if self.host is not None:
-                    self.host.put(key, payload, ttl_s)
-                if self.dir is not None:
-                    self.dir.write(key, payload.numpy(), ttl_s)
-                self.counters.add("bytes_saved", payload.numel())
+                self._write(*job)
+            except Exception:  # noqa: BLE001 - one failed save is dropped; the writer serves the next ones
+                self.counters.add("save_errors")
+                logger.exception("a KV store save failed and was dropped")
             finally:
                 self._saves.task_done()
+
+    def _write(self, key: bytes, payload: torch.Tensor, ttl_s: float, ready: Callable[[], None] | None) -> None:
+        if ready is not None:
+            ready()
+        if self.host is not None:
+            self.host.put(key, payload, ttl_s)
+        if self.dir is not None:
+            self.dir.write(key, payload.numpy(), ttl_s)
+        self.counters.add("bytes_saved", payload.numel())
 
     # ----------------------------------------------------------------- loads
     def load(self, load_id: str, keys: list[bytes], window_key: bytes | None = None, window_tokens: int = 0) -> None:
@@ -118,12 +129,16 @@ class KVStore:
             load_id, keys, window_key, window_tokens, start = job
             payloads = []
             reads = [(key, self.config.grain) for key in keys] + ([(window_key, window_tokens)] if window_key else [])
-            for key, tokens in reads:
-                found = self._read(key)
-                if found is None:
-                    break
-                payloads.append(found[0])
-                self.counters.add(f"hit_tokens_{found[1]}", tokens)
+            try:
+                for key, tokens in reads:
+                    found = self._read(key)
+                    if found is None:
+                        break
+                    payloads.append(found[0])
+                    self.counters.add(f"hit_tokens_{found[1]}", tokens)
+            except Exception:  # noqa: BLE001 - the grains read so far stand; the request recomputes the rest
+                self.counters.add("load_errors")
+                logger.exception("a KV store load failed after %d of %d grains", len(payloads), len(reads))
             self.counters.add("loads")
             self.counters.add("load_seconds", time.monotonic() - start)
             self.counters.add("bytes_loaded", sum(p.numel() for p in payloads))
@@ -162,6 +177,7 @@ class KVStore:
         self._stop.set()
         atexit.unregister(self.close)
         self._saves.put(None)
-        self._loads.put(None)
+        for _ in range(self.config.load_threads):
+            self._loads.put(None)
         for thread in self._threads:
             thread.join(timeout=30)

@@ -2,9 +2,10 @@
 memory pool.
 
 A decode step of ``n`` sequences of ``q`` tokens each (1, or 1 + k drafts to verify) replays the graph of the
-smallest captured size ``>= n`` for that ``q``; larger steps, and steps whose sequences differ in length, run
-eagerly. A graph covers the model forward and the logits of every row; sampling stays outside (the Triton
-sampler needs no host sync either). Its inputs are persistent device buffers sized for the largest graph, filled
+smallest captured size ``>= n`` for that ``q``; a step whose sequences differ in length is first padded to its
+longest (``decode_padding``, models without state slots); larger steps, and the others, run eagerly. A graph
+covers the model forward and the logits of every row; sampling stays outside (the Triton sampler needs no host
+sync either). Its inputs are persistent device buffers sized for the largest graph, filled
 each step from one non-blocking copy of the packed host arrays (``to_device_packed``). Padding rows get slot -1
 (nothing stored), seq_len 0 and an empty query (``query_start_loc`` repeats ``n``), so attention skips them;
 their logits are never read. A model whose layers keep per-sequence state (DeepSeek-V4's rings, ``StateSlotSpec``)

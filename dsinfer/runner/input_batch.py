@@ -60,6 +60,7 @@ class HostInputs:
     query_start_loc: np.ndarray  # [B + 1] int32
     seq_lens: np.ndarray  # [B] int32
     state_slots: np.ndarray | None = None  # [B] int64: each sequence's state slot (models with per-sequence state)
+    logits_indices: np.ndarray | None = None  # [S] int64: token rows whose logits are computed
 
 
 @dataclass
@@ -157,15 +158,16 @@ def build_step_inputs(states: list[RequestState], plan: StepPlan, block_size: in
     seq_lens = (starts + q_lens).astype(np.int32)
     state_slots = np.fromiter((s.state_slot for s in states), dtype=np.int64, count=len(states))
     has_slots = bool(state_slots.size and state_slots[0] >= 0)
+    logits_indices = np.asarray(logits_rows, np.int64)
     host = HostInputs(input_ids, positions, slots, tables, cu.astype(np.int32), seq_lens,
-                      state_slots if has_slots else None)
+                      state_slots if has_slots else None, logits_indices)
 
     num_prompt_rows = len(logits_rows) - len(sample_rows)
     # KV cache groups after the first (GPT-OSS's sliding layers): their tables and slots, in the same copy
     groups = [a for g in range(1, len(states[0].block_ids)) for a in _block_tables(states, g, row, positions,
                                                                                    block_size)]
     ids_d, pos_d, slots_d, tables_d, qsl_d, lens_d, logits_d, sample_d, state_d, *groups_d = to_device_packed(
-        [input_ids, positions, slots, tables, host.query_start_loc, seq_lens, np.asarray(logits_rows, np.int64),
+        [input_ids, positions, slots, tables, host.query_start_loc, seq_lens, logits_indices,
          np.arange(num_prompt_rows, len(logits_rows), dtype=np.int64), state_slots, *groups], device)
     batch = ForwardBatch(
         input_ids=ids_d, positions=pos_d, slot_mapping=slots_d, block_tables=tables_d, query_start_loc=qsl_d,

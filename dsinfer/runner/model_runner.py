@@ -11,6 +11,12 @@ layer of the KV spec paged by the same block ids; once a step's tokens are on th
 the step's hidden states (``mtp_proposer``) and the RunnerOutput carries each sampling request's next drafts.
 Its steps run eagerly (the MTP layer reads the target's hidden states, which the CUDA graphs do not return).
 
+Decode graphs are captured for every query length 1..1 + k a sequence. A step whose sequences have different
+query lengths (confidence scheduling verifies different draft counts) is padded to its longest
+(``decode_padding``: padding tokens store nothing and their logits are not read) and replays that length's graph,
+for models without per-sequence state and with one KV cache group; ``decode_padding`` (the property) tells the
+engine which steps run so, as its scheduler prices them by that length.
+
 Draft tokens: every position of a request samples with the sampling rules of its own place (penalties and bans
 see the drafts before it; noise keyed by its own position), and a draft is kept while it equals the token
 sampled before it. With ``acceptance="exact"`` (and for greedy requests in either mode) that token is the one a
@@ -49,6 +55,7 @@ from dsinfer.distributed.state import SINGLE, ParallelState
 from dsinfer.kvstore.keys import engine_fingerprint
 from dsinfer.models.loader.model_loader import _default_dtype_and_device, build_model, load_model
 from dsinfer.runner.cuda_graphs import DecodeGraphs
+from dsinfer.runner.decode_padding import PaddedStep, pad_step
 from dsinfer.runner.input_batch import SampleRow, StepInputs, build_sampling_batch, build_step_inputs, to_device_packed
 from dsinfer.runner.kv_transfer import KVTransfer
 from dsinfer.runner.mtp_proposer import MTPProposer
@@ -183,6 +190,9 @@ class ModelRunner:
         self._last_rows: dict[str, int] = {}
         self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] | None = None  # benchmarks
         self.graphs: DecodeGraphs | None = None
+        # tests: pad steps of different query lengths (``decode_padding``) even where no graph replays them (the
+        # eager model runs the padded batch)
+        self.force_decode_padding = False
         self.prefill_graphs: PrefillGraphs | None = None
         deterministic = config.device.deterministic
         eager_only, prompt_graphs = graph_modes(self.model, deterministic, self.mtp is not None)
@@ -192,8 +202,10 @@ class ModelRunner:
             max_len = config.model.max_model_len
             # steps that verify k drafts get graphs of 1 + k tokens a sequence where the model's attention can be
             # captured at that length (``multi_token_decode_graphs``); otherwise they run eagerly
+            # (every length 1 + j, j <= k: a step whose sequences verify different draft counts is padded to its
+            # longest, ``decode_padding``)
             k = config.speculative.num_speculative_tokens
-            multi = (1 + k,) if k and getattr(self.model, "multi_token_decode_graphs", False) else ()
+            multi = tuple(range(2, 2 + k)) if k and getattr(self.model, "multi_token_decode_graphs", False) else ()
             self.graphs = DecodeGraphs(self.model, config.scheduler.max_num_seqs, -(-max_len // self.block_size),
                                        max_len, self.device, tokens_per_seq=(1, *multi),
                                        state_slots=bool(self.state_specs))
@@ -299,13 +311,15 @@ class ModelRunner:
         if self.device.type == "cpu":
             return int(envs.CPU_KV_CACHE_GB.get() * GiB)
         free, total = torch.cuda.mem_get_info(self.device)
+        own = torch.cuda.memory_reserved(self.device)
         activation_reserve = 2 * GiB  # logits, activations of the largest step, CUDA graphs
-        budget = int(total * cache.gpu_memory_utilization) - (total - free) - activation_reserve
+        budget = memory_left_to_take(free, total, own, cache.gpu_memory_utilization) - activation_reserve
         if budget <= 0:
             raise ValueError(
-                f"the model leaves no room for a KV cache: {(total - free) / GiB:.1f} GiB used of "
-                f"{total / GiB:.1f} GiB, gpu_memory_utilization={cache.gpu_memory_utilization} allows "
-                f"{total * cache.gpu_memory_utilization / GiB:.1f} GiB; short by {-budget / GiB:.1f} GiB")
+                f"the model leaves no room for a KV cache: this process holds {own / GiB:.1f} GiB and "
+                f"{free / GiB:.1f} GiB are free of {total / GiB:.1f} GiB; gpu_memory_utilization="
+                f"{cache.gpu_memory_utilization} allows {total * cache.gpu_memory_utilization / GiB:.1f} GiB; short "
+                f"by {-budget / GiB:.1f} GiB")
         return budget
 
     @contextlib.contextmanager
@@ -427,37 +441,80 @@ class ModelRunner:
         return self._forward_with_hidden(inputs)[0]
 
     def _forward_with_hidden(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits of the step's logits rows: a decode graph's replay when one fits, else the prefill graphs of the
-        step's token count when they fit, else the eager model; and the last hidden states of every row (None
-        from a graph)."""
+        """Logits of the step's logits rows: a decode graph's replay when one fits (the step's sequences padded to
+        its longest query where they differ, ``decode_padding``), else the prefill graphs of the step's token
+        count when they fit, else the eager model; and the last hidden states of every row (None from a graph)."""
         batch = inputs.batch
-        size, q = None, batch.max_query_len
-        # a decode step: every sequence has q tokens (1, or its last token and its drafts)
-        if self.graphs is not None and not inputs.prompt_rows and batch.num_tokens == batch.num_seqs * q:
+        q = batch.max_query_len
+        size = None  # the decode graph's batch size
+        if self.graphs is not None and not inputs.prompt_rows:
             size = self.graphs.padded_size(batch.num_seqs, q)
-        if size is None:
-            self._fill_placeholders(batch.input_ids, inputs)
-            graphs = self.prefill_graphs
-            padded = None if graphs is None else graphs.padded_size(batch.num_tokens)
-            if padded is not None:
-                return self.model.compute_logits(graphs.run(padded, batch)[batch.logits_indices]), None
-            hidden = self.model(batch.input_ids, batch.positions, batch)
-            return self.model.compute_logits(hidden[batch.logits_indices]), hidden
-        self.graphs.load_inputs(inputs.host, size, q)
-        self._fill_placeholders(self.graphs.input_ids, inputs)
-        logits = self.graphs.replay(size, q)
-        if len(inputs.sample_rows) == batch.num_tokens:  # every token samples: logits rows are rows 0..T-1
-            return logits[:batch.num_tokens], None
-        return logits[batch.logits_indices], None
+        uniform = batch.num_tokens == batch.num_seqs * q  # every sequence has q tokens (1, or 1 + its drafts)
+        padded = None
+        if (not uniform and not inputs.prompt_rows and self._pads_steps
+                and (size is not None or self.force_decode_padding)):
+            padded = pad_step(inputs.host, q)  # None: a sequence has too few tokens before it
+        if size is not None and (uniform or padded is not None):
+            return self._replay(inputs, size, q, padded), None
+        if padded is not None:  # forced (tests): the padded batch on the eager model
+            return self._forward_padded(inputs, padded)
+        self._fill_placeholders(batch.input_ids, inputs)
+        graphs = self.prefill_graphs
+        padded_tokens = None if graphs is None else graphs.padded_size(batch.num_tokens)
+        if padded_tokens is not None:
+            return self.model.compute_logits(graphs.run(padded_tokens, batch)[batch.logits_indices]), None
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        return self.model.compute_logits(hidden[batch.logits_indices]), hidden
 
-    def _fill_placeholders(self, input_ids: torch.Tensor, inputs: StepInputs) -> None:
-        """Async scheduling: copy tokens sampled by the previous step into this step's input ids, on device."""
+    def _replay(self, inputs: StepInputs, size: int, q: int, padded: PaddedStep | None) -> torch.Tensor:
+        """The decode graph of (``size``, ``q``) on the step's inputs (``padded``: laid out so); -> the logits of
+        the step's logits rows."""
+        batch = inputs.batch
+        self.graphs.load_inputs(inputs.host if padded is None else padded.host, size, q)
+        self._fill_placeholders(self.graphs.input_ids, inputs, None if padded is None else padded.rows)
+        logits = self.graphs.replay(size, q)
+        if padded is not None:  # the unpadded step's logits rows, in the padded batch
+            (rows,) = to_device_packed([padded.host.logits_indices], self.device)
+            return logits[rows]
+        if len(inputs.sample_rows) == batch.num_tokens:  # every token samples: logits rows are rows 0..T-1
+            return logits[:batch.num_tokens]
+        return logits[batch.logits_indices]
+
+    def _forward_padded(self, inputs: StepInputs, padded: PaddedStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """The eager model on the padded batch; -> the logits of the step's logits rows and the hidden states of
+        its (unpadded) rows."""
+        batch, rows = padded.to_device(self.device, inputs.batch.max_seq_len)
+        self._fill_placeholders(batch.input_ids, inputs, padded.rows)
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        return self.model.compute_logits(hidden[batch.logits_indices]), hidden[rows]
+
+    @property
+    def _pads_steps(self) -> bool:
+        """Whether this model's steps of different query lengths may be padded: no per-sequence state (a padding
+        token would advance it) and one KV cache group (the padded layout carries one slot mapping)."""
+        return not self.state_specs and len(self.kv_groups) == 1
+
+    @property
+    def decode_padding(self) -> step_latency.DecodePadding:
+        """Which steps run padded to their longest query (the decode graphs of every length 1..1 + k): what the
+        engine's confidence scheduler prices them by."""
+        graphs, longest = self.graphs, 1
+        if graphs is None or not self._pads_steps:
+            return step_latency.DecodePadding()
+        while (graphs.max_size, longest + 1) in graphs.graphs:  # every length up to it captured
+            longest += 1
+        return step_latency.DecodePadding(graphs.max_size if longest > 1 else 0, longest)
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, inputs: StepInputs, rows: np.ndarray | None = None
+                           ) -> None:
+        """Async scheduling: copy tokens sampled by the previous step into this step's input ids, on device
+        (``rows``: each unpadded row's row in ``input_ids``, for a padded step)."""
         if not inputs.placeholder_rows:
             return
         src = [self._last_rows[rid] for rid in inputs.placeholder_requests]
-        rows, src = to_device_packed([np.asarray(inputs.placeholder_rows, np.int64), np.asarray(src, np.int64)],
-                                     self.device)
-        input_ids.index_copy_(0, rows, self._last_sampled[src])
+        dst = np.asarray(inputs.placeholder_rows, np.int64)
+        dst, src = to_device_packed([dst if rows is None else rows[dst], np.asarray(src, np.int64)], self.device)
+        input_ids.index_copy_(0, dst, self._last_sampled[src])
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow], copies: dict[str, torch.Tensor],
                 token_bitmask: np.ndarray | None = None) -> torch.Tensor:
@@ -503,13 +560,20 @@ def _check_weights_fit(config: EngineConfig, parallel: ParallelState) -> None:
     weight_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(meta.parameters(), meta.buffers()))
     free, total = torch.cuda.mem_get_info(config.device.device)
     util = config.cache.gpu_memory_utilization
-    allowed = total * util - (total - free)
+    allowed = memory_left_to_take(free, total, torch.cuda.memory_reserved(config.device.device), util)
     if weight_bytes > allowed:
         raise ValueError(
             f"the model does not fit: its weights need {weight_bytes / GiB:.2f} GiB, but "
-            f"gpu_memory_utilization={util} of {total / GiB:.1f} GiB with {(total - free) / GiB:.1f} GiB already "
-            f"in use leaves {allowed / GiB:.2f} GiB: short by {(weight_bytes - allowed) / GiB:.2f} GiB (before "
-            "any KV cache); raise gpu_memory_utilization, free GPU memory or pick a smaller model or dtype")
+            f"gpu_memory_utilization={util} of {total / GiB:.1f} GiB with {free / GiB:.1f} GiB free leaves "
+            f"{allowed / GiB:.2f} GiB: short by {(weight_bytes - allowed) / GiB:.2f} GiB (before any KV cache); "
+            "raise gpu_memory_utilization, free GPU memory or pick a smaller model or dtype")
+
+
+def memory_left_to_take(free: int, total: int, own: int, utilization: float) -> int:
+    """Bytes this process may still allocate on its GPU: its share (``utilization`` x total) less what it holds
+    (``own``: torch's reserved bytes), never more than is free. Other processes' memory is not charged to this
+    one's share, as in vLLM: two replicas at 0.45 share one GPU whichever starts first."""
+    return min(int(total * utilization) - own, free)
 
 
 def _score_tokens(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprobs]:

@@ -8,6 +8,13 @@ survival (a request's survivals never rise with position, so the order keeps eac
 the step verifies the prefix of that order with the most expected tokens per second:
 ``(guaranteed + sum of admitted survivals) / curve(base tokens + admitted)``; ties go to fewer drafts.
 
+Where the runner pads a decode step to its longest query so that it replays a CUDA graph (``DecodePadding``), a
+step of B decoding sequences whose longest verifies L drafts costs ``curve(B x (1 + L))`` however many drafts the
+others verify: mixed lengths cost what the longest does. There every request verifies up to the same L (all of its
+drafts when it has fewer), and L is the one with the most expected tokens per second (ties: the shorter). Steps
+the runner does not pad (prompt chunks beside the decodes, more sequences than its largest graph) are priced by
+their tokens as above.
+
 A request whose drafts went unverified for ``probe_every`` of its steps has its first draft verified anyway, so
 its calibration keeps hearing how its drafts fare (a rate that was low would otherwise never learn it rose).
 Plain data in and out: it reads confidences and the curve, never a device, and under overlap scheduling decides
@@ -19,13 +26,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsinfer.core.step_latency import StepLatencyCurve
+from dsinfer.core.step_latency import DecodePadding, StepLatencyCurve
 
 
 class ConfidenceScheduler:
-    def __init__(self, curve: StepLatencyCurve, probe_every: int = 8):
+    def __init__(self, curve: StepLatencyCurve, probe_every: int = 8, padding: DecodePadding = DecodePadding()):
+        """``padding``: the steps the runner pads to their longest query (priced so); the default: none."""
         self.curve = curve
         self.probe_every = probe_every
+        self.padding = padding
         self._unverified: dict[str, int] = {}  # request id -> its steps in a row that verified no draft
 
     def select(self, confidences: dict[str, list[float]], base_tokens: int, guaranteed: int) -> dict[str, int]:
@@ -47,12 +56,26 @@ class ConfidenceScheduler:
             survivals.append(surv)
             owners.append(np.full(len(surv), len(owners), dtype=np.int64))
         base = base_tokens + sum(chosen.values())
-        if survivals:
+        longest = 1 + max((len(conf) for conf in confidences.values()), default=0)
+        if confidences and base_tokens == guaranteed and self.padding.pads(guaranteed, longest):  # padded decode
+            self._admit_padded(confidences, chosen, guaranteed)
+        elif survivals:
             self._admit(np.concatenate(survivals), np.concatenate(owners), list(confidences), chosen, base,
                         expected)
         for rid, n in chosen.items():
             self._unverified[rid] = 0 if n else self._unverified[rid] + 1
         return chosen
+
+    def _admit_padded(self, confidences: dict[str, list[float]], chosen: dict[str, int], num_seqs: int) -> None:
+        """Every request verifies up to the same number of drafts L (at least its probe's), the L whose expected
+        tokens per second, ``(num_seqs + sum of survivals up to L) / curve(num_seqs x (1 + L))``, is highest."""
+        gains = [np.concatenate([[0.0], np.cumsum(np.cumprod(np.asarray(conf, dtype=np.float64)))])
+                 for conf in confidences.values()]
+        lengths = np.arange(max(chosen.values()), max(len(g) for g in gains))  # up to the most drafts any has
+        expected = num_seqs + sum(g[np.minimum(lengths, len(g) - 1)] for g in gains)
+        longest = int(lengths[int(np.argmax(expected / self.curve(num_seqs * (1 + lengths))))])
+        for rid, conf in confidences.items():
+            chosen[rid] = min(longest, len(conf))
 
     def _admit(self, survival: np.ndarray, owner: np.ndarray, rids: list[str], chosen: dict[str, int],
                base: int, expected: float) -> None:

@@ -99,7 +99,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="tokens per KV block, a power of two (default: 64 for MLA models on CUDA, else 16)")
     eng.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache size in GiB")
     eng.add_argument("--gpu-memory-utilization", type=float, default=None,
-                     help="fraction of GPU memory for weights, activations and the KV cache")
+                     help="this process's fraction of GPU memory for weights, activations and the KV cache "
+                          "(two replicas at 0.45 share one GPU)")
     eng.add_argument("--seed", type=int, default=None, help="engine seed")
     eng.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     eng.add_argument("--distributed-executor-backend", default=None, choices=list(EXECUTOR_BACKENDS),

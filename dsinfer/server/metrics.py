@@ -161,7 +161,8 @@ class _EngineCounters:
         ("bytes_loaded", "Bytes of KV loaded from the KV store"),
         ("bytes_saved", "Bytes of KV saved to the KV store"),
         ("queue_drops", "Grain saves dropped by a full write-behind queue"),
-        ("save_errors", "Grain saves the directory refused (full, over its budget or quota)"),
+        ("save_errors", "Grain saves that failed (the directory full, over its budget or quota, or an error)"),
+        ("load_errors", "KV store loads cut short by an unexpected error (the rest of the prompt recomputed)"),
         ("expiries", "KV store entries past their traffic class's TTL"),
         ("corrupt_files", "KV store files removed as foreign, truncated or corrupt"),
     )

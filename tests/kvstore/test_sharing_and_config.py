@@ -48,6 +48,7 @@ def test_engine_b_hits_the_prefix_engine_a_computed(tiny_llama_dir, cold, tmp_pa
     ({"host_gb": 1, "dir_gb": 10}, "kv_store.dir_gb is set but kv_store.dir is not"),
     ({"host_gb": 1, "ttl_s": {"chat": -5}}, r"kv_store.ttl_s\['chat'\] must be a number > 0"),
     ({"host_gb": 1, "hots_gb": 1}, r"kv_store: unknown key\(s\) \['hots_gb'\]"),
+    ({"host_gb": 1, "load_threads": 0}, r"kv_store.load_threads must be an integer in \[1, 64\], got 0"),
 ])
 def test_bad_kv_store_is_a_start_up_error_naming_the_field(tiny_llama_dir, kv_store, message):
     with pytest.raises(ValueError, match=message):

@@ -233,3 +233,61 @@ def test_background_gc_thread_sweeps_expired_entries(tmp_path):
         time.sleep(0.01)
     assert not store.dir.path(b"h" * 16).exists() and store.counters.snapshot()["expiries"] >= 1
     store.close()
+
+
+def test_an_unexpected_error_ends_one_job_not_the_threads(tmp_path, monkeypatch):
+    """A load that raises hands back the grains read before it (no request left waiting); a save that raises is
+    dropped and counted; both threads keep serving the next jobs."""
+    store = KVStore(KVStoreConfig(host_gb=1e-3, dir=tmp_path, grain=32), FP, LAYOUT)
+    data = torch.from_numpy(payload(9))
+    good, bad, later = b"g" * 16, b"b" * 16, b"l" * 16
+    real_read, real_put = store._read, store.host.put
+
+    def read(key):
+        if key == bad:
+            raise RuntimeError("injected")
+        return real_read(key)
+
+    def put(key, value, ttl_s):
+        if key == bad:
+            raise MemoryError("injected")
+        return real_put(key, value, ttl_s)
+
+    monkeypatch.setattr(store, "_read", read)
+    monkeypatch.setattr(store.host, "put", put)
+    assert store.save(good, data, 100.0) and store.save(bad, data, 100.0) and store.save(later, data, 100.0)
+    store.flush()  # returns: the writer outlived the failed save
+    assert good in store.host and later in store.host and bad not in store.host
+    store.load("r", [good, bad, later])
+    [(load_id, payloads)] = store.finished_loads(5.0)
+    assert load_id == "r" and len(payloads) == 1 and torch.equal(payloads[0], data)
+    store.load("next", [later])
+    [(load_id, payloads)] = store.finished_loads(5.0)
+    assert load_id == "next" and len(payloads) == 1
+    counts = store.counters.snapshot()
+    assert counts["save_errors"] == 1 and counts["load_errors"] == 1
+    store.close()
+
+
+def test_loads_are_read_at_once_and_handed_back_as_they_finish(tmp_path, monkeypatch):
+    """Two loader threads: a load stuck in its read does not hold up the next one."""
+    store = KVStore(KVStoreConfig(host_gb=1e-3, grain=32, load_threads=2), FP, LAYOUT)
+    data = torch.from_numpy(payload(10))
+    slow, fast = b"s" * 16, b"f" * 16
+    assert store.save(slow, data, 100.0) and store.save(fast, data, 100.0)
+    store.flush()
+    gate, real_read = threading.Event(), store._read
+
+    def read(key):
+        if key == slow:
+            assert gate.wait(10)
+        return real_read(key)
+
+    monkeypatch.setattr(store, "_read", read)
+    store.load("slow", [slow])
+    store.load("fast", [fast])
+    [(first, _)] = store.finished_loads(5.0)
+    gate.set()
+    [(second, payloads)] = store.finished_loads(5.0)
+    assert (first, second) == ("fast", "slow") and torch.equal(payloads[0], data)
+    store.close()

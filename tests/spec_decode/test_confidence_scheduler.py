@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsinfer.core.step_latency import StepLatencyCurve
+from dsinfer.core.step_latency import DecodePadding, StepLatencyCurve
 from dsinfer.scheduler.confidence import ConfidenceScheduler
 
 FLAT = StepLatencyCurve({1: 1.0, 1024: 1.0})  # a memory-bound step: tokens cost nothing
@@ -49,6 +49,40 @@ def test_without_a_curve_every_draft_is_verified():
     assert chosen == {"a": 1}
 
 
+PADS = DecodePadding(max_seqs=8, max_query_len=4)  # the runner pads decode steps of up to 8 sequences
+
+
+def test_padded_steps_are_priced_at_sequences_times_the_longest_query():
+    assert PADS.step_tokens([1, 4, 2]) == 12
+    assert PADS.step_tokens([1, 9]) == 10  # a prompt chunk longer than any graph: its tokens
+    assert PADS.step_tokens([2] * 9) == 18 and PADS.step_tokens([1] * 8 + [3]) == 11  # more sequences than graphs
+    assert DecodePadding().step_tokens([1, 4]) == 5  # no graphs: nothing padded
+
+
+def test_where_steps_are_padded_every_request_verifies_up_to_one_length():
+    # unpadded, a's three drafts pay and b's none (above); padded, that step would cost as much as 2 x 4 tokens
+    # (rate 4.44 / 5 = 0.89): one draft each does best, 3.2 / curve(4) = 1.07 against 4.1 / 5 at two
+    confidences = {"a": [0.9, 0.9, 0.9], "b": [0.3, 0.3]}
+    chosen = ConfidenceScheduler(AFFINE, padding=PADS).select(confidences, base_tokens=2, guaranteed=2)
+    assert chosen == {"a": 1, "b": 1}
+    # a request with fewer drafts than the length verifies all of its own
+    chosen = ConfidenceScheduler(FLAT, padding=PADS).select({"a": [0.5, 0.5, 0.5], "b": [0.5]}, 2, 2)
+    assert chosen == {"a": 3, "b": 1}
+
+
+def test_steps_the_runner_does_not_pad_keep_the_token_pricing():
+    confidences = {"a": [0.9, 0.9, 0.9], "b": [0.3, 0.3]}
+    with_prompt = ConfidenceScheduler(AFFINE, padding=PADS).select(confidences, base_tokens=12, guaranteed=2)
+    assert with_prompt == ConfidenceScheduler(AFFINE).select(confidences, base_tokens=12, guaranteed=2)
+    small = DecodePadding(max_seqs=1, max_query_len=4)  # two sequences: more than its graphs hold
+    assert ConfidenceScheduler(AFFINE, padding=small).select(confidences, 2, 2) == {"a": 3, "b": 0}
+
+
+def test_a_probe_sets_the_least_length_of_a_padded_step():
+    scheduler = ConfidenceScheduler(AFFINE, probe_every=1, padding=PADS)
+    assert scheduler.select({"a": [0.05, 0.05], "b": [0.05]}, base_tokens=2, guaranteed=2) == {"a": 1, "b": 1}
+
+
 def _scheduler(confidence):
     from dsinfer.config import SchedulerConfig
     from dsinfer.kvcache.manager import KVCacheManager
@@ -58,12 +92,14 @@ def _scheduler(confidence):
                      max_model_len=128, confidence=confidence)
 
 
-@pytest.mark.parametrize("curve,expected", [(FLAT, [[7, 8, 9], [7, 8]]), (AFFINE, [[7, 8], []])])
-def test_the_scheduler_verifies_the_prefix_the_confidence_scheduler_admits(curve, expected):
+@pytest.mark.parametrize("curve,padding,expected", [(FLAT, DecodePadding(), [[7, 8, 9], [7, 8]]),
+                                                    (AFFINE, DecodePadding(), [[7, 8], []]),
+                                                    (AFFINE, PADS, [[7, 8], [7, 8]])])
+def test_the_scheduler_verifies_the_prefix_the_confidence_scheduler_admits(curve, padding, expected):
     from dsinfer.core.plan import RequestSampling
     from dsinfer.core.request import Request
 
-    scheduler = _scheduler(ConfidenceScheduler(curve))
+    scheduler = _scheduler(ConfidenceScheduler(curve, padding=padding))
     requests = []
     for i in range(2):
         sampling = RequestSampling(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0)

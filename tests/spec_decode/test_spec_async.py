@@ -91,3 +91,25 @@ def test_a_worker_process_runs_drafts_ahead_under_overlap(tiny_llama_dir, tmp_pa
         assert llm.engine.get_stats()["spec_decode"]["num_accepted_tokens"] > 0
     finally:
         llm.engine.shutdown()
+
+
+def test_padded_steps_of_mixed_draft_counts_keep_the_tokens_under_overlap(tiny_llama_dir, tmp_path, plain):
+    """Steps whose requests verify different draft counts, padded to the longest (forced on CPU, where no graph
+    replays them: ``runner.decode_padding``), placeholders of the step in flight included, give the tokens of
+    decoding without speculation."""
+    prompts = repetitive_prompts(6, seed=3)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 9, 16, 20, 24, 5)]
+    overlapped = make(tiny_llama_dir, tmp_path, overlap=True, spec={**SPEC, "confidence_scheduling": True})
+    runner = overlapped.engine.runner
+    runner.force_decode_padding = True
+    padded_steps = []  # per padded step: whether it filled placeholders of the step in flight
+    forward_padded = runner._forward_padded
+
+    def recording(inputs, padded):
+        padded_steps.append(bool(inputs.placeholder_rows))
+        return forward_padded(inputs, padded)
+
+    runner._forward_padded = recording
+    assert run(overlapped, prompts, params) == run(plain, prompts, params)
+    assert True in padded_steps
+    assert overlapped.engine.get_stats()["spec_decode"]["num_accepted_tokens"] > 0
