@@ -1,7 +1,7 @@
-"""Expert parallelism in the engine on CPU (gloo, two spawned ranks, data_parallel_size 1): the routed experts of
-DeepSeek-V2 partitioned over the ranks give the tokens of one process, with logprobs within float32 tolerance of
-transformers', through prefix-cache hits and preemption; sizes that cannot be partitioned are refused before any
-rank starts."""
+"""Expert parallelism in the engine on CPU (gloo, two spawned ranks): the routed experts of DeepSeek-V2
+partitioned over the ranks, with tensor-parallel attention (data_parallel_size 1) or DP attention, give the tokens
+of one process, with logprobs within float32 tolerance, through prefix-cache hits, preemption and EPLB
+rebalances; a killed rank fails generate; sizes that cannot be partitioned are refused before any rank starts."""
 
 from __future__ import annotations
 
@@ -33,17 +33,23 @@ def _transformers_logprobs(path: str, prompt: list[int], tokens: list[int]) -> l
 
 
 def test_ep2_deepseek_v2_gives_one_process_tokens_and_transformers_logprobs(tiny_deepseek_dir):
+    """TP attention, experts partitioned, EPLB rebalancing between the ranks all along (weights moved over
+    gloo): greedy tokens of one process without EPLB, logprobs within 1e-4 of transformers'."""
     path = str(tiny_deepseek_dir)
     prompts = _prompts(256)
     expected = _run(LLM(path, **ENGINE), prompts)
-    two = LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE)
+    two = LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+              eplb_config={"num_redundant_experts": 2, "window_size": 4, "step_interval": 8}, **ENGINE)
     try:
-        assert two.engine.executor.num_local_expert_slots == 4  # each rank holds 4 of the 8 routed experts
+        assert two.engine.executor.num_local_expert_slots == 6  # (8 experts + 2 redundant) / 2 ranks + a spare
         got = _run(two, prompts)
+        two.engine.get_stats()  # the next step brings rank 0's rebalance totals
+        assert _run(two, prompts[:1])[0][0] == got[0][0]
         stats = two.engine.get_stats()
         assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0  # both paths were taken
     finally:
         two.engine.shutdown()
+    assert stats["eplb"]["num_rebalances"] >= 2 and stats["eplb"]["received_bytes"] > 0, stats["eplb"]
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
     for prompt, (tokens, lps) in zip(prompts, got):
         want = _transformers_logprobs(path, prompt["prompt_token_ids"], tokens)
