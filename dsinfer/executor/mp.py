@@ -101,6 +101,9 @@ class MultiprocExecutor(Executor):
             from dsinfer.models.loader.model_loader import check_parallel_shapes
 
             rdv = Rendezvous.resolve(world)  # a launcher's mismatch or a busy port: refused before any spawn
+            if rdv.launched and config.parallel.data_parallel_size > 1:
+                raise ValueError("data_parallel_size > 1 under a launcher (torchrun / SLURM RANK, WORLD_SIZE) is not "
+                                 "supported yet: DP attention spawns its ranks on one node")
             if rdv.launched and rdv.launched_rank != 0:
                 raise ValueError(f"RANK={rdv.launched_rank}: only RANK 0 of a launched job runs the engine; the "
                                  "others follow it (dsinfer serve / generate do so by themselves)")

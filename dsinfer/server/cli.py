@@ -52,6 +52,7 @@ _ENGINE_ARGS = (
     "distributed_executor_backend",
     "tensor_parallel_size",
     "enable_expert_parallel",
+    "data_parallel_size",
     "speculative_config",
     "enable_eplb",
     "eplb_config",
@@ -227,7 +228,10 @@ _SWITCHES = (
 def _add_vllm_args(grp: Any) -> None:
     for flags, dest in ((("--pipeline-parallel-size", "-pp"), "pipeline_parallel_size"),
                         (("--data-parallel-size", "-dp"), "data_parallel_size")):
-        grp.add_argument(*flags, dest=dest, type=int, default=None, help="1 only: one GPU per process")
+        grp.add_argument(*flags, dest=dest, type=int, default=None,
+                         help="1 only: one GPU per process" if dest == "pipeline_parallel_size" else
+                         "with --enable-expert-parallel: DP attention over this many ranks (each its own "
+                         "scheduler and KV cache, the MoE experts across all)")
     grp.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=None,
                      help="accepted: dsinfer never runs a model's own Python code")
     for flag, why in _SWITCHES:
@@ -287,11 +291,12 @@ def check_serve_args(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None:
             check_parallel_size(value, f"--{name.replace('_', '-')} {value}")
-    if args.data_parallel_size not in (None, 1):
-        raise ValueError(f"--data-parallel-size {args.data_parallel_size}: dsinfer has no data parallelism in the "
-                         "server yet (DP attention runs offline: LLM(data_parallel_size=N, "
-                         "enable_expert_parallel=True)); serve with -tp N --enable-expert-parallel, or run one "
-                         "server per GPU behind `dsinfer router`")
+    if args.data_parallel_size is not None and args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size {args.data_parallel_size}: must be >= 1")
+    if (args.data_parallel_size or 1) > 1 and not args.enable_expert_parallel:
+        raise ValueError(f"--data-parallel-size {args.data_parallel_size}: dsinfer has no data parallelism "
+                         "without --enable-expert-parallel (DP attention for DeepSeek MoE); for replicas of a "
+                         "model run one server per GPU behind `dsinfer router`")
     if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: must be >= 1")
     for flag, value in (("--max-waiting-tokens", args.max_waiting_tokens), ("--header-timeout", args.header_timeout),
@@ -401,6 +406,10 @@ def build_engine(args: argparse.Namespace) -> Any:
     if getattr(args, "quantization", None) == "fp8":
         # the checkpoint's config.json decides, before any weights load
         _check_quantization("fp8", eargs.create_engine_config().model.hf_config)
+    if eargs.data_parallel_size > 1:
+        from dsinfer.engine.dp_engine import DataParallelEngine
+
+        return DataParallelEngine.from_engine_args(eargs, usage="server")
     return LLMEngine.from_engine_args(eargs, usage="server")
 
 

@@ -86,21 +86,39 @@ def test_dp2_attention_gives_one_process_tokens_and_logprobs(tiny_deepseek_dir):
     assert not any(p.is_alive() for p in dp.engine.executor.processes)
 
 
-def test_a_killed_dp_rank_fails_generate_within_30s(tiny_deepseek_dir):
-    llm = LLM(str(tiny_deepseek_dir), device="cpu", data_parallel_size=2, enable_expert_parallel=True)
-    rank1 = llm.engine.executor.processes[1]
-    killer = threading.Timer(0.5, os.kill, (rank1.pid, signal.SIGKILL))
-    long = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)  # far longer than the delay
-    started = time.monotonic()
-    killer.start()
+def test_serve_flags_build_dp_engines_and_a_killed_rank_fails_a_step_within_30s(tiny_deepseek_dir):
+    """``dsinfer serve -dp 2 --enable-expert-parallel``'s engine serves a request; then a rank killed mid-run
+    fails the step in bounded time (the server answers 503 and exits on that error)."""
+    import argparse
+
+    from dsinfer.engine.dp_engine import DataParallelEngine
+    from dsinfer.server.cli import add_serve_args, build_engine, check_serve_args
+
+    args = add_serve_args(argparse.ArgumentParser()).parse_args(
+        [str(tiny_deepseek_dir), "-dp", "2", "--enable-expert-parallel", "--device", "cpu"])
+    check_serve_args(args)
+    engine = build_engine(args)
     try:
+        assert isinstance(engine, DataParallelEngine) and len(engine.engines) == 2
+        engine.add_request("short", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, temperature=0.0))
+        done = []
+        while engine.has_unfinished_requests():
+            done += [o for o in engine.step() if o.finished]
+        assert len(done) == 1 and len(done[0].outputs[0].token_ids) == 3
+        long = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)  # far longer than the delay
+        for i in range(4):
+            engine.add_request(f"long-{i}", {"prompt_token_ids": [5, 6, 7]}, long)
+        rank1 = engine.executor.processes[1]
+        killer = threading.Timer(0.5, os.kill, (rank1.pid, signal.SIGKILL))
+        started = time.monotonic()
+        killer.start()
         with pytest.raises(WorkerDiedError, match=r"worker process 1 \(pid \d+\) died \(signal 9\)"):
-            llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 4, long, use_tqdm=False)
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - started < 30
     finally:
-        killer.cancel()
-        llm.engine.shutdown()
-    assert time.monotonic() - started < 30
-    assert not any(p.is_alive() for p in llm.engine.executor.processes)
+        engine.shutdown()
+    assert not any(p.is_alive() for p in engine.executor.processes)
 
 
 def _refused(path, match: str, **kwargs) -> None:
