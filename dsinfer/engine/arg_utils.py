@@ -92,7 +92,7 @@ class EngineArgs:
     # shared experts stay tensor-parallel (data_parallel_size 1) or data-parallel
     enable_expert_parallel: bool = False
     # vLLM's data_parallel_size: with enable_expert_parallel (and tensor_parallel_size 1), DP attention: each rank
-    # its own scheduler, KV cache and batch, the MoE layers across all ranks (offline ``LLM`` only for now)
+    # its own scheduler, KV cache and batch, the MoE layers across all ranks (``engine.dp_engine``)
     data_parallel_size: int = 1
     # vLLM's speculative_config: {"method": "ngram" | "mtp", "num_speculative_tokens": k, "prompt_lookup_min",
     # "prompt_lookup_max", "acceptance": "rejection" | "exact", "confidence_scheduling"} (``SpeculativeConfig``)

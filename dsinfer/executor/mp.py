@@ -17,6 +17,9 @@ killed (they would wait in a collective). A step whose result has not come withi
 hung worker) gets the workers killed and the same ``WorkerDiedError``. A worker exits when the engine's end of its
 pipe closes (the other ranks: when rank 0's control channel breaks), so no worker outlives its engine.
 
+Data parallelism (DP attention, ``data_parallel_size`` > 1): every rank gets its own plans over its own pipe and
+answers them (no control broadcast), each from the engine of its rank (``RankExecutor``, ``engine.dp_engine``).
+
 Ranks started by a launcher (torchrun, SLURM: ``distributed.rendezvous``) are not children: ``RANK`` 0's engine
 spawns rank 0's worker only, and each other launched process runs ``run_launched_rank`` (``dsinfer serve`` does).
 """
