@@ -196,9 +196,9 @@ class EngineArgs:
             return
         size = f"data_parallel_size={self.data_parallel_size}"
         if self.enable_expert_parallel is not True:
-            raise ValueError(f"{size} needs enable_expert_parallel=True (DP attention with the MoE experts across "
-                             "the ranks); for replicas of a dense model run one engine per GPU behind "
-                             "`dsinfer router`")
+            raise ValueError(f"{size}: dsinfer has no data parallelism without enable_expert_parallel=True (DP "
+                             "attention with the MoE experts across the ranks); for replicas of a model run one "
+                             "engine per GPU behind `dsinfer router`")
         refused = {"tensor_parallel_size > 1": self.tensor_parallel_size > 1,
                    "speculative_config": bool(self.speculative_config), "kv_store": bool(self.kv_store),
                    "async_scheduling=True": self.async_scheduling is True,

@@ -137,7 +137,8 @@ def test_expert_parallel_sizes_that_do_not_partition_are_refused(tiny_deepseek_d
     _refused(tiny_llama_dir, "enable_expert_parallel=True needs a DeepSeek V2 / V3 MoE model",
              tensor_parallel_size=2, enable_expert_parallel=True)
     _refused(tiny_deepseek_dir, "enable_expert_parallel must be true or false", enable_expert_parallel="yes")
-    _refused(tiny_deepseek_dir, r"data_parallel_size=2 needs enable_expert_parallel=True", data_parallel_size=2)
+    _refused(tiny_deepseek_dir, r"data_parallel_size=2: dsinfer has no data parallelism without "
+             r"enable_expert_parallel=True", data_parallel_size=2)
     _refused(tiny_deepseek_dir, r"data_parallel_size=2 \(DP attention\) does not take tensor_parallel_size > 1",
              data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)
     _refused(tiny_deepseek_dir, r"does not take speculative_config", data_parallel_size=2,
