@@ -17,7 +17,7 @@ It answers what ``LLM`` asks of an engine: ``add_request``, ``abort_request``, `
 from __future__ import annotations
 
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from dsinfer.engine.arg_utils import EngineArgs
@@ -90,6 +90,7 @@ class DataParallelEngine:
         if not self.has_unfinished_requests():
             return []
         futures = [self._threads.submit(engine.step) for engine in self.engines]
+        wait(futures)  # every rank's step has returned (or raised) before anyone touches the engines again
         outputs = []
         for future in futures:
             outputs += future.result()
