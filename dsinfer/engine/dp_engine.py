@@ -24,6 +24,7 @@ from dsinfer.engine.arg_utils import EngineArgs
 from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.sampling_params import SamplingParams
+from dsinfer.executor.base import WorkerDiedError
 
 # get_stats keys summed over the ranks (the others are rank 0's)
 SUMMED = ("num_running", "num_waiting", "num_waiting_tokens", "num_kv_tokens", "num_preemptions",
@@ -91,6 +92,9 @@ class DataParallelEngine:
             return []
         futures = [self._threads.submit(engine.step) for engine in self.engines]
         wait(futures)  # every rank's step has returned (or raised) before anyone touches the engines again
+        died = [f.exception() for f in futures if isinstance(f.exception(), WorkerDiedError)]
+        if died:  # the root cause before the other ranks' failed collectives
+            raise died[0]
         outputs = []
         for future in futures:
             outputs += future.result()

@@ -32,6 +32,7 @@ import logging
 import multiprocessing.connection
 import os
 import sys
+import threading
 import traceback
 from typing import Any
 
@@ -54,6 +55,7 @@ from dsinfer.executor.faults import FaultInjector
 logger = logging.getLogger("dsinfer")
 
 _SHUTDOWN_WAIT_S = 10.0
+_PEER_DEATH_WAIT_S = 1.0  # a step that failed: how long to look for the death of a peer that caused it
 
 
 class _StepFuture:
@@ -116,6 +118,7 @@ class MultiprocExecutor(Executor):
         self._workers = [_Worker(ctx, config, rank, torch.get_num_threads(), rdv) for rank in ranks]
         self._pending: collections.deque[_StepFuture] = collections.deque()
         self._closed = False
+        self._reaping = threading.Lock()
         self._data_parallel = config.parallel.data_parallel_size > 1
         self._infos = self._await_ready()
         info = self._infos[0]
@@ -188,8 +191,17 @@ class MultiprocExecutor(Executor):
             self._send(["result"], worker)
             kind, payload = self._receive(worker, self._step_timeout_s)
             if kind == "error":
+                self._raise_if_another_died(worker)  # its collective failed because a peer died: say so
                 raise RuntimeError(f"the worker process failed in a step: {payload}")
             head.set(payload)
+
+    def _raise_if_another_died(self, worker: _Worker) -> None:
+        """A ``WorkerDiedError`` for another rank that has died (or dies within a second: a collective with a
+        dead peer can fail before its process is reaped)."""
+        others = {w.process.sentinel: w for w in self._workers if w is not worker}
+        dead = multiprocessing.connection.wait(list(others), _PEER_DEATH_WAIT_S) if others else []
+        if dead:
+            raise self._died(others[dead[0]])
 
     def _send(self, message: list[Any], worker: _Worker | None = None) -> None:
         worker = worker or self._workers[0]
@@ -237,8 +249,9 @@ class MultiprocExecutor(Executor):
         return kind, payload
 
     def _died(self, worker: _Worker) -> WorkerDiedError:
-        how = worker.exit_status()
-        self._kill_all()
+        with self._reaping:  # data-parallel engines' threads may see the same death: one reaps it at a time
+            how = worker.exit_status()
+            self._kill_all()
         return WorkerDiedError(f"{worker.describe()} died ({how}); the engine cannot go on")
 
     def _kill_all(self) -> None:
