@@ -187,8 +187,8 @@ def v4_predictive(tmp_path_factory) -> _Ckpt:
     """Every block's output projections zeroed (attention wo_b, experts' and shared expert's w2): a block adds
     nothing and the doubly-stochastic stream mixing keeps equal streams equal, so the target's next token is a
     function of its current one, f(t) = argmax head(norm(embed(t))) (the norms undo every scale). The MTP layer's
-    block zeroed the same way, h_proj 0, e_proj the identity, enorm's weight 1 and its norm the model's: it predicts f(t_{i+1}),
-    which is what the target says next, so its drafts are kept."""
+    block zeroed the same way, h_proj 0, e_proj the identity, enorm's weight 1 and its norm the model's: it
+    predicts f(t_{i+1}), which is what the target says next, so its drafts are kept."""
     hf5 = _donor(1)
     with torch.no_grad():
         for name, param in hf5.named_parameters():
