@@ -24,6 +24,7 @@ from tests.models.v4_fixture import LAYER_TYPES, randomize, v4_config
 transformers = pytest.importorskip("transformers")
 
 HIDDEN, HC = 32, 2
+SLIDING, CSA = "sliding_attention", "compressed_sparse_attention"
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
@@ -32,10 +33,10 @@ class _Ckpt:
         self.path, self.hf5, self.extras = path, hf5, extras
 
 
-def _donor(seed: int):
-    """The 5-layer transformers V4: layers 0-3 the target, layer 4 the MTP block."""
+def _donor(seed: int, mtp_kind: str = SLIDING):
+    """The 5-layer transformers V4: layers 0-3 the target, layer 4 (of ``mtp_kind``) the MTP block."""
     torch.manual_seed(seed)
-    cfg = v4_config(transformers, num_hidden_layers=5, layer_types=LAYER_TYPES + ["sliding_attention"],
+    cfg = v4_config(transformers, num_hidden_layers=5, layer_types=LAYER_TYPES + [mtp_kind],
                     mlp_layer_types=["hash_moe", "moe", "moe", "moe", "moe"])
     hf5 = transformers.DeepseekV4ForCausalLM(cfg).eval()
     randomize(hf5, seed)
@@ -57,7 +58,9 @@ def _extras(seed: int) -> dict[str, torch.Tensor]:
 
 def write_v4_mtp(path, hf5, extras: dict[str, torch.Tensor]) -> _Ckpt:
     """The target (layers 0-3 of ``hf5``) as transformers saves it, config ``num_nextn_predict_layers=1``, and the
-    MTP layer's tensors under ``mtp.0.``: layer 4 of ``hf5`` as saved, and ``extras``."""
+    MTP layer's tensors under ``mtp.0.``: layer 4 of ``hf5`` as saved, and ``extras``. A compressed MTP layer is
+    named by a fifth ``layer_types`` entry (as the published ``compress_ratios`` lists it); a sliding one is the
+    default, unnamed."""
     hf5.save_pretrained(path / "donor")
     donor = load_file(path / "donor" / "model.safetensors")
     tensors = {k: v for k, v in donor.items() if not k.startswith("model.layers.4.")}
@@ -65,8 +68,9 @@ def write_v4_mtp(path, hf5, extras: dict[str, torch.Tensor]) -> _Ckpt:
                 if k.startswith("model.layers.4.")}
     tensors |= extras
     cfg = json.loads((path / "donor" / "config.json").read_text())
-    cfg |= {"num_hidden_layers": 4, "layer_types": LAYER_TYPES, "mlp_layer_types": cfg["mlp_layer_types"][:4],
-            "num_nextn_predict_layers": 1}
+    kind = cfg["layer_types"][4]
+    cfg |= {"num_hidden_layers": 4, "layer_types": LAYER_TYPES + ([kind] if kind != SLIDING else []),
+            "mlp_layer_types": cfg["mlp_layer_types"][:4], "num_nextn_predict_layers": 1}
     (path / "config.json").write_text(json.dumps(cfg))
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     return _Ckpt(path, hf5, extras)
@@ -75,6 +79,13 @@ def write_v4_mtp(path, hf5, extras: dict[str, torch.Tensor]) -> _Ckpt:
 @pytest.fixture(scope="module")
 def v4_random(tmp_path_factory) -> _Ckpt:
     return write_v4_mtp(tmp_path_factory.mktemp("deepseek-v4-mtp"), _donor(0), _extras(3))
+
+
+@pytest.fixture(scope="module")
+def v4_csa_mtp(tmp_path_factory) -> _Ckpt:
+    """The MTP layer a CSA one (rate 4, the indexer's top-3): its compressed entries and indexer keys paged in the
+    request's blocks, its compressors' rows in its state slot."""
+    return write_v4_mtp(tmp_path_factory.mktemp("deepseek-v4-csa-mtp"), _donor(2, CSA), _extras(5))
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -129,13 +140,16 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(2, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_mtp_logits_equal_a_hand_run_of_transformers_modules(v4_random):
+@pytest.mark.parametrize("fixture", ["v4_random", "v4_csa_mtp"])
+def test_mtp_logits_equal_a_hand_run_of_transformers_modules(fixture, request):
     """A 30-token prompt (past the window, several CSA / HCA windows) in one prefill: the MTP layer's logits at
     every position (next token: the prompt's next, then the first sampled token) equal the hand-run's; the first
     two drafts (k = 2: the second chains the MTP layer on its own streams at the next position) are the
-    hand-run's argmaxes, with its probabilities as confidences."""
+    hand-run's argmaxes, with its probabilities as confidences. The MTP layer sliding (as published) or CSA."""
+    v4_random = request.getfixturevalue(fixture)
     llm = LLM(str(v4_random.path), speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     layer = llm.engine.executor.runner.model.mtp.layers[0]
+    assert layer.attn.kind == (CSA if fixture == "v4_csa_mtp" else SLIDING)
     logits = []
     layer.register_forward_hook(lambda m, a, out: logits.append(layer.shared_head(out)))
     received = []
@@ -180,6 +194,16 @@ def test_greedy_with_mtp_equals_greedy_without(v4_random):
     preempted = record_preemptions(tight)
     assert _run(tight, prompts) == expected
     assert preempted, "the KV cache was large enough: nothing was preempted"
+
+
+def test_greedy_with_a_csa_mtp_layer_equals_greedy_without(v4_csa_mtp):
+    """A compressed MTP layer (entries in the request's blocks), k = 3: a batch, then 16-token prefill chunks."""
+    prompts = _prompts()
+    expected = _run(LLM(str(v4_csa_mtp.path)), prompts)
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    assert _run(LLM(str(v4_csa_mtp.path), speculative_config=spec), prompts) == expected
+    chunked = LLM(str(v4_csa_mtp.path), speculative_config=spec, max_num_batched_tokens=16, max_num_seqs=4)
+    assert _run(chunked, prompts) == expected
 
 
 @pytest.fixture(scope="module")
