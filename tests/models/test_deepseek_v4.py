@@ -144,16 +144,16 @@ PUBLISHED = {"model.embed_tokens.weight": "embed.weight", "model.hc_head.hc_fn":
 
 
 def _published(src: Path, dst: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The checkpoint as DeepSeek publishes it (no ``model.`` prefix, ``embed`` / ``hc_head_fn``..., an MTP
-    layer's tensors under ``mtp.0``, config ``num_nextn_predict_layers=1``) in ``dtype``; -> the MTP tensors
-    written."""
+    """The checkpoint as DeepSeek publishes it (no ``model.`` prefix, ``embed`` / ``hc_head_fn`` /
+    ``attn.kv_norm``..., an MTP layer's tensors under ``mtp.0``, config ``num_nextn_predict_layers=1``) in
+    ``dtype``; -> the MTP tensors written."""
     dst.mkdir()
     cfg = json.loads((src / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps(cfg | {"num_nextn_predict_layers": 1}))
     out = {}
     gen = torch.Generator().manual_seed(1)
     for name, t in load_file(src / "model.safetensors").items():
-        name = PUBLISHED.get(name, name).removeprefix("model.")
+        name = PUBLISHED.get(name, name).removeprefix("model.").replace(".attn.norm.", ".attn.kv_norm.")
         out[name] = t.to(dtype) if t.is_floating_point() else t
         # the MTP layer's block (sliding attention, top-k MoE): a copy of the last layer's, without its compressors
         if name.startswith("layers.3.") and ".compressor." not in name and ".indexer." not in name:

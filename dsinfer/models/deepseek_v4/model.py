@@ -30,6 +30,9 @@ from dsinfer.models.deepseek_v4.hyper import HyperConnection, HyperHead
 from dsinfer.models.deepseek_v4.moe import V4Experts, V4MoE
 from dsinfer.models.deepseek_v4.quant import dequantized
 
+# the attention's KV norm: ``attn.kv_norm`` as DeepSeek's reference names it (the published checkpoints),
+# ``attn.norm`` as transformers' save_pretrained writes it back
+_KV_NORM = ".attn.kv_norm."
 # transformers' save_pretrained names -> the published ones (after the "model." prefix is dropped)
 _SAVED_NAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
                 "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
@@ -123,7 +126,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             name = f"mtp.layers.{mtp[1]}.{mtp[2]}"
         if name == "head.weight" and self.head.tied:
             return None
-        name = _HC.sub(lambda m: f"{m[1]}hc_{m[2]}.{m[3]}", name)
+        name = _HC.sub(lambda m: f"{m[1]}hc_{m[2]}.{m[3]}", name).replace(_KV_NORM, ".attn.norm.")
         expert = _EXPERT.search(name)
         if expert:
             return name[:expert.start()] + ".experts", (int(expert[1]), expert[2])
