@@ -272,7 +272,7 @@ class Scheduler:
             return False
         self.waiting.popleft()
         first, bpg = num_cached // grain, self.store.blocks_per_grain
-        num_held = len(computed[0]) if self.store.has_windows and computed else len(computed)
+        num_held = self.kv.num_held(computed)
         load = KVLoad(request.request_id, [], [])
         if self.store.has_full:
             load.keys = keys[first:stored]
