@@ -301,6 +301,7 @@ class Scheduler:
                 self.kv.free(request)
                 request.num_computed_tokens = 0
                 request.store_lookup = False
+                request.num_stored_grains = 0  # what it found broken is saved again, whole
                 request.status = RequestStatus.WAITING
                 if self.by_priority:
                     self._enqueue(request)
