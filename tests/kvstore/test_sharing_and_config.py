@@ -1,4 +1,4 @@
-"""Two engine processes sharing one directory; start-up errors of a bad kv_store; the model the store refuses (V4)."""
+"""Two engine processes sharing one directory; start-up errors of a bad kv_store."""
 
 from __future__ import annotations
 
