@@ -13,9 +13,11 @@ Rows of negative positions (a block end before the window's first position) are 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from dsinfer.core.kv_cache_spec import ring_keeps_boundary
+from dsinfer.runner.input_batch import to_device_packed
 
 
 def boundaries_after_step(num_computed: int, num_new: int, block_size: int, max_draft_tokens: int) -> list[int]:
@@ -30,7 +32,7 @@ def save(layers: list, items: list[tuple[int, int, int]]) -> None:
     if not items:
         return
     device = layers[0].state["window"].device
-    slots, ends, blocks = (torch.tensor(col, dtype=torch.long, device=device) for col in zip(*items))
+    slots, ends, blocks = to_device_packed([np.asarray(col, np.int64) for col in zip(*items)], device)
     for layer in layers:
         for name, out in layer.boundary.rings.items():
             ring, rows = layer.state[name], out.shape[1]

@@ -441,12 +441,14 @@ class ModelRunner:
 
     def _save_boundaries(self, plan: StepPlan) -> None:
         """After the forward: the block ends the step reached that the rings still hold (``boundary_states``)."""
-        items = []
+        items, bs, requests = [], self.block_size, self.requests.requests
         for rid, num_new in plan.num_scheduled_tokens.items():
-            state = self.requests.requests[rid]
-            for end in boundary_states.boundaries_after_step(state.num_computed_tokens, num_new, self.block_size,
-                                                             self.max_draft_tokens):
-                items.append((state.state_slot, end, state.block_ids[0][end // self.block_size - 1]))
+            state = requests[rid]
+            start = state.num_computed_tokens
+            if (start + num_new) // bs == start // bs:  # most decode steps: no block end reached
+                continue
+            for end in boundary_states.boundaries_after_step(start, num_new, bs, self.max_draft_tokens):
+                items.append((state.state_slot, end, state.block_ids[0][end // bs - 1]))
         boundary_states.save(self.boundary_layers, items)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:

@@ -76,11 +76,19 @@ def _conversation(v4, llm: LLM) -> None:
         _assert_exact(hf, prompt, out, ref, mode)
 
 
-@pytest.mark.parametrize("mode", ["whole", "chunked"])
+MODES = {"whole": {}, "chunked": {"max_num_batched_tokens": 16, "max_num_seqs": 4},
+         "worker process": {"distributed_executor_backend": "mp"}}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 def test_a_hit_restores_the_state_slot_and_continues_as_cold_and_hf(v4, mode):
-    """Chunked: 16-token chunks end on block ends, so those boundaries come from the rings after each step."""
-    kwargs = {"max_num_batched_tokens": 16, "max_num_seqs": 4} if mode == "chunked" else {}
-    _conversation(v4, LLM(str(v4[0]), block_size=BS, **kwargs))
+    """Chunked: 16-token chunks end on block ends, so those boundaries come from the rings after each step. Worker
+    process: the slot is restored there, from the block ids of the request's NewRequestData."""
+    llm = LLM(str(v4[0]), block_size=BS, **MODES[mode])
+    try:
+        _conversation(v4, llm)
+    finally:
+        llm.engine.shutdown()
 
 
 def test_a_hit_through_the_decode_graph_buffers(v4, monkeypatch):
@@ -136,8 +144,19 @@ def test_a_hit_computes_the_same_few_tokens_whatever_the_prefix(v4):
     firsts = [tokens[:32] + tokens[190:195], tokens[:160] + tokens[190:195]]
     seconds = [tokens[:32] + tokens[180:185], tokens[:160] + tokens[180:185]]
     _run(llm, firsts, 1)
+    computed: dict[str, int] = {}  # tokens each request's steps computed
+    schedule = llm.engine.scheduler.schedule
+
+    def counting_schedule():
+        out = schedule()
+        for rid, n in out.plan.num_scheduled_tokens.items():
+            computed[rid] = computed.get(rid, 0) + n
+        return out
+
+    llm.engine.scheduler.schedule = counting_schedule
     ours = _run(llm, seconds, 4)
     assert [len(p) - o[2] for p, o in zip(seconds, ours)] == [5, 5]
+    assert sorted(computed.values()) == [5 + 3, 5 + 3]  # the tail, then 3 decode steps (the 4th token is sampled)
     cold = _run(LLM(str(path), block_size=BS, enable_prefix_caching=False), seconds, 4)
     for prompt, out, ref in zip(seconds, ours, cold):
         _assert_exact(hf, prompt, out, ref, "long prefix")
