@@ -77,12 +77,13 @@ def _conversation(v4, llm: LLM) -> None:
 
 
 MODES = {"whole": {}, "chunked": {"max_num_batched_tokens": 16, "max_num_seqs": 4},
-         "worker process": {"distributed_executor_backend": "mp"}}
+         "async": {"async_scheduling": True}, "worker process": {"distributed_executor_backend": "mp"}}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_hit_restores_the_state_slot_and_continues_as_cold_and_hf(v4, mode):
-    """Chunked: 16-token chunks end on block ends, so those boundaries come from the rings after each step. Worker
+    """Chunked: 16-token chunks end on block ends, so those boundaries come from the rings after each step. Async:
+    a block is offered while the step that filled it may still run (the restore queues behind it). Worker
     process: the slot is restored there, from the block ids of the request's NewRequestData."""
     llm = LLM(str(v4[0]), block_size=BS, **MODES[mode])
     try:
