@@ -11,7 +11,9 @@ slot per running request: ``allocate_slots`` (and ``allocate_for_load``) gives a
 together with its blocks, or neither (a request is admitted only if both fit), and ``free`` returns both. With
 prefix caching on, the worker keeps in every block the slot's rows at the block's end (``BoundaryStateSpec``), so
 a hit of n blocks is exact: the worker restores the slot from the n-th block (``runner.boundary_states``), and the
-KV store saves that block's rows as each grain's boundary state (``window_block_ids``). Their blocks are offered
+KV store saves that block's rows as each grain's boundary state (``window_block_ids``); a load brings only its
+last block's rows, so the blocks before it are cached but no hit ends on them (``KVCacheBlock.resumable``).
+Their blocks are offered
 to the prefix cache only once computed (by an earlier step, or when the request is freed), never by the step
 that fills them: a request admitted in that same step would restore its slot before the forward wrote the rows.
 """
@@ -54,6 +56,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        while hits and not hits[-1].resumable:  # (state models) the hit ends where the state is kept
+            hits.pop()
         self.prefix_queries += request.num_tokens
         self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
@@ -103,7 +107,11 @@ class KVCacheManager:
             return False
         if self.slots is not None and request.state_slot < 0:
             request.state_slot = self.slots.allocate()
+        first = len(request.blocks) + len(computed)
         self._take_blocks(request, num_new_tokens, computed)
+        if self.slots is not None:  # the load brings the state at its end only
+            for block in request.blocks[first:-1]:
+                block.resumable = False
         return True
 
     def num_held(self, computed: list[KVCacheBlock]) -> int:

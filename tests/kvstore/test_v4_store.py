@@ -155,3 +155,27 @@ def test_v4_damaged_truncated_deleted_and_foreign_files_are_misses(v4_dir, tmp_p
     out = run(llm, batch)
     assert token_ids(out) == cold and [o.num_cached_tokens for o in out] == [64] * 5
     llm.engine.shutdown()
+
+
+def test_blocks_a_load_filled_before_its_boundary_are_no_gpu_hit(v4_dir, tmp_path):
+    """A load brings the state at its last grain's end only: the blocks before it join the GPU prefix cache (a
+    longer prompt passes through them), but a prompt that ends among them cannot resume there from the GPU; it
+    loads the shorter prefix from the store (its grains' own boundary states) and gives the cold tokens. Those
+    blocks then replace the first load's as the GPU's, so a third prompt on that prefix is a GPU hit."""
+    whole = prompts(30, 1, 100, 0)
+    head, other = ({"prompt_token_ids": whole[0]["prompt_token_ids"][:64] + p["prompt_token_ids"]}
+                   for p in prompts(31, 2, 0, 20))
+    cold = token_ids(run(v4(v4_dir, enable_prefix_caching=False), whole + [head, other]))
+    llm = v4(v4_dir, kv_store={"dir": str(tmp_path), "grain": 32})
+    run(llm, whole)
+    evict_gpu_cache(llm)
+    assert run(llm, whole)[0].num_cached_tokens == 96  # from the store: 6 blocks, the state at 96
+    before = llm.engine.kv_store_stats()["hit_tokens_dir"]
+    out = run(llm, [head])
+    assert token_ids(out) == cold[1:2] and out[0].num_cached_tokens == 64
+    assert llm.engine.kv_store_stats()["hit_tokens_dir"] - before == 64
+    out = run(llm, [whole[0], other])  # GPU hits only
+    assert token_ids(out) == [cold[0], cold[2]] and [o.num_cached_tokens for o in out] == [96, 64]
+    assert llm.engine.kv_store_stats()["hit_tokens_dir"] - before == 64
+    assert_slots_free(llm)
+    llm.engine.shutdown()
