@@ -121,10 +121,10 @@ class KVCacheManager:
     def window_block_ids(self, request: Request, num_tokens: int, num_held: int = 0) -> list[int] | None:
         """A model with per-sequence state: the block whose end is ``num_tokens`` (block-aligned), which keeps
         the state slot's rows there: the KV store's boundary state of a grain (-1 when it is one of the first
-        ``num_held``, already on the GPU; None without state)."""
-        if self.slots is None:
-            return None
+        ``num_held``, already on the GPU; None without state, or when a load filled the block without it)."""
         j = num_tokens // self.block_size - 1
+        if self.slots is None or not request.blocks[j].resumable:
+            return None
         return [request.blocks[j].block_id if j >= num_held else -1]
 
     def cache_loaded(self, request: Request) -> None:

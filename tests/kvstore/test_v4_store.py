@@ -161,7 +161,8 @@ def test_blocks_a_load_filled_before_its_boundary_are_no_gpu_hit(v4_dir, tmp_pat
     """A load brings the state at its last grain's end only: the blocks before it join the GPU prefix cache (a
     longer prompt passes through them), but a prompt that ends among them cannot resume there from the GPU; it
     loads the shorter prefix from the store (its grains' own boundary states) and gives the cold tokens. Those
-    blocks then replace the first load's as the GPU's, so a third prompt on that prefix is a GPU hit."""
+    blocks then replace the first load's as the GPU's, so a third prompt on that prefix is a GPU hit; and the
+    requests that hit those blocks never save a boundary state they do not hold."""
     whole = prompts(30, 1, 100, 0)
     head, other = ({"prompt_token_ids": whole[0]["prompt_token_ids"][:64] + p["prompt_token_ids"]}
                    for p in prompts(31, 2, 0, 20))
@@ -174,8 +175,14 @@ def test_blocks_a_load_filled_before_its_boundary_are_no_gpu_hit(v4_dir, tmp_pat
     out = run(llm, [head])
     assert token_ids(out) == cold[1:2] and out[0].num_cached_tokens == 64
     assert llm.engine.kv_store_stats()["hit_tokens_dir"] - before == 64
+    llm.engine.flush_kv_store()
+    grain1, lost = store_files(llm, whole[0]["prompt_token_ids"], 32, 1)  # the state at 32: in no GPU block now
+    grain1.unlink()  # so the store holds none of the prefix: the hits below save it all again
+    lost.unlink()
     out = run(llm, [whole[0], other])  # GPU hits only
     assert token_ids(out) == [cold[0], cold[2]] and [o.num_cached_tokens for o in out] == [96, 64]
     assert llm.engine.kv_store_stats()["hit_tokens_dir"] - before == 64
+    llm.engine.flush_kv_store()
+    assert grain1.exists() and not lost.exists()  # their saves skip the boundaries whose block holds no state
     assert_slots_free(llm)
     llm.engine.shutdown()
