@@ -57,12 +57,13 @@ def assert_slots_free(llm: LLM) -> None:
     assert slots.num_free == slots.num_slots
 
 
-@pytest.mark.parametrize("tier", ["host", "dir"])
+@pytest.mark.parametrize("tier", ["host", "dir", "dir without a GPU prefix cache"])
 def test_v4_store_hit_loads_compressed_grains_and_the_boundary_state(v4_dir, tier, tmp_path):
     batch = prompts(0, 3, 70, 30)
     cold = token_ids(run(v4(v4_dir, enable_prefix_caching=False), batch))
     store = {"host_gb": 0.01} if tier == "host" else {"dir": str(tmp_path)}
-    llm = v4(v4_dir, kv_store={**store, "grain": 32})
+    llm = v4(v4_dir, kv_store={**store, "grain": 32}, enable_prefix_caching=not tier.endswith("cache"))
+    tier = tier.split()[0]
     first = run(llm, batch)
     evict_gpu_cache(llm)
     second = run(llm, batch)
