@@ -159,10 +159,12 @@ class ModelRunner:
         specs = [layer.kv_cache_spec(self.block_size, cache_dtype) for layer in layers]
         paged_specs = [spec for spec in specs if spec is not None]
         # with prefix caching or the KV store, each block also keeps the state slots' rows at its end (paged by
-        # the same block ids, counted in the block's bytes), so a hit at a block end restores the slot exactly
+        # the same block ids, counted in the block's bytes), so a hit at a block end restores the slot exactly;
+        # the model's layers only: an MTP layer's rings (written after the step, past it by chained drafts) start
+        # a hit stale, which costs some of its drafts' acceptance for a window, never a token
         keeps_boundaries = config.cache.enable_prefix_caching or config.kv_store.enabled
-        self.boundary_layers = [layer for layer in layers if hasattr(layer, "boundary_spec")] if keeps_boundaries \
-            else []
+        self.boundary_layers = [layer for layer in self.model.attention_layers() if hasattr(layer, "boundary_spec")
+                                ] if keeps_boundaries else []
         boundary_specs = [layer.boundary_spec(self.block_size, cache_dtype) for layer in self.boundary_layers]
         self.kv_specs: list[KVCacheSpec] = paged_specs + boundary_specs
         # one block table per layout (GPT-OSS: full and sliding layers); one group for most models
