@@ -84,7 +84,7 @@ class LLMEngine:
                                            config.speculative.num_speculative_tokens)
         # the KV store's index (the worker holds the store itself): asked at admission, fed by each step's output
         self.store_index = (StoreIndex(config.kv_store, engine_fingerprint(config), config.cache.block_size,
-                                       self.executor.kv_group_windows)
+                                       self.executor.kv_group_windows, self.executor.num_state_slots > 0)
                             if config.kv_store.enabled else None)
         self.kv_store_counters: dict[str, float] = {}  # the worker's latest totals
         # confidence scheduling: the step-latency curve the scheduler prices drafts on (None: off)

@@ -206,6 +206,20 @@ def test_greedy_with_a_csa_mtp_layer_equals_greedy_without(v4_csa_mtp):
     assert _run(chunked, prompts) == expected
 
 
+def test_greedy_with_mtp_across_prefix_hits_equals_greedy_without(v4_csa_mtp):
+    """16-token blocks: a second turn hits the first turn's blocks (the target's state slot restored from the
+    last; the MTP layer's compressed entries in those blocks, its rings not restored) and its greedy tokens are
+    those of a cold run without MTP."""
+    turn1 = _prompt(40, 3)
+    cold = LLM(str(v4_csa_mtp.path), block_size=16, enable_prefix_caching=False)
+    llm = LLM(str(v4_csa_mtp.path), block_size=16, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    first = _run(llm, [turn1])[0]
+    assert first == _run(cold, [turn1])[0]
+    turn2 = turn1 + first + _prompt(7, 4)
+    out = llm.generate([{"prompt_token_ids": turn2}], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 48 and list(out.outputs[0].token_ids) == _run(cold, [turn2])[0]
+
+
 @pytest.fixture(scope="module")
 def v4_predictive(tmp_path_factory) -> _Ckpt:
     """Every block's output projections zeroed (attention wo_b, experts' and shared expert's w2): a block adds
