@@ -47,7 +47,8 @@ def carries_first_token(path: str, body: dict[str, Any]) -> bool:
     text completion route, none of the fields under which the token must be the decode replica's own sample."""
     if path not in FIRST_TOKEN_ROUTES or body.get("n", 1) != 1 or body.get("max_tokens") == 0:
         return False
-    if any(body.get(k) not in (None, False) for k in _OWN_FIRST_SAMPLE if k != "response_format"):
+    if any(body.get(k) is not None and body.get(k) is not False for k in _OWN_FIRST_SAMPLE
+           if k != "response_format"):  # logprobs: 0 asks for them (the chosen token's)
         return False
     if (body.get("response_format") or {"type": "text"}).get("type", "text") != "text":
         return False
