@@ -148,7 +148,7 @@ def _report(figures: dict, path: str | None) -> None:
     import json
 
     for name, value in figures.items():
-        if isinstance(value, dict | list | str):  # the long ones are printed where they are made
+        if value is None or isinstance(value, dict | list | str):  # the long ones are printed where they are made
             if name == "model":
                 print(f"model: {value}")
             continue
@@ -166,7 +166,7 @@ def cmd_throughput(args) -> int:
     llm = _offline_llm(args, **extra)
     runner = llm.engine.runner
     breakdown = args.step_breakdown and runner.device.type == "cuda"
-    figures: dict = {"model": str(llm.engine.model_config.path)}
+    figures: dict = {"model": str(llm.engine.model_config.path), "hf_overrides": args.hf_overrides}
     if args.compare_hf:
         figures |= _compare_hf(llm, args, lengths)
     r = run_throughput(llm, args.num_prompts, args.input_len, args.output_len, args.seed, args.num_iters_warmup,

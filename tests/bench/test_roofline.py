@@ -148,10 +148,16 @@ def test_throughput_compares_tiny_deepseek_with_hf_on_cpu(tmp_path):
     out = tmp_path / "throughput.json"
     assert main(["bench", "throughput", "--model", str(model), "--load-format", "dummy", "--dtype", "float32",
                  "--device", "cpu", "--num-prompts", "4", "--input-len", "16", "--output-len", "4", "--compare-hf",
-                 "--hf-num-prompts", "2", "--disable-tqdm", "--output-json", str(out)]) == 0
+                 "--hf-num-prompts", "2", "--roofline", "--disable-tqdm", "--output-json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["hf_num_prompts"] == 2 and report["output_tokens"] == 16
     assert report["identical_outputs"] == 2 and report["mean_common_prefix"] == 4
+    # benchmarks/gpu_summary.py (gpu_check.sh's table) reads this JSON
+    from benchmarks.gpu_summary import MODELS, rows
+
+    table = rows(MODELS[0], {}, report)
+    assert [r[0] for r in table] == ["offline 4x16/4", "vs HF, same 2x16/4", "full run vs HF subset"]
+    assert table[0][3].endswith("% of roofline") and table[1][3] == "2/2 same"
 
 
 def test_hf_copy_handles_per_expert_checkpoint_layout(tmp_path):
