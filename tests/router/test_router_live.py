@@ -159,12 +159,17 @@ def test_prefill_decode_gives_one_replicas_greedy_output(cluster):
     assert _metric(pd, "dsinfer_router_pd_first_tokens_total") == 1  # B started from C's first token
 
     body = _chat(SYSTEM + " Be kind.", "Name three animals.", max_tokens=10)
-    reference = _post(a, body).json()["choices"][0]["message"]["content"]
-    with httpx.stream("POST", f"{pd}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
+    single = _post(a, body).json()
+    reference = single["choices"][0]["message"]["content"]
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{pd}/v1/chat/completions", json=streamed, timeout=120) as s:
         assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
         events = [e for e in s.read().decode().split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
     assert _stream_text(events) == reference
+    usage = json.loads(events[-2][6:])["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (single["usage"]["prompt_tokens"],
+                                                                    single["usage"]["completion_tokens"])
     assert _metric(pd, "dsinfer_router_pd_first_tokens_total") == 2
 
     # logprobs: B samples the first token itself (it has none for C's), the same text
