@@ -158,9 +158,18 @@ def _report(figures: dict, path: str | None) -> None:
             f.write(json.dumps(figures, indent=1) + "\n")
 
 
+def _check_positive(args, *names: str) -> None:
+    for name in names:
+        values = getattr(args, name)
+        for value in values if isinstance(values, list) else [values]:
+            if value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
 def cmd_throughput(args) -> int:
     from dsinfer.bench.offline import output_lengths, run_throughput
 
+    _check_positive(args, "num_prompts", "input_len")
     lengths = output_lengths(args.num_prompts, args.output_len, args.output_len_range, args.seed)
     extra = {} if args.max_model_len else {"max_model_len": args.input_len + max(lengths) + 16}
     llm = _offline_llm(args, **extra)
@@ -191,7 +200,7 @@ def _compare_hf(llm, args, lengths: list[int]) -> dict:
     import time
 
     from dsinfer.bench.hf_compare import compare_subset
-    from dsinfer.bench.offline import _params, random_prompts
+    from dsinfer.bench.offline import greedy_params, random_prompts
 
     count = args.hf_num_prompts or args.num_prompts
     prompts = random_prompts(count, args.input_len, llm.engine.model_config.vocab_size, args.seed)
@@ -201,7 +210,7 @@ def _compare_hf(llm, args, lengths: list[int]) -> dict:
         inputs = [{"prompt_token_ids": p} for p in prompts]
         llm.engine.kv_manager.pool.reset_prefix_cache()
         started = time.perf_counter()
-        outs = llm.generate(inputs, [_params(n, args.ignore_eos) for n in lengths], use_tqdm=False)
+        outs = llm.generate(inputs, [greedy_params(n, args.ignore_eos) for n in lengths], use_tqdm=False)
         return time.perf_counter() - started, [list(o.outputs[0].token_ids) for o in outs]
 
     device = llm.engine.runner.device.type
@@ -267,6 +276,7 @@ def _latency_steps(args) -> int:
     from dsinfer.bench.ceilings import measure_ceilings
     from dsinfer.bench.steps import parse_prefill, run_step_tables
 
+    _check_positive(args, "context", "steps", *(["batch_sizes"] if args.batch_sizes else []))
     batch_sizes = STEP_BATCH_SIZES if args.batch_sizes is None else args.batch_sizes
     prefill = STEP_PREFILL if args.prefill is None else args.prefill
     max_tokens = max((n * length for n, length in map(parse_prefill, prefill)), default=0)

@@ -52,7 +52,8 @@ class LatencyResult:
         return (self.total_ms - self.prefill_ms) / max(self.output_len - 1, 1)
 
 
-def _params(output_len: int, ignore_eos: bool = True):
+def greedy_params(output_len: int, ignore_eos: bool = True):
+    """Greedy, ``output_len`` tokens (EOS ignored unless ``ignore_eos`` is False), no text."""
     from dsinfer.engine.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=ignore_eos, detokenize=False)
@@ -75,7 +76,7 @@ def output_lengths(num: int, output_len: int, output_len_range: tuple[int, int] 
     return [rng.randint(low, high) for _ in range(num)]
 
 
-def _prompts(num: int, input_len: int, output_len: int, vocab_size: int, seed: int) -> list[dict]:
+def _prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[dict]:
     return [{"prompt_token_ids": ids} for ids in random_prompts(num, input_len, vocab_size, seed)]
 
 
@@ -107,13 +108,13 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, seed:
                    ignore_eos: bool = True, before_last=None) -> ThroughputResult:
     """``before_last``: called before the last timed run (``--step-breakdown`` starts recording there)."""
     lengths = output_lengths(num_prompts, output_len, output_len_range, seed)
-    params = [_params(n, ignore_eos) for n in lengths]
+    params = [greedy_params(n, ignore_eos) for n in lengths]
     produced = []
 
     def run(i: int) -> None:
         if before_last is not None and i == warmup + iters - 1:
             before_last()
-        prompts = _prompts(num_prompts, input_len, output_len, _vocab(llm), seed + i)
+        prompts = _prompts(num_prompts, input_len, _vocab(llm), seed + i)
         produced[:] = [len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=use_tqdm)]
 
     elapsed, cpu = _fastest(run, warmup, iters)
@@ -126,8 +127,8 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, seed: int
         raise ValueError(f"--output-len must be at least 2 to time a decode step, got {output_len}")
 
     def runner(max_tokens: int, offset: int):
-        params = _params(max_tokens)
-        return lambda i: llm.generate(_prompts(batch_size, input_len, output_len, _vocab(llm), seed + offset + i),
+        params = greedy_params(max_tokens)
+        return lambda i: llm.generate(_prompts(batch_size, input_len, _vocab(llm), seed + offset + i),
                                       params, use_tqdm=False)
 
     prefill = _fastest_s(runner(1, 0), warmup, iters)
