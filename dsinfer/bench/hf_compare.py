@@ -141,9 +141,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def compare_subset(llm, device: str, load_format: str, overrides: dict | None, prompts: list[list[int]],
                    lengths: list[int], batch_size: int | None, ignore_eos: bool, run_ours) -> dict:
-    """HF and dsinfer (``run_ours(prompts, lengths)`` -> (wall s, output ids)) on the same prompts; HF's model is
-    freed before dsinfer runs. -> the figures: both engines' useful output tok/s, their ratio, and how many greedy
-    outputs are identical (and their mean common prefix)."""
+    """HF and dsinfer (``run_ours(prompts, lengths)`` -> (wall s, CPU s, output ids)) on the same prompts; HF's
+    model is freed before dsinfer runs. -> the figures: both engines' useful output tok/s, their ratio by wall and
+    by CPU time (the latter less sensitive to other processes with ``--threads 1``), and how many greedy outputs
+    are identical (and their mean common prefix)."""
     import gc
 
     import torch
@@ -157,11 +158,12 @@ def compare_subset(llm, device: str, load_format: str, overrides: dict | None, p
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-    elapsed, ours = run_ours(prompts, lengths)
+    elapsed, cpu, ours = run_ours(prompts, lengths)
     ours_tok_s = sum(len(t) for t in ours) / elapsed
     same = sum(a == b for a, b in zip(ours, hf_tokens))
     return {"hf_num_prompts": len(prompts), "hf_output_len": max(lengths), "hf_elapsed_s": hf.elapsed_s,
             "hf_cpu_s": hf.cpu_s, "hf_output_throughput": hf.output_throughput,
             "hf_generated_tokens": hf.generated_tokens, "dsinfer_subset_output_throughput": ours_tok_s,
-            "ratio_vs_hf": ours_tok_s / hf.output_throughput, "identical_outputs": same,
+            "ratio_vs_hf": ours_tok_s / hf.output_throughput, "dsinfer_subset_cpu_s": cpu,
+            "ratio_vs_hf_cpu": hf.cpu_s / cpu if cpu else float("inf"), "identical_outputs": same,
             "mean_common_prefix": sum(common_prefix(a, b) for a, b in zip(ours, hf_tokens)) / len(prompts)}

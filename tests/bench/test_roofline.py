@@ -152,6 +152,7 @@ def test_throughput_compares_tiny_deepseek_with_hf_on_cpu(tmp_path):
     report = json.loads(out.read_text())
     assert report["hf_num_prompts"] == 2 and report["output_tokens"] == 16
     assert report["identical_outputs"] == 2 and report["mean_common_prefix"] == 4
+    assert report["ratio_vs_hf_cpu"] == pytest.approx(report["hf_cpu_s"] / report["dsinfer_subset_cpu_s"])
     # benchmarks/gpu_summary.py (gpu_check.sh's table) reads this JSON
     from benchmarks.gpu_summary import MODELS, rows
 
