@@ -68,7 +68,8 @@ def measure_fp8_matmul(n: int = 8192) -> float:
 
 
 def measure_ceilings(device_type: str) -> Ceilings:
-    """The ceilings of ``device_type`` ("cuda": the current GPU; else small CPU stand-ins)."""
+    """The ceilings of ``device_type`` ("cuda": the current GPU, measured before an engine takes its memory, and
+    the measurement's buffers given back; else small CPU stand-ins)."""
     import torch
 
     if device_type == "cuda":
@@ -76,7 +77,9 @@ def measure_ceilings(device_type: str) -> Ceilings:
             fp8 = measure_fp8_matmul()
         except (RuntimeError, AttributeError):  # no FP8 tensor cores
             fp8 = None
-        return Ceilings(torch.cuda.get_device_name(), measure_bandwidth(), measure_bf16_matmul(), fp8)
+        ceilings = Ceilings(torch.cuda.get_device_name(), measure_bandwidth(), measure_bf16_matmul(), fp8)
+        torch.cuda.empty_cache()
+        return ceilings
     src = torch.randn(16 << 20)
     dst = torch.empty_like(src)
     copy_s = min(_wall_s(lambda: dst.copy_(src)) for _ in range(5))

@@ -172,6 +172,7 @@ def cmd_throughput(args) -> int:
     _check_positive(args, "num_prompts", "input_len")
     lengths = output_lengths(args.num_prompts, args.output_len, args.output_len_range, args.seed)
     extra = {} if args.max_model_len else {"max_model_len": args.input_len + max(lengths) + 16}
+    ceilings = _ceilings(args) if args.roofline or _device_type(args) == "cuda" else None
     llm = _offline_llm(args, **extra)
     runner = llm.engine.runner
     breakdown = args.step_breakdown and runner.device.type == "cuda"
@@ -187,8 +188,8 @@ def cmd_throughput(args) -> int:
                 "total_token_throughput": r.total_token_throughput}
     if "hf_output_throughput" in figures:
         figures["ratio_full_vs_hf_subset"] = r.output_throughput / figures["hf_output_throughput"]
-    if runner.device.type == "cuda" or args.roofline:
-        figures |= _roofline(llm, runner.device.type, args.input_len, lengths, r.elapsed_s)
+    if ceilings is not None:
+        figures |= _roofline(llm, ceilings, args.input_len, lengths, r.elapsed_s)
     if breakdown:
         figures["step_breakdown"] = _print_breakdown(runner)
     _report(figures, args.output_json)
@@ -225,12 +226,25 @@ def _compare_hf(llm, args, lengths: list[int]) -> dict:
     return figures
 
 
-def _roofline(llm, device_type: str, input_len: int, lengths: list[int], elapsed_s: float) -> dict:
+def _device_type(args) -> str:
+    import torch
+
+    return torch.device(args.device).type if args.device else "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _ceilings(args):
+    """The device's ceilings, measured before the engine is built (its KV cache would leave no room)."""
     from dsinfer.bench.ceilings import measure_ceilings
+
+    ceilings = measure_ceilings(_device_type(args))
+    print(ceilings.describe(), flush=True)
+    return ceilings
+
+
+def _roofline(llm, ceilings, input_len: int, lengths: list[int], elapsed_s: float) -> dict:
     from dsinfer.bench.roofline import throughput_roofline
 
-    figures = throughput_roofline(llm, measure_ceilings(device_type), input_len, lengths, elapsed_s)
-    print(figures["roofline_device"])
+    figures = throughput_roofline(llm, ceilings, input_len, lengths, elapsed_s)
     print(figures["roofline_model"])
     print(f"roofline floor {figures['roofline_floor_s']:.4g} s (prefill {figures['roofline_prefill_floor_s']:.4g} "
           f"s at the matmul rate + {figures['roofline_decode_steps']} decode steps "
@@ -275,7 +289,6 @@ def _latency_steps(args) -> int:
     """The runner's step tables (``steps.py``): decode at each batch size, each prefill, the GPU's idle time."""
     import json
 
-    from dsinfer.bench.ceilings import measure_ceilings
     from dsinfer.bench.steps import parse_prefill, run_step_tables
 
     _check_positive(args, "context", "steps", *(["batch_sizes"] if args.batch_sizes else []))
@@ -285,9 +298,8 @@ def _latency_steps(args) -> int:
     extra = {"enable_prefix_caching": False, "max_prefill_graph_tokens": args.max_prefill_graph_tokens,
              "max_num_seqs": args.max_num_seqs or max(256, *batch_sizes),
              "max_num_batched_tokens": args.max_num_batched_tokens or max(2048, max_tokens)}
+    ceilings = _ceilings(args)
     llm = _offline_llm(args, **extra)
-    ceilings = measure_ceilings(llm.engine.runner.device.type)
-    print(ceilings.describe(), flush=True)
     report = run_step_tables(llm, ceilings, batch_sizes, args.context, args.steps, prefill, args.idle_batch,
                              args.idle_profile)
     if args.output_json:
