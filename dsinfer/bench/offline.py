@@ -9,7 +9,8 @@ KV bytes at the measured bandwidth). latency: one batch, timed end to end for a 
 its first sampled token) and a full run; the decode step is the difference over the remaining steps (the runner's
 step tables, ``steps.py``, time the steps themselves). Both take the fastest of ``--num-iters`` timed runs after
 ``--num-iters-warmup`` untimed ones (a shared machine only ever adds time); each run draws its own prompts (seed +
-its index), so none hits the prefix cache a previous one filled.
+its index), so none hits the prefix cache a previous one filled; throughput warms the engine with two short
+requests first (as ``benchmarks/throughput.py`` did).
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, seed:
         prompts = _prompts(num_prompts, input_len, _vocab(llm), seed + i)
         produced[:] = [len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=use_tqdm)]
 
+    # two short requests first, whatever --num-iters-warmup says: kernels JIT-compiled and graphs captured on first
+    # use stay out of the timed runs (a full warm-up run of the workload costs as much as a timed one)
+    llm.generate(_prompts(2, input_len, _vocab(llm), seed + warmup + iters), greedy_params(4), use_tqdm=False)
     elapsed, cpu = _fastest(run, warmup, iters)
     return ThroughputResult(num_prompts, num_prompts * input_len, sum(produced), elapsed, cpu)
 
