@@ -10,16 +10,17 @@
 #   tests     pytest on every test file with a `gpu` mark
 #   kernels   roofline.py (the ceilings); kernels.py (each Triton op vs its torch reference); deepseek_kernels.py
 #             (MLA decode/prefill, fused MoE bf16/FP8, FP8 GEMM)
-#   llama     Llama-3.1-8B dummy bf16: latency.py (decode step vs batch at 1k context, prefill vs length, GPU idle
-#             between engine steps); throughput.py (512 x 1000 in / 1000 out, two runs, the faster kept; HF on
-#             32 x 1000 / 1000, the workload's lengths, beside dsinfer on the same subset); the same 512 x 1000 /
-#             1000 with an FP8 KV cache
+#   llama     Llama-3.1-8B dummy bf16: `dsinfer bench latency --batch-sizes/--prefill` ("latency": decode step vs
+#             batch at 1k context, prefill vs length, GPU idle between engine steps); `dsinfer bench throughput`
+#             (512 x 1000 in / 1000 out, two runs, the faster kept, with its roofline; HF on 32 x 1000 / 1000, the
+#             workload's lengths, beside dsinfer on the same subset); the same 512 x 1000 / 1000 with an FP8 KV
+#             cache
 #   deepseek  DeepSeek-V2-Lite dummy bf16 and DeepSeek-V3 dummy FP8 cut to 5 layers (3 dense + 2 MoE, no MTP):
-#             latency.py (decode B=1/64/256 at 1k context vs the floor of the experts actually routed to, prefill);
-#             throughput.py (V2-Lite 512 x 1000 / 100 with HF on 32 prompts; V3 256 x 1000 / 100; two runs
+#             "latency" (decode B=1/64/256 at 1k context vs the floor of the experts actually routed to, prefill);
+#             "throughput" (V2-Lite 512 x 1000 / 100 with HF on 32 prompts; V3 256 x 1000 / 100; two runs
 #             each, the faster kept: a fresh machine still JIT-compiles a few kernels in the first one)
 #   v4        DeepSeek-V4-Flash cut to 4 layers (benchmarks/configs/deepseek-v4-flash-4l: sliding, CSA, CSA, HCA at
-#             the real widths, 256 experts top-6, hash routing in the first) dummy bf16: latency.py decode B=1/64/256
+#             the real widths, 256 experts top-6, hash routing in the first) dummy bf16: "latency" decode B=1/64/256
 #             at 1k context in CUDA graphs vs the floor (weights of the experts routed to + window keys and the
 #             compressed entries a step reads), and a 1k-token prefill (eager) (~3 min)
 #   v4-16k    the same slice at 16k context, decode only (~3 min)
@@ -53,6 +54,9 @@ V3=benchmarks/configs/deepseek-v3
 V3_5L='{"num_hidden_layers": 5, "first_k_dense_replace": 3, "num_nextn_predict_layers": 0}'
 V4_4L=benchmarks/configs/deepseek-v4-flash-4l
 DUMMY=(--device cuda --dtype bfloat16 --load-format dummy)
+# `dsinfer bench latency` with the runner's step tables: dummy bf16 weights, 85% of the GPU, 8k tokens a sequence
+LATENCY=("$PY" -m dsinfer.bench latency "${DUMMY[@]}" --gpu-memory-utilization 0.85 --max-model-len 8192)
+THROUGHPUT=("$PY" -m dsinfer.bench throughput "${DUMMY[@]}" --disable-tqdm)
 # The device tool stops a command at 600 s: steps get what is left of GPU_CHECK_BUDGET_S, so the summary of the
 # steps that finished is always printed.
 BUDGET_S=${GPU_CHECK_BUDGET_S:-575}
@@ -97,38 +101,38 @@ if want kernels; then
     step deepseek_kernels "$PY" benchmarks/deepseek_kernels.py
 fi
 if want llama; then
-    step latency "$PY" benchmarks/latency.py --model "$LLAMA" --batch-sizes 1 64 256 --prefill 2048 8x2048 \
-        --json-out "$OUT/latency.json"
-    step throughput "$PY" benchmarks/throughput.py "${DUMMY[@]}" --model "$LLAMA" \
+    step latency "${LATENCY[@]}" --model "$LLAMA" --batch-sizes 1 64 256 --prefill 2048 8x2048 \
+        --output-json "$OUT/latency.json"
+    step throughput "${THROUGHPUT[@]}" --model "$LLAMA" \
         --num-prompts 512 --input-len 1000 --output-len 1000 --max-num-seqs 256 \
-        --gpu-memory-utilization 0.8 --compare-hf --hf-num-prompts 32 --hf-output-len 1000 --repeat 2 \
-        --json-out "$OUT/throughput.json"
-    step throughput-fp8kv "$PY" benchmarks/throughput.py "${DUMMY[@]}" --model "$LLAMA" \
+        --gpu-memory-utilization 0.8 --compare-hf --hf-num-prompts 32 --hf-output-len 1000 --num-iters 2 \
+        --output-json "$OUT/throughput.json"
+    step throughput-fp8kv "${THROUGHPUT[@]}" --model "$LLAMA" \
         --num-prompts 512 --input-len 1000 --output-len 1000 --max-num-seqs 256 \
-        --gpu-memory-utilization 0.8 --kv-cache-dtype fp8 --json-out "$OUT/throughput-fp8kv.json"
+        --gpu-memory-utilization 0.8 --kv-cache-dtype fp8 --output-json "$OUT/throughput-fp8kv.json"
 fi
 if want deepseek; then
-    step latency-v2-lite "$PY" benchmarks/latency.py --model "$V2LITE" --batch-sizes 1 64 256 \
-        --prefill 256 1024 4096 8x2048 --steps 30 --json-out "$OUT/latency-v2-lite.json"
+    step latency-v2-lite "${LATENCY[@]}" --model "$V2LITE" --batch-sizes 1 64 256 \
+        --prefill 256 1024 4096 8x2048 --steps 30 --output-json "$OUT/latency-v2-lite.json"
     # dsinfer's KV cache stops at max_num_seqs x max_model_len (9 GB here), which leaves room for HF's weights
-    step throughput-v2-lite "$PY" benchmarks/throughput.py "${DUMMY[@]}" --model "$V2LITE" \
+    step throughput-v2-lite "${THROUGHPUT[@]}" --model "$V2LITE" \
         --num-prompts 512 --input-len 1000 --output-len 100 --max-num-seqs 256 --max-num-batched-tokens 8192 \
-        --gpu-memory-utilization 0.8 --compare-hf --hf-num-prompts 32 --hf-output-len 100 --repeat 2 \
-        --json-out "$OUT/throughput-v2-lite.json"
-    step latency-v3 "$PY" benchmarks/latency.py --model "$V3" --hf-overrides "$V3_5L" --batch-sizes 1 64 256 \
-        --prefill 1024 8x2048 --steps 30 --idle-batch 0 --json-out "$OUT/latency-v3.json"
-    step throughput-v3 "$PY" benchmarks/throughput.py "${DUMMY[@]}" --model "$V3" --hf-overrides "$V3_5L" \
+        --gpu-memory-utilization 0.8 --compare-hf --hf-num-prompts 32 --hf-output-len 100 --num-iters 2 \
+        --output-json "$OUT/throughput-v2-lite.json"
+    step latency-v3 "${LATENCY[@]}" --model "$V3" --hf-overrides "$V3_5L" --batch-sizes 1 64 256 \
+        --prefill 1024 8x2048 --steps 30 --idle-batch 0 --output-json "$OUT/latency-v3.json"
+    step throughput-v3 "${THROUGHPUT[@]}" --model "$V3" --hf-overrides "$V3_5L" \
         --num-prompts 256 --input-len 1000 --output-len 100 --max-num-seqs 256 --max-num-batched-tokens 8192 \
-        --gpu-memory-utilization 0.8 --repeat 2 --json-out "$OUT/throughput-v3.json"
+        --gpu-memory-utilization 0.8 --num-iters 2 --output-json "$OUT/throughput-v3.json"
 fi
 # V4's decode graphs gather max_model_len / rate entries a step: max_model_len just above the context
 if want v4; then
-    step latency-v4 "$PY" benchmarks/latency.py --model "$V4_4L" --batch-sizes 1 64 256 --context 1024 \
-        --max-model-len 1152 --prefill 1024 --steps 20 --idle-batch 0 --json-out "$OUT/latency-v4.json"
+    step latency-v4 "${LATENCY[@]}" --model "$V4_4L" --batch-sizes 1 64 256 --context 1024 \
+        --max-model-len 1152 --prefill 1024 --steps 20 --idle-batch 0 --output-json "$OUT/latency-v4.json"
 fi
 if want v4-16k; then
-    step latency-v4-16k "$PY" benchmarks/latency.py --model "$V4_4L" --batch-sizes 1 64 256 --context 16384 \
-        --max-model-len 16512 --prefill --steps 10 --idle-batch 0 --json-out "$OUT/latency-v4-16k.json"
+    step latency-v4-16k "${LATENCY[@]}" --model "$V4_4L" --batch-sizes 1 64 256 --context 16384 \
+        --max-model-len 16512 --prefill --steps 10 --idle-batch 0 --output-json "$OUT/latency-v4-16k.json"
 fi
 if [[ ,$ONLY, == *,profile,* ]]; then
     for b in 1 256; do step "profile-llama-b$b" "$PY" benchmarks/profile_decode.py --replay --batch "$b" --top 20; done

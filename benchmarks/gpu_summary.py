@@ -87,18 +87,21 @@ def rows(model: Model, lat: dict, thr: dict) -> list[tuple[str, str, str, str, s
         idle = lat["idle"]["idle_pct"]
         out.append((f"GPU idle, decode B={lat['idle']['batch']}", f"{idle:.2f}%", "", "",
                     _target(idle, model.idle_target, True, f"<= {model.idle_target:g}%"), ""))
-    if thr.get("results"):
-        r, a = thr["results"][0], thr["args"]
+    if thr.get("output_throughput"):  # `dsinfer bench throughput --output-json`
+        n = thr["num_prompts"]
         limit = model.offline_target
-        out.append((f"offline {a['num_prompts']}x{a['input_len']}/{a['output_len']}",
-                    f"{r['output_tok_s']:,.0f} out tok/s", f"{r['total_tok_s']:,.0f} total", "",
-                    _target(r["output_tok_s"], limit, False, f">= {limit or 0:,.0f}"), model.vllm.get("offline", "")))
-    if "subset" in thr:
-        s = thr["subset"]
-        out.append((f"vs HF, same {s['num_prompts']}x{thr['args']['input_len']}/{s['output_len']}",
-                    f"{s['ratio']:.1f}x", f"{s['dsinfer_output_tok_s']:,.0f} vs {s['hf_output_tok_s']:,.0f}",
-                    f"{s['identical_outputs']}/{s['num_prompts']} same",
-                    _target(s["ratio"], model.hf_target, False, f">= {model.hf_target or 0:g}x"), ""))
+        roof = thr.get("roofline_fraction")
+        out.append((f"offline {n}x{thr['prompt_tokens'] // n}/{thr['output_tokens'] // n}",
+                    f"{thr['output_throughput']:,.0f} out tok/s", f"{thr['total_token_throughput']:,.0f} total",
+                    f"{100 * roof:.0f}% of roofline" if roof else "",
+                    _target(thr["output_throughput"], limit, False, f">= {limit or 0:,.0f}"),
+                    model.vllm.get("offline", "")))
+    if "hf_output_throughput" in thr:
+        out.append((f"vs HF, same {thr['hf_num_prompts']}x{thr['prompt_tokens'] // thr['num_prompts']}/"
+                    f"{thr['hf_output_len']}", f"{thr['ratio_vs_hf']:.1f}x",
+                    f"{thr['dsinfer_subset_output_throughput']:,.0f} vs {thr['hf_output_throughput']:,.0f}",
+                    f"{thr['identical_outputs']}/{thr['hf_num_prompts']} same",
+                    _target(thr["ratio_vs_hf"], model.hf_target, False, f">= {model.hf_target or 0:g}x"), ""))
         out.append(("full run vs HF subset", f"{thr['ratio_full_vs_hf_subset']:.1f}x", "", "",
                     _target(thr["ratio_full_vs_hf_subset"], model.hf_target, False, f">= {model.hf_target or 0:g}x"),
                     ""))
@@ -134,8 +137,7 @@ def clock_line(path: Path) -> str | None:
 
 
 def title(model: Model, lat: dict, thr: dict) -> str:
-    layers = lat.get("num_hidden_layers") or ((thr.get("args") or {}).get("hf_overrides") or {}).get(
-        "num_hidden_layers")
+    layers = lat.get("num_hidden_layers") or (thr.get("hf_overrides") or {}).get("num_hidden_layers")
     return f"{model.title}, {layers} layers" if layers else model.title
 
 

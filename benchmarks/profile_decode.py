@@ -8,7 +8,8 @@ Runs ``--batch`` prompts of ``--context`` random tokens through the offline engi
 through the decode CUDA graphs with ``--graph``: the same kernels, unless a library picks others under capture),
 profiles ``--steps`` decode steps after a warm-up, and prints each kernel's time and launches per step, the sum,
 and the share of the step the GPU was busy.
-A kernel that reads the weights is compared with the bandwidth floor of its bytes by ``latency.py``; this script
+A kernel that reads the weights is compared with the bandwidth floor of its bytes by ``dsinfer bench latency``
+(the runner's step tables); this script
 only answers "which kernels, how many, how long".
 """
 
@@ -25,9 +26,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.latency import make_llm  # noqa: E402
-
 DEFAULT_MODEL = Path(__file__).resolve().parent / "configs" / "llama-3.1-8b"
+
+
+def make_llm(model: Path, args, **kwargs):
+    """The engine on dummy weights at ``model``'s config (bf16 on CUDA, float32 on CPU)."""
+    from dsinfer import LLM
+
+    cuda = torch.device(args.device).type == "cuda"
+    extra = {"gpu_memory_utilization": args.gpu_memory_utilization} if cuda else {}
+    return LLM(str(model), load_format="dummy", dtype=args.dtype or ("bfloat16" if cuda else "float32"),
+               device=args.device, max_model_len=args.max_model_len, hf_overrides=args.hf_overrides,
+               kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), **extra, **kwargs)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -106,7 +116,7 @@ def profile_replay(llm, args, sync):
     """The kernels of one decode step of the runner over ``--batch`` sequences of ``--context`` cached tokens."""
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.latency import Sequences
+    from dsinfer.bench.steps import Sequences
     from dsinfer.scheduler.scheduler import ScheduledRequest, standalone_output
 
     runner = llm.engine.runner

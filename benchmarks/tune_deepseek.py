@@ -111,7 +111,7 @@ def moe_grids(fp8: bool, rows_per_expert: float) -> tuple[list[dict], list[dict]
                    (16, 32, 1, 4, 4, "fuse+bk128"), (16, 64, 1, 4, 4, "fuse+bk128"), (16, 32, 1, 4, 5, "tma+bk128"),
                    (16, 64, 1, 4, 4, "tma+bk128"), (16, 32, 1, 4, 4, "two+bk256"), (16, 64, 1, 8, 3, "fuse+bk256"),
                    (16, 32, 1, 4, 6, "two+bk128"), (16, 16, 1, 4, 6, "two+bk128"),  # batch 1: more programs
-                   # batch 1: wide TMA weight tiles (V2-Lite's best in a layer chain, moe_decode_probe.py)
+                   # batch 1: wide TMA weight tiles (V2-Lite's best in a layer chain, docs/benchmarks.md)
                    (16, 128, 1, 4, 3, "tma+bk128"), (16, 128, 1, 8, 3, "tma+bk128")]
         down = [(16, 128, 1, 4, 4), (16, 128, 1, 4, 4, "tma"), (16, 64, 1, 4, 5), (16, 256, 1, 8, 3),
                 (32, 128, 1, 4, 4), (16, 64, 1, 4, 4, "bk128"), (16, 128, 1, 4, 4, "bk128"),

@@ -104,11 +104,20 @@ def cmd_plot(args) -> int:
 
 
 def _add_offline_args(p: argparse.ArgumentParser, output_len: int) -> None:
+    import json
+
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: bundled SmolLM2)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy (random weights)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when there is one)")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--hf-overrides", type=json.loads, default=None,
+                   help='JSON merged into config.json, e.g. \'{"num_hidden_layers": 8}\'')
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e5m2")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=output_len)
     p.add_argument("--seed", type=int, default=0)
@@ -117,37 +126,154 @@ def _add_offline_args(p: argparse.ArgumentParser, output_len: int) -> None:
     p.add_argument("--output-json", default=None, help="also write the figures here")
 
 
-def _offline_llm(args):
+def _offline_llm(args, **extra):
+    import torch
+
     from dsinfer.entrypoints.llm import LLM
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     kwargs = {"device": args.device} if args.device else {}
-    return LLM(args.model, dtype=args.dtype, load_format=args.load_format, max_model_len=args.max_model_len,
-               seed=args.seed, **kwargs)
+    for name in ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    if getattr(args, "deterministic", False):
+        kwargs["deterministic"] = True
+    kwargs |= {"max_model_len": args.max_model_len} | extra
+    return LLM(args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
+               hf_overrides=args.hf_overrides, kv_cache_dtype=args.kv_cache_dtype, **kwargs)
 
 
 def _report(figures: dict, path: str | None) -> None:
     import json
 
     for name, value in figures.items():
+        if value is None or isinstance(value, dict | list | str):  # the long ones are printed where they are made
+            if name == "model":
+                print(f"model: {value}")
+            continue
         print(f"{name + ':':<28}{value:>14.2f}" if isinstance(value, float) else f"{name + ':':<28}{value:>14}")
     if path:
         with open(path, "w") as f:
             f.write(json.dumps(figures, indent=1) + "\n")
 
 
-def cmd_throughput(args) -> int:
-    from dsinfer.bench.offline import run_throughput
+def _check_positive(args, *names: str) -> None:
+    for name in names:
+        values = getattr(args, name)
+        for value in values if isinstance(values, list) else [values]:
+            if value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
-    llm = _offline_llm(args)
+
+def cmd_throughput(args) -> int:
+    from dsinfer.bench.offline import output_lengths, run_throughput
+
+    _check_positive(args, "num_prompts", "input_len")
+    lengths = output_lengths(args.num_prompts, args.output_len, args.output_len_range, args.seed)
+    extra = {} if args.max_model_len else {"max_model_len": args.input_len + max(lengths) + 16}
+    ceilings = _ceilings(args) if args.roofline or _device_type(args) == "cuda" else None
+    llm = _offline_llm(args, **extra)
+    runner = llm.engine.runner
+    breakdown = args.step_breakdown and runner.device.type == "cuda"
+    figures: dict = {"model": str(llm.engine.model_config.path), "hf_overrides": args.hf_overrides}
+    if args.compare_hf:
+        figures |= _compare_hf(llm, args, lengths)
     r = run_throughput(llm, args.num_prompts, args.input_len, args.output_len, args.seed, args.num_iters_warmup,
-                       args.num_iters, use_tqdm=not args.disable_tqdm)
-    _report({"num_prompts": r.num_prompts, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
-             "elapsed_s": r.elapsed_s, "output_throughput": r.output_throughput,
-             "total_token_throughput": r.total_token_throughput}, args.output_json)
+                       args.num_iters, use_tqdm=not args.disable_tqdm, output_len_range=args.output_len_range,
+                       ignore_eos=args.ignore_eos,
+                       before_last=(lambda: setattr(runner, "step_events", [])) if breakdown else None)
+    figures |= {"num_prompts": r.num_prompts, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+                "elapsed_s": r.elapsed_s, "cpu_s": r.cpu_s, "output_throughput": r.output_throughput,
+                "total_token_throughput": r.total_token_throughput}
+    if "hf_output_throughput" in figures:
+        figures["ratio_full_vs_hf_subset"] = r.output_throughput / figures["hf_output_throughput"]
+    if ceilings is not None:
+        figures |= _roofline(llm, ceilings, args.input_len, lengths, r.elapsed_s)
+    if breakdown:
+        figures["step_breakdown"] = _print_breakdown(runner)
+    _report(figures, args.output_json)
     return 0
 
 
+def _compare_hf(llm, args, lengths: list[int]) -> dict:
+    """HF transformers and dsinfer on the first ``--hf-num-prompts`` prompts (``--hf-output-len`` tokens each)."""
+    import time
+
+    from dsinfer.bench.hf_compare import compare_subset
+    from dsinfer.bench.offline import greedy_params, random_prompts
+
+    count = args.hf_num_prompts or args.num_prompts
+    prompts = random_prompts(count, args.input_len, llm.engine.model_config.vocab_size, args.seed)
+    sub_lengths = [args.hf_output_len or n for n in lengths[:count]]
+
+    def run_ours(prompts, lengths):
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        llm.engine.kv_manager.pool.reset_prefix_cache()
+        started, cpu = time.perf_counter(), time.process_time()
+        outs = llm.generate(inputs, [greedy_params(n, args.ignore_eos) for n in lengths], use_tqdm=False)
+        return (time.perf_counter() - started, time.process_time() - cpu,
+                [list(o.outputs[0].token_ids) for o in outs])
+
+    device = llm.engine.runner.device.type
+    figures = compare_subset(llm, device, args.load_format, args.hf_overrides, prompts, sub_lengths,
+                             args.hf_batch_size, args.ignore_eos, run_ours)
+    print(f"HF subset ({count} prompts x {args.input_len} in / {max(sub_lengths)} out): HF "
+          f"{figures['hf_output_throughput']:.1f} useful output tok/s, dsinfer "
+          f"{figures['dsinfer_subset_output_throughput']:.1f} ({figures['ratio_vs_hf']:.2f}x wall, "
+          f"{figures['ratio_vs_hf_cpu']:.2f}x by CPU time); identical greedy "
+          f"outputs {figures['identical_outputs']}/{count}, mean common prefix {figures['mean_common_prefix']:.1f}")
+    return figures
+
+
+def _device_type(args) -> str:
+    import torch
+
+    return torch.device(args.device).type if args.device else "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _ceilings(args):
+    """The device's ceilings, measured before the engine is built (its KV cache would leave no room)."""
+    from dsinfer.bench.ceilings import measure_ceilings
+
+    ceilings = measure_ceilings(_device_type(args))
+    print(ceilings.describe(), flush=True)
+    return ceilings
+
+
+def _roofline(llm, ceilings, input_len: int, lengths: list[int], elapsed_s: float) -> dict:
+    from dsinfer.bench.roofline import throughput_roofline
+
+    figures = throughput_roofline(llm, ceilings, input_len, lengths, elapsed_s)
+    print(figures["roofline_model"])
+    print(f"roofline floor {figures['roofline_floor_s']:.4g} s (prefill {figures['roofline_prefill_floor_s']:.4g} "
+          f"s at the matmul rate + {figures['roofline_decode_steps']} decode steps "
+          f"{figures['roofline_decode_floor_s']:.4g} s at the bandwidth): {100 * figures['roofline_fraction']:.1f}% "
+          "of the roofline")
+    return figures
+
+
+def _print_breakdown(runner) -> list:
+    import torch
+
+    from dsinfer.bench.steps import step_breakdown
+
+    torch.cuda.synchronize()
+    rows = step_breakdown(runner)
+    runner.step_events = None
+    print("where the last run's GPU time went:")
+    for kind, n, sec in rows:
+        print(f"  {kind:28s} {n:6d} steps {sec:8.2f} s ({1e3 * sec / max(n, 1):.3f} ms/step)")
+    return [list(row) for row in rows]
+
+
+STEP_BATCH_SIZES = [1, 16, 64, 128, 256]
+STEP_PREFILL = ["512", "2048", "8192", "8x2048"]
+
+
 def cmd_latency(args) -> int:
+    if args.batch_sizes is not None or args.prefill is not None:
+        return _latency_steps(args)
     from dsinfer.bench.offline import run_latency
 
     llm = _offline_llm(args)
@@ -159,6 +285,62 @@ def cmd_latency(args) -> int:
     return 0
 
 
+def _latency_steps(args) -> int:
+    """The runner's step tables (``steps.py``): decode at each batch size, each prefill, the GPU's idle time."""
+    import json
+
+    from dsinfer.bench.steps import parse_prefill, run_step_tables
+
+    _check_positive(args, "context", "steps", *(["batch_sizes"] if args.batch_sizes else []))
+    batch_sizes = STEP_BATCH_SIZES if args.batch_sizes is None else args.batch_sizes
+    prefill = STEP_PREFILL if args.prefill is None else args.prefill
+    max_tokens = max((n * length for n, length in map(parse_prefill, prefill)), default=0)
+    extra = {"enable_prefix_caching": False, "max_prefill_graph_tokens": args.max_prefill_graph_tokens,
+             "max_num_seqs": args.max_num_seqs or max(256, *batch_sizes),
+             "max_num_batched_tokens": args.max_num_batched_tokens or max(2048, max_tokens)}
+    ceilings = _ceilings(args)
+    llm = _offline_llm(args, **extra)
+    report = run_step_tables(llm, ceilings, batch_sizes, args.context, args.steps, prefill, args.idle_batch,
+                             args.idle_profile)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            f.write(json.dumps(report | {"hf_overrides": args.hf_overrides}, indent=1) + "\n")
+    return 0
+
+
+def _add_throughput_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--output-len-range", type=int, nargs=2, metavar=("MIN", "MAX"), default=None,
+                   help="mixed output lengths drawn uniformly from [MIN, MAX] (seeded)")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="every request generates its output length (default)")
+    p.add_argument("--deterministic", action="store_true", help="batch-invariant mode (LLM(deterministic=True))")
+    p.add_argument("--roofline", action="store_true", help="the roofline figures on CPU too (always on a GPU)")
+    p.add_argument("--step-breakdown", action="store_true",
+                   help="CUDA: GPU time of the last run's steps, prompt steps apart from decode steps by batch")
+    p.add_argument("--compare-hf", action="store_true",
+                   help="also run HF transformers generate on a subset (dummy weights: dsinfer's, copied in)")
+    p.add_argument("--hf-num-prompts", type=int, default=None, help="HF's subset: this many prompts (default all)")
+    p.add_argument("--hf-output-len", type=int, default=None, help="HF's subset: this output length")
+    p.add_argument("--hf-batch-size", type=int, default=None, help="HF's batch (default: the subset at once)")
+    p.add_argument("--disable-tqdm", action="store_true")
+
+
+def _add_latency_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                   help=f"the runner's decode step at each batch (default with --prefill: {STEP_BATCH_SIZES})")
+    p.add_argument("--prefill", nargs="*", default=None, metavar="LEN|NxLEN",
+                   help=f"the runner's prefill of each (default with --batch-sizes: {STEP_PREFILL}; none: skip)")
+    p.add_argument("--context", type=int, default=1024, help="tokens of KV each decode sequence holds")
+    p.add_argument("--steps", type=int, default=50, help="decode steps timed back to back")
+    p.add_argument("--idle-batch", type=int, default=256, help="CUDA: GPU idle between engine steps; 0: skip")
+    p.add_argument("--idle-profile", type=int, default=0, metavar="N",
+                   help="also the N functions of most own time in the idle run's host loop (cProfile)")
+    p.add_argument("--max-prefill-graph-tokens", type=int, default=2048,
+                   help="prompt steps up to this many tokens run through piecewise CUDA graphs (0: eager)")
+
+
 def add_bench_parser(sub) -> None:
     """``bench`` and its subcommands on the ``dsinfer`` parser's subparsers."""
     _add_commands(sub.add_parser("bench", help="serving benchmarks, sweeps and Pareto plots"))
@@ -166,14 +348,15 @@ def add_bench_parser(sub) -> None:
 
 def _add_commands(bench: argparse.ArgumentParser) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    throughput = bench_sub.add_parser("throughput", help="offline: random prompts at once, tokens/s")
+    throughput = bench_sub.add_parser("throughput", help="offline: random prompts at once, tokens/s (and the "
+                                      "roofline on a GPU)")
     _add_offline_args(throughput, output_len=128)
-    throughput.add_argument("--num-prompts", type=int, default=100)
-    throughput.add_argument("--disable-tqdm", action="store_true")
+    _add_throughput_args(throughput)
     throughput.set_defaults(func=cmd_throughput, num_iters=1, num_iters_warmup=0)
-    latency = bench_sub.add_parser("latency", help="offline: one batch, prefill and per-step decode time")
+    latency = bench_sub.add_parser("latency", help="offline: one batch, prefill and per-step decode time; with "
+                                   "--batch-sizes / --prefill the runner's steps against their floors")
     _add_offline_args(latency, output_len=32)
-    latency.add_argument("--batch-size", type=int, default=8)
+    _add_latency_args(latency)
     latency.set_defaults(func=cmd_latency)
     serve = bench_sub.add_parser("serve", help="one serving run against an OpenAI-compatible URL")
     _add_serve_args(serve)

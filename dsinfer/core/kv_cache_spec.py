@@ -11,6 +11,8 @@ Layers that compress their context (DeepSeek-V4) page their compressed entries (
 ``block_size`` tokens holds ``block_size / rate`` entries, so one block id covers the same tokens in every layer)
 and keep what is not paged in a fixed-size state slot per sequence (``StateSlotSpec``: the sliding-window ring, the
 compressors' unpooled source rows). A sequence holds one slot while it runs; the slot count is fixed at start.
+With prefix caching or the KV store, each block also keeps the slot's rows at the block's end
+(``BoundaryStateSpec``), so a hit at a block boundary restores the slot exactly.
 """
 
 from __future__ import annotations
@@ -158,7 +160,45 @@ class StateSlotSpec:
                 for name, rows, width in self.rings}
 
 
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLASpec | CompressedSpec
+@dataclass(frozen=True)
+class BoundaryStateSpec:
+    """What a state slot must hold to resume a sequence at a block's end, kept in that block (prefix caching and
+    the KV store of a model with per-sequence state): per named ring of the slot (``StateSlotSpec``) ``rows``
+    rows, ``[num_blocks, rows, width]`` each, row i of block b holding the ring's row of position
+    ``B - rows + i`` at the block's end ``B = (b's index in the sequence + 1) * block_size`` (rows of negative
+    positions hold anything). A cached block's rows are those of its tokens' prefix, so a prefix hit of n
+    blocks restores the slot from the n-th block: nothing of the prefix is recomputed."""
+
+    block_size: int
+    rings: tuple[tuple[str, int, int], ...]  # (name of the slot's ring, rows, width)
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(rows * width for _, rows, width in self.rings) * self.dtype.itemsize
+
+    def allocate(self, num_blocks: int, device: torch.device) -> BoundaryStates:
+        return BoundaryStates(self.block_size, {name: torch.zeros(num_blocks, rows, width, dtype=self.dtype,
+                                                                  device=device)
+                                                for name, rows, width in self.rings})
+
+
+class BoundaryStates(NamedTuple):
+    """A layer's ``BoundaryStateSpec`` tensors, by the name of the slot's ring they keep rows of."""
+
+    block_size: int
+    rings: dict[str, torch.Tensor]  # [num_blocks, rows, width] each
+
+
+def ring_keeps_boundary(end: int, boundary: int, max_draft_tokens: int) -> bool:
+    """Whether a step that ends at position ``end`` leaves in its sequence's rings every row the state at block
+    boundary ``boundary`` (<= end) needs: a window ring holds window + drafts rows and the boundary needs
+    window - 1 of them (a compressor's needs fewer of more). The runner copies those boundaries from the rings
+    after the forward (``runner.boundary_states``); the layers capture the others during it."""
+    return end - boundary <= max_draft_tokens + 1
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLASpec | CompressedSpec | BoundaryStateSpec
 
 
 @dataclass(frozen=True)

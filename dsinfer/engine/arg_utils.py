@@ -348,7 +348,7 @@ def _v4_block_size(block_size: int | None, hf_config: dict[str, Any]) -> int:
     2,048 tokens for V4-Flash, 512 entries of its CSA layers)."""
     from dsinfer.models.deepseek_v4.config import V4Config
 
-    v4 = V4Config.of(hf_config)
+    v4 = V4Config.of(hf_config).with_mtp_layers()  # an MTP layer's entries are paged by the same blocks
     rates = sorted({v4.rate(i) for i in range(v4.num_layers)} - {0})
     if block_size is None:
         return 16 * v4.max_rate

@@ -60,13 +60,13 @@ class DataParallelEngine:
         self.engines[0].check_priority(priority)
 
     def add_request(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
-        """To the rank with the fewest unfinished requests (ties: the lower rank)."""
+                    arrival_time: float | None = None, priority: int = 0, first_token: int | None = None) -> None:
+        """To the rank with the fewest unfinished requests (ties: the lower rank); see ``LLMEngine.add_request``."""
         if request_id in self._rank_of:
             raise ValueError(f"request id {request_id!r} is already in use")
         loads = [sum(1 for rid, r in self._rank_of.items() if r == rank) for rank in range(len(self.engines))]
         rank = loads.index(min(loads))
-        self.engines[rank].add_request(request_id, prompt, params, arrival_time, priority)
+        self.engines[rank].add_request(request_id, prompt, params, arrival_time, priority, first_token)
         self._rank_of[request_id] = rank
 
     def abort_request(self, request_ids: Iterable[str]) -> None:

@@ -90,7 +90,7 @@ class LLMEngine:
                                            config.speculative.num_speculative_tokens)
         # the KV store's index (the worker holds the store itself): asked at admission, fed by each step's output
         self.store_index = (StoreIndex(config.kv_store, engine_fingerprint(config), config.cache.block_size,
-                                       self.executor.kv_group_windows)
+                                       self.executor.kv_group_windows, self.executor.num_state_slots > 0)
                             if config.kv_store.enabled else None)
         self.kv_store_counters: dict[str, float] = {}  # the worker's latest totals
         # confidence scheduling: the step-latency curve the scheduler prices drafts on (None: off)
@@ -113,6 +113,7 @@ class LLMEngine:
         self._parents: dict[str, ParentRequest] = {}
         self._children: dict[str, tuple[ParentRequest, ChildState]] = {}
         self._pending_outputs: list[RequestOutput] = []
+        self._early_outputs: list[RequestOutput] = []  # preset first tokens' outputs: the next step's, at once
         self._logprob_decoder = LogprobDecoder(tokenizer)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -170,10 +171,15 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0, first_token: int | None = None) -> None:
         """``priority``: under the "priority" scheduling policy, lower runs first (vLLM's); must be 0 otherwise.
-        ``arrival_time``: ``time.monotonic()`` (every request time is on that clock); None: now."""
+        ``arrival_time``: ``time.monotonic()`` (every request time is on that clock); None: now.
+        ``first_token``: the first output token, sampled elsewhere (prefill/decode disaggregation: the prefill
+        replica's): appended at once, its output returned by the next ``step`` before that step computes anything;
+        the request then computes its prompt and that token and samples the second (see ``_preset_first``)."""
         self.check_priority(priority)
+        if first_token is not None:
+            self._check_first_token(first_token, params)
         if request_id in self._parents or request_id in self._children:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n > 1:  # its samples run as "<id>#<index>": none may be the id of a request already running
@@ -189,6 +195,34 @@ class LLMEngine:
             self._children[rid] = (parent, child)
             self.scheduler.add_request(child.request)
         self._parents[request_id] = parent
+        if first_token is not None:
+            self._preset_first(parent, first_token)
+
+    def _check_first_token(self, token: int, params: SamplingParams) -> None:
+        """A ValueError unless a preset first token can stand for the request's first sample: one sample, no
+        logprobs (none were computed for it), no grammar (it would have to have advanced it)."""
+        vocab = self.model_config.vocab_size
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+            raise ValueError(f"first_token must be a token id in [0, {vocab}), got {token!r}")
+        if params.n != 1:
+            raise ValueError(f"a preset first token needs n=1, got n={params.n}")
+        if params.logprobs is not None:
+            raise ValueError("a preset first token has no logprobs: logprobs cannot be asked for with it")
+        if params.structured_outputs is not None:
+            raise ValueError("a preset first token cannot be checked against a grammar (structured outputs)")
+
+    def _preset_first(self, parent: ParentRequest, token: int) -> None:
+        """``token`` appended as the request's first output (its stops checked as a sampled token's), and the
+        output it makes queued for the next ``step`` to return first."""
+        child = parent.children[0]
+        status = self._append(child, token, None)
+        if status is not None:
+            self.scheduler.finish(child.request, status)
+        output = parent.make_output(parent.finished)
+        if parent.finished:
+            self._finish_parent(parent, emit=False)
+        if output is not None:
+            self._early_outputs.append(output)
 
     def check_priority(self, priority: Any) -> None:
         """A ValueError unless ``priority`` is one ``add_request`` takes under this engine's policy."""
@@ -224,15 +258,20 @@ class LLMEngine:
                 in_flight[2].result()
         self.abort_request(list(self._parents))
         self._pending_outputs = []
+        self._early_outputs = []
         # the failed step's blocks joined the prefix cache when it was scheduled, but their KV may never have been
         # written: every block is free now, so forget every cached prefix rather than serve garbage KV later
         self.kv_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents) or bool(self._pending_outputs) or self._in_flight is not None
+        return (bool(self._parents) or bool(self._pending_outputs) or bool(self._early_outputs)
+                or self._in_flight is not None)
 
     # ----------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
+        if self._early_outputs:  # preset first tokens: out before any step runs (their time to first token)
+            early, self._early_outputs = self._early_outputs, []
+            return early
         outputs, self._pending_outputs = self._pending_outputs, []
         if self.async_scheduling and not self._needs_host_tokens and self._overlaps_drafts:
             return outputs + self._step_overlapped()

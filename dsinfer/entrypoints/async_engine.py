@@ -58,6 +58,7 @@ class _Submission:
     params: SamplingParams
     arrival_time: float  # time.monotonic(), the clock of every request metric
     priority: int = 0
+    first_token: int | None = None  # sampled elsewhere (``LLMEngine.add_request``)
 
 
 def _num_prompt_tokens(prompt: str | dict[str, Any]) -> int:
@@ -202,10 +203,11 @@ class AsyncEngine:
         self.engine.check_priority(priority)
 
     async def generate(
-        self, prompt: str | dict[str, Any], params: SamplingParams, request_id: str, priority: int = 0
+        self, prompt: str | dict[str, Any], params: SamplingParams, request_id: str, priority: int = 0,
+        first_token: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the engine makes them; aborts the request if the consumer stops early.
-        ``priority``: see ``LLMEngine.add_request``."""
+        ``priority``, ``first_token``: see ``LLMEngine.add_request``."""
         self._check_accepting(prompt)
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
@@ -214,7 +216,8 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
-            self._submissions.append(_Submission(request_id, prompt, params, time.monotonic(), priority))
+            self._submissions.append(_Submission(request_id, prompt, params, time.monotonic(), priority,
+                                                  first_token))
         self._wake.set()
         finished = False
         try:
@@ -272,8 +275,9 @@ class AsyncEngine:
             if stream is None:  # aborted before it reached the engine
                 continue
             try:
+                extra = {} if sub.first_token is None else {"first_token": sub.first_token}
                 self.engine.add_request(sub.request_id, sub.prompt, sub.params, arrival_time=sub.arrival_time,
-                                        priority=sub.priority)
+                                        priority=sub.priority, **extra)
             except (ValueError, TypeError) as exc:
                 with self._lock:
                     self._streams.pop(sub.request_id, None)

@@ -22,6 +22,9 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    # a model with per-sequence state: the block keeps the state at its end (False: a KV store load filled it and
+    # brought only a later block end's state), so a prefix hit may end here; reset when the block is reused
+    resumable: bool = True
 
 
 class BlockPool:
@@ -66,6 +69,7 @@ class BlockPool:
                     del self.cached[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
+            block.resumable = True
             out.append(block)
         return out
 
@@ -78,10 +82,14 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"block {block.block_id} released twice"
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Register a full block under its hash (first writer wins; duplicates simply stay uncached)."""
+        """Register a full block under its hash (first writer wins; duplicates simply stay uncached, except that
+        a resumable block takes the place of one that is not: a hit may then end there)."""
         if not self.enable_caching or block.block_hash is not None:
             return
-        if block_hash not in self.cached:
+        held = self.cached.get(block_hash)
+        if held is None or (block.resumable and not held.resumable):
+            if held is not None:
+                held.block_hash = None
             block.block_hash = block_hash
             self.cached[block_hash] = block
 

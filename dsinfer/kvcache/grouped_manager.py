@@ -70,7 +70,7 @@ class GroupedKVCacheManager(KVCacheManager):
         """Per group, the blocks of the longest prefix every group can serve (null entries where a sliding group
         needs none), and the tokens they cover; ([], 0) without a hit."""
         if not self.enable_caching or request.needs_prompt_logprobs or self.slots is not None:
-            return [], 0
+            return [], 0  # no model keeps both sliding groups and state slots
         self.update_hashes(request)
         hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
         cached = [[self.pool.get_cached(self._key(g, h)) for h in hashes] for g in range(self.num_groups)]
@@ -152,6 +152,9 @@ class GroupedKVCacheManager(KVCacheManager):
                 blocks[:end] = [self.null] * end
                 request.num_freed_blocks[g] = end
         return True
+
+    def num_held(self, computed: list[list[KVCacheBlock]]) -> int:
+        return len(computed[0]) if computed else 0
 
     def window_block_ids(self, request: Request, num_tokens: int, num_held: int = 0) -> list[int] | None:
         """Each sliding group's blocks its window needs at ``num_tokens`` (block-aligned), padded with -1 to

@@ -7,9 +7,15 @@ past a length (rejected drafts); ``free`` returns a request's blocks, tail first
 evicted first.
 
 Models with per-sequence state (``StateSlotSpec``, DeepSeek-V4's windows and compressor rows) also need a state
-slot per running request: ``allocate_slots`` gives a request without one its slot together with its blocks, or
-neither (a request is admitted only if both fit), and ``free`` returns both. Their prefix hits are off: the state
-at the end of a cached prefix is in no block, so a hit could not restore it exactly.
+slot per running request: ``allocate_slots`` (and ``allocate_for_load``) gives a request without one its slot
+together with its blocks, or neither (a request is admitted only if both fit), and ``free`` returns both. With
+prefix caching on, the worker keeps in every block the slot's rows at the block's end (``BoundaryStateSpec``), so
+a hit of n blocks is exact: the worker restores the slot from the n-th block (``runner.boundary_states``), and the
+KV store saves that block's rows as each grain's boundary state (``window_block_ids``); a load brings only its
+last block's rows, so the blocks before it are cached but no hit ends on them (``KVCacheBlock.resumable``).
+Their blocks are offered
+to the prefix cache only once computed (by an earlier step, or when the request is freed), never by the step
+that fills them: a request admitted in that same step would restore its slot before the forward wrote the rows.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Cached blocks covering a prefix of the request, and how many tokens they hold."""
-        if not self.enable_caching or request.needs_prompt_logprobs or self.slots is not None:
+        if not self.enable_caching or request.needs_prompt_logprobs:
             return [], 0
         self.update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -50,6 +56,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        while hits and not hits[-1].resumable:  # (state models) the hit ends where the state is kept
+            hits.pop()
         self.prefix_queries += request.num_tokens
         self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
@@ -70,18 +78,19 @@ class KVCacheManager:
         """Give the request room for ``num_new_tokens`` more tokens (and its state slot, if it has none yet);
         False (and no change) if blocks or slots run out."""
         end = request.num_computed_tokens + num_new_tokens
+        offer = end if self.slots is None else request.num_computed_tokens
         has_slot = self.slots is None or request.state_slot >= 0
         if not computed and has_slot and end <= len(request.blocks) * self.block_size:
             # most decode steps: the tokens fit the last block; only a block filled by them is offered
-            if self.enable_caching and end // self.block_size > request.num_offered_blocks:
-                self._cache_full_blocks(request, end)
+            if self.enable_caching and offer // self.block_size > request.num_offered_blocks:
+                self._cache_full_blocks(request, offer)
             return True
         if not self.can_allocate(request, num_new_tokens, computed):
             return False
         if self.slots is not None and request.state_slot < 0:
             request.state_slot = self.slots.allocate()
         self._take_blocks(request, num_new_tokens, computed)
-        self._cache_full_blocks(request, end)
+        self._cache_full_blocks(request, offer)
         return True
 
     def _take_blocks(self, request: Request, num_new_tokens: int, computed) -> None:
@@ -94,10 +103,29 @@ class KVCacheManager:
     def allocate_for_load(self, request: Request, num_new_tokens: int, computed: list[KVCacheBlock] = ()) -> bool:
         """Blocks for ``num_new_tokens`` tokens past ``request.num_computed_tokens`` that a KV store load will fill:
         as ``allocate_slots``, but none joins the prefix cache before its KV is there (``cache_loaded``)."""
-        if self.slots is not None or not self.can_allocate(request, num_new_tokens, computed):
+        if not self.can_allocate(request, num_new_tokens, computed):
             return False
+        if self.slots is not None and request.state_slot < 0:
+            request.state_slot = self.slots.allocate()
+        first = len(request.blocks) + len(computed)
         self._take_blocks(request, num_new_tokens, computed)
+        if self.slots is not None:  # the load brings the state at its end only
+            for block in request.blocks[first:-1]:
+                block.resumable = False
         return True
+
+    def num_held(self, computed: list[KVCacheBlock]) -> int:
+        """Blocks of a prefix hit (``get_computed_blocks``' first value)."""
+        return len(computed)
+
+    def window_block_ids(self, request: Request, num_tokens: int, num_held: int = 0) -> list[int] | None:
+        """A model with per-sequence state: the block whose end is ``num_tokens`` (block-aligned), which keeps
+        the state slot's rows there: the KV store's boundary state of a grain (-1 when it is one of the first
+        ``num_held``, already on the GPU; None without state, or when a load filled the block without it)."""
+        j = num_tokens // self.block_size - 1
+        if self.slots is None or not request.blocks[j].resumable:
+            return None
+        return [request.blocks[j].block_id if j >= num_held else -1]
 
     def cache_loaded(self, request: Request) -> None:
         """A load filled the request's blocks up to ``num_computed_tokens``: its full blocks join the prefix cache."""
@@ -125,6 +153,8 @@ class KVCacheManager:
         return len(request.blocks)
 
     def free(self, request: Request) -> None:
+        if self.slots is not None:  # the blocks its last step filled (offered late: see allocate_slots)
+            self._cache_full_blocks(request, request.num_computed_tokens)
         self.pool.release(list(reversed(request.blocks)))
         request.blocks = []
         if request.state_slot >= 0:

@@ -9,6 +9,8 @@ Sliding-window models (``windows``: each KV cache group's window, None for a ful
 the full groups' blocks of the grain (none for a model without a full group, so no such entry), and a second
 entry (``window_key``) the sliding groups' bounded window state at the grain's end. A hit ends at a boundary
 whose window state is stored: the longest run of full grains, backed off to the last such boundary in it.
+Models with per-sequence state (``boundary_states``: DeepSeek-V4) have both: a grain's entry holds its compressed
+blocks (entries, indexer keys), its ``window_key`` entry the state slot's rows at the grain's end.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from dsinfer.kvstore.keys import grain_keys
 
 class StoreIndex:
     def __init__(self, config: KVStoreConfig, fingerprint: bytes, block_size: int,
-                 windows: tuple[int | None, ...] = (None,)):
+                 windows: tuple[int | None, ...] = (None,), boundary_states: bool = False):
+        """``boundary_states``: the model keeps per-sequence state, saved at each grain's end."""
         self.config = config
         self.has_full = None in windows  # grains have a full groups' entry
-        self.has_windows = any(w is not None for w in windows)  # boundaries have a window state entry
+        # boundaries have a window state entry
+        self.has_windows = boundary_states or any(w is not None for w in windows)
         self.fingerprint = fingerprint
         self.grain = config.grain
         self.blocks_per_grain = config.grain // block_size

@@ -131,6 +131,8 @@ class SamplingFields(WireModel):
     kv_retention: KVRetention | None = None  # the KV store's traffic class of the prompt's saved KV (--kv-store)
     # vLLM's: logprobs tokens as "token_id:N" (None: the server's --return-tokens-as-token-ids)
     return_tokens_as_token_ids: StrictBool | None = None
+    # vLLM's: each choice also holds its output token ids (``token_ids``), in the non-streamed answer
+    return_token_ids: StrictBool = False
     # vLLM-style structured outputs (at most one of these and response_format)
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | Annotated[str, Field(max_length=1 << 20)] | None = None

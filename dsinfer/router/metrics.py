@@ -59,6 +59,8 @@ class RouterMetrics:
         self.stream_errors = Counter("dsinfer_router_stream_errors",
                                      "streams that broke after their first byte (ended with an error event)",
                                      registry=reg)
+        self.first_tokens = Counter("dsinfer_router_pd_first_tokens",
+                                    "P/D: decode requests sent on with the prefill replica's first token", registry=reg)
         self.ttft = Histogram("dsinfer_router_time_to_first_byte_seconds",
                               "streams: request arrival to the first byte relayed (the first token's event)",
                               buckets=_LATENCY_BUCKETS, registry=reg)

@@ -11,8 +11,12 @@ reported once the copy is complete, so the request is scheduled only after its K
 Sliding-window groups (Mistral, GPT-OSS): a grain boundary's window state is a second payload, each sliding
 group's layers' rows of its ``window_blocks`` window blocks (-1 entries: padding, gathered from the null block and
 skipped on load), so a sliding group's entries hold only its window, whatever the context. A load whose window
-state does not come back fills nothing (reported as 0 tokens). Compressed layers and per-sequence state
-(DeepSeek-V4) are refused at start-up: a stored grain does not hold their compressor state.
+state does not come back fills nothing (reported as 0 tokens).
+
+Compressed layers with per-sequence state (DeepSeek-V4): a grain's payload is every compressed layer's entries
+(and CSA's indexer keys) of the grain's blocks; its boundary state, the second payload, is the grain's last
+block's ``BoundaryStateSpec`` rows (the state slot's rows at the grain's end), which the runner restores into the
+request's slot when it first runs.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 
 from dsinfer.config import EngineConfig
 from dsinfer.core.kv_cache_spec import (
-    CompressedSpec,
+    BoundaryStateSpec,
     FullAttentionSpec,
     IndexedMLACache,
     kv_cache_groups,
@@ -38,23 +42,25 @@ Part = tuple[torch.Tensor, int, tuple[int, ...]]  # (uint8 view of a cache, its 
 
 
 class KVTransfer:
-    def __init__(self, caches: list, specs: list, config: EngineConfig, fingerprint: bytes, has_state: bool):
-        """``caches``: every paged layer's KV cache (as bound to the layers), ``specs`` their KVCacheSpecs."""
-        if any(isinstance(s, CompressedSpec) for s in specs) or has_state:
-            raise ValueError(f"kv_store: {config.model.architecture} has compressed layers or per-sequence state "
-                             "(DeepSeek-V4); the KV store serves full-attention, MLA and sliding-window models "
-                             "only for now: leave kv_store unset for this model")
+    def __init__(self, caches: list, specs: list, config: EngineConfig, fingerprint: bytes):
+        """``caches``: every paged layer's KV cache (as bound to the layers), ``specs`` their KVCacheSpecs
+        (``BoundaryStateSpec`` ones last: a state model's block-end rows)."""
         self.device = config.device.device
         self.block_size = config.cache.block_size
         self.grain = config.kv_store.grain
         self.blocks_per_grain = self.grain // self.block_size
         self.parts: list[Part] = []  # the full groups' layers, a grain's blocks each
         self.window_parts: list[tuple[list[Part], int]] = []  # per sliding group: its layers, its window blocks
+        boundary = [i for i, spec in enumerate(specs) if isinstance(spec, BoundaryStateSpec)]
+        if boundary:  # the state at a grain's end: its last block's rows, as a sliding group's window state is
+            rows = [self._part(t, specs[i], 1) for i in boundary for t in caches[i].rings.values()]
+            self.window_parts.append((rows, 1))
+            caches, specs = caches[:boundary[0]], specs[:boundary[0]]
         for group in kv_cache_groups(specs):
             n = self.blocks_per_grain if group.sliding_window is None else window_blocks(group.sliding_window,
                                                                                          self.block_size)
             parts = [self._part(t, spec, n) for i in group.layers for spec in [specs[i]]
-                     for t in (list(caches[i]) if isinstance(caches[i], IndexedMLACache) else [caches[i]])]
+                     for t in (list(caches[i]) if isinstance(caches[i], (IndexedMLACache, list)) else [caches[i]])]
             if group.sliding_window is None:
                 self.parts += parts
             else:

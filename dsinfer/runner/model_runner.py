@@ -54,6 +54,7 @@ from dsinfer.core.plan import StepPlan
 from dsinfer.distributed.state import SINGLE, ParallelState
 from dsinfer.kvstore.keys import engine_fingerprint
 from dsinfer.models.loader.model_loader import _default_dtype_and_device, build_model, load_model
+from dsinfer.runner import boundary_states
 from dsinfer.runner.cuda_graphs import DecodeGraphs
 from dsinfer.runner.decode_padding import PaddedStep, pad_step
 from dsinfer.runner.input_batch import SampleRow, StepInputs, build_sampling_batch, build_step_inputs, to_device_packed
@@ -161,7 +162,16 @@ class ModelRunner:
         cache_dtype = config.cache.cache_dtype or config.model.dtype
         # a layer may page nothing (None: DeepSeek-V4's sliding layers) and keep per-sequence state (``state_spec``)
         specs = [layer.kv_cache_spec(self.block_size, cache_dtype) for layer in layers]
-        self.kv_specs: list[KVCacheSpec] = [spec for spec in specs if spec is not None]
+        paged_specs = [spec for spec in specs if spec is not None]
+        # with prefix caching or the KV store, each block also keeps the state slots' rows at its end (paged by
+        # the same block ids, counted in the block's bytes), so a hit at a block end restores the slot exactly;
+        # the model's layers only: an MTP layer's rings (written after the step, past it by chained drafts) start
+        # a hit stale, which costs some of its drafts' acceptance for a window, never a token
+        keeps_boundaries = config.cache.enable_prefix_caching or config.kv_store.enabled
+        self.boundary_layers = [layer for layer in self.model.attention_layers() if hasattr(layer, "boundary_spec")
+                                ] if keeps_boundaries else []
+        boundary_specs = [layer.boundary_spec(self.block_size, cache_dtype) for layer in self.boundary_layers]
+        self.kv_specs: list[KVCacheSpec] = paged_specs + boundary_specs
         # one block table per layout (GPT-OSS: full and sliding layers); one group for most models
         self.kv_groups = kv_cache_groups(self.kv_specs)
         self.kv_group_windows = tuple(group.sliding_window for group in self.kv_groups)
@@ -177,11 +187,14 @@ class ModelRunner:
             if hasattr(layer, "state_spec"):
                 layer.state = layer.state_spec(max_drafts, cache_dtype).allocate(self.num_state_slots, self.device)
         paged = [layer for layer, spec in zip(layers, specs) if spec is not None]
-        self._allocate_kv_caches(paged)
+        self._allocate_kv_caches(paged, paged_specs)
+        for layer, spec in zip(self.boundary_layers, boundary_specs):
+            layer.boundary = spec.allocate(self.num_blocks, self.device)
+        self.max_draft_tokens = max_drafts
         self.kv_transfer: KVTransfer | None = None
         if config.kv_store.enabled:
-            self.kv_transfer = KVTransfer([layer.kv_cache for layer in paged], self.kv_specs, config,
-                                          engine_fingerprint(config), bool(self.state_specs))
+            caches = [layer.kv_cache for layer in paged] + [layer.boundary for layer in self.boundary_layers]
+            self.kv_transfer = KVTransfer(caches, self.kv_specs, config, engine_fingerprint(config))
         self.sampler = Sampler()
         self.requests = RequestTable()
         # the last launched step's sampled tokens (device) and each request's row in them: async scheduling
@@ -257,14 +270,15 @@ class ModelRunner:
             step_latency.StepLatencyCurve(points).save(path)
         return points
 
-    def _allocate_kv_caches(self, paged_layers: list) -> None:
-        """Each paged layer's cache; with several groups, the k-th layer of every group shares one tensor (a
-        block id belongs to one group at a time), and each layer learns its group (``kv_group``)."""
-        if not shares_tensors(self.kv_specs, self.kv_groups):
-            for layer, spec in zip(paged_layers, self.kv_specs):
+    def _allocate_kv_caches(self, paged_layers: list, specs: list[KVCacheSpec]) -> None:
+        """Each paged layer's cache (``specs``: theirs, in order); with several groups, the k-th layer of every
+        group shares one tensor (a block id belongs to one group at a time), and each layer learns its group
+        (``kv_group``)."""
+        if not shares_tensors(specs, self.kv_groups):
+            for layer, spec in zip(paged_layers, specs, strict=True):
                 layer.kv_cache = spec.allocate(self.num_blocks, self.device)
         else:
-            tensors = [self.kv_specs[0].allocate(self.num_blocks, self.device)
+            tensors = [specs[0].allocate(self.num_blocks, self.device)
                        for _ in range(max(len(group.layers) for group in self.kv_groups))]
             for group in self.kv_groups:
                 for k, i in enumerate(group.layers):
@@ -357,6 +371,8 @@ class ModelRunner:
             start.record()
         with batch_invariant(self.config.device.deterministic):
             logits, hidden = self._forward_with_hidden(inputs)
+        if self.boundary_layers:
+            self._save_boundaries(plan)
         copies: dict[str, torch.Tensor] = {}
         if inputs.sample_rows:
             # without prompt-logprob rows the logits rows are exactly the sampling rows
@@ -430,11 +446,34 @@ class ModelRunner:
             return self.mtp.propose(inputs, hidden, tokens)
 
     def prepare(self, plan: StepPlan) -> StepInputs | None:
-        """Apply the plan to the request table and build the step's inputs (None: nothing is scheduled)."""
+        """Apply the plan to the request table and build the step's inputs (None: nothing is scheduled); a new
+        request that starts past its first token gets its state slot restored from its prefix's last block."""
         states = self.requests.apply(plan)
         for rid in plan.finished_req_ids + plan.preempted_req_ids:
             self._last_rows.pop(rid, None)
+        for new in plan.new_requests:
+            if new.state_slot >= 0 and new.num_computed_tokens > 0:
+                self._restore_slot(new.state_slot, new.num_computed_tokens, new.block_ids[0])
         return build_step_inputs(states, plan, self.block_size, self.device) if states else None
+
+    def _restore_slot(self, slot: int, num_computed: int, block_ids: list[int]) -> None:
+        """The engine starts a request past 0 only at a block end (a prefix hit, a store load); a plan made by hand
+        with a context computed elsewhere (benchmarks' decode steps) keeps the slot as it is."""
+        if self.boundary_layers and num_computed % self.block_size == 0:
+            block = block_ids[num_computed // self.block_size - 1]
+            boundary_states.restore(self.boundary_layers, slot, num_computed, block)
+
+    def _save_boundaries(self, plan: StepPlan) -> None:
+        """After the forward: the block ends the step reached that the rings still hold (``boundary_states``)."""
+        items, bs, requests = [], self.block_size, self.requests.requests
+        for rid, num_new in plan.num_scheduled_tokens.items():
+            state = requests[rid]
+            start = state.num_computed_tokens
+            if (start + num_new) // bs == start // bs:  # most decode steps: no block end reached
+                continue
+            for end in boundary_states.boundaries_after_step(start, num_new, bs, self.max_draft_tokens):
+                items.append((state.state_slot, end, state.block_ids[0][end // bs - 1]))
+        boundary_states.save(self.boundary_layers, items)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits of the step's logits rows (``_forward_with_hidden``'s first half)."""

@@ -1,8 +1,12 @@
-"""MTP drafts, computed by the worker right after the target's forward of a step (DeepSeek-V3's MTP layer).
+"""MTP drafts, computed by the worker right after the target's forward of a step (DeepSeek-V3 / V3.2 / V4).
 
 The MTP layer at position i reads the target's last hidden state h_i and the token t_{i+1} after it, and predicts
-t_{i+2} (``models.mtp``). Its latent KV lives in its own cache tensor, paged by the same block ids as the target's
-(one more layer of the KV spec), so the step's slot mapping and block tables serve it unchanged.
+t_{i+2} (``models.mtp``; V4: ``models.deepseek_v4.mtp``, whose h_i is the target's hyper-connection streams). Its
+KV lives in its own cache, one more layer of the KV spec: V3's latent KV paged by the same block ids as the
+target's, V4's window ring (and compressors' rows) in the request's own state slot and its compressed entries in
+the same blocks; so the step's slot mapping, block tables and state slots serve it unchanged. The V4 ring holds
+``window + num_speculative_tokens`` rows like the target's, so positions past the last kept one (a rejected
+draft's, a chained depth's) never overwrite a row a later step reads.
 
 Depth 0 runs over every row of the step, beside the target: row i's next token is the step's input at row i + 1,
 a request's last row of a prompt chunk reads the next prompt token, and every sampled row reads its own sampled
@@ -41,12 +45,14 @@ from dsinfer.runner.input_batch import StepInputs, to_device_packed
 
 @dataclass
 class _Picked:
-    """Per sampling request: its id, the batch row of its last kept position, that position, its block ids."""
+    """Per sampling request: its id, the batch row of its last kept position, that position, its block ids, its
+    state slot (-1: the model keeps no per-sequence state)."""
 
     request_ids: list[str]
     rows: np.ndarray
     positions: np.ndarray
     block_ids: list[list[int]]
+    state_slots: list[int]
 
 
 class MTPProposer:
@@ -80,7 +86,8 @@ class MTPProposer:
                 sel = np.flatnonzero(fits)
                 (sel_d,) = to_device_packed([sel], self.device)
                 alive, positions, ids, out = alive[sel], positions[sel], ids[sel_d], out[sel_d]
-            chain = self._chain_batch(ids, positions, [picked.block_ids[i] for i in alive])
+            chain = self._chain_batch(ids, positions, [picked.block_ids[i] for i in alive],
+                                      [picked.state_slots[i] for i in alive])
             out = layer(out, ids, chain.positions, chain)
             conf, ids = layer.shared_head(out).softmax(-1).max(-1)
             depths.append((alive, ids, conf))
@@ -105,7 +112,7 @@ class MTPProposer:
         qsl = host.query_start_loc
         next_ids = np.zeros_like(host.input_ids)
         next_ids[:-1] = host.input_ids[1:]
-        picked = _Picked([], np.zeros(0, np.int64), np.zeros(0, np.int64), [])
+        picked = _Picked([], np.zeros(0, np.int64), np.zeros(0, np.int64), [], [])
         picked_rows, picked_positions = [], []
         j = 0
         for i, state in enumerate(inputs.states):
@@ -123,6 +130,7 @@ class MTPProposer:
                 kept += 1
             picked.request_ids.append(state.request_id)
             picked.block_ids.append(state.block_ids[0])
+            picked.state_slots.append(state.state_slot)
             picked_rows.append(first + kept)
             picked_positions.append(int(host.positions[first + kept]))
             j += m
@@ -130,17 +138,18 @@ class MTPProposer:
         picked.positions = np.asarray(picked_positions, np.int64)
         return next_ids, picked
 
-    def _chain_batch(self, ids: torch.Tensor, positions: np.ndarray, block_ids: list[list[int]]) -> ForwardBatch:
-        """One token a request at ``positions``, in the requests' own blocks."""
+    def _chain_batch(self, ids: torch.Tensor, positions: np.ndarray, block_ids: list[list[int]],
+                     state_slots: list[int]) -> ForwardBatch:
+        """One token a request at ``positions``, in the requests' own blocks and state slots."""
         bs, n = self.block_size, len(positions)
         tables = np.zeros((n, max(len(b) for b in block_ids)), dtype=np.int32)
         for r, blocks in enumerate(block_ids):
             tables[r, :len(blocks)] = blocks
         slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = (positions + 1).astype(np.int32)
-        pos_d, slots_d, tables_d, qsl_d, lens_d, logits_d = to_device_packed(
-            [positions, slots, tables, np.arange(n + 1, dtype=np.int32), seq_lens, np.arange(n, dtype=np.int64)],
-            self.device)
+        pos_d, slots_d, tables_d, qsl_d, lens_d, logits_d, state_d = to_device_packed(
+            [positions, slots, tables, np.arange(n + 1, dtype=np.int32), seq_lens, np.arange(n, dtype=np.int64),
+             np.asarray(state_slots, np.int64)], self.device)
         return ForwardBatch(input_ids=ids, positions=pos_d, slot_mapping=slots_d, block_tables=tables_d,
                             query_start_loc=qsl_d, seq_lens=lens_d, logits_indices=logits_d, max_query_len=1,
-                            max_seq_len=int(seq_lens.max()))
+                            max_seq_len=int(seq_lens.max()), state_slots=state_d if state_slots[0] >= 0 else None)

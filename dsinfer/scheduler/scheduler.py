@@ -272,7 +272,7 @@ class Scheduler:
             return False
         self.waiting.popleft()
         first, bpg = num_cached // grain, self.store.blocks_per_grain
-        num_held = len(computed[0]) if self.store.has_windows and computed else len(computed)
+        num_held = self.kv.num_held(computed)
         load = KVLoad(request.request_id, [], [])
         if self.store.has_full:
             load.keys = keys[first:stored]
@@ -301,6 +301,7 @@ class Scheduler:
                 self.kv.free(request)
                 request.num_computed_tokens = 0
                 request.store_lookup = False
+                request.num_stored_grains = 0  # what it found broken is saved again, whole
                 request.status = RequestStatus.WAITING
                 if self.by_priority:
                     self._enqueue(request)

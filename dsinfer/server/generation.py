@@ -56,9 +56,10 @@ class Generation:
     """One engine request: its outputs as an async iterator, with metrics recorded when it ends."""
 
     def __init__(self, ctx: ServingContext, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 priority: int = 0):
+                 priority: int = 0, first_token: int | None = None):
         self.ctx = ctx
         self.priority = priority
+        self.first_token_id = first_token  # preset by the router's prefill step (``server/load.py``)
         self.prompt_ids = prompt_ids
         self.params = params
         self.request_id = request_id
@@ -69,8 +70,9 @@ class Generation:
         self.choice_tokens = [0] * params.n  # tokens of each choice: the longest took the decode steps
 
     async def outputs(self) -> AsyncGenerator[RequestOutput, None]:
+        extra = {} if self.first_token_id is None else {"first_token": self.first_token_id}
         gen = self.ctx.engine.generate({"prompt_token_ids": self.prompt_ids}, self.params, self.request_id,
-                                       self.priority)
+                                       self.priority, **extra)
         finished = False
         async with aclosing(gen):
             async for out in gen:

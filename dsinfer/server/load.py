@@ -9,6 +9,10 @@ capacity, block size, the KV store's directory and grain).
 is held until the KV store's queued saves are written, so that the decode replica it goes to next finds the
 prompt's grains in the shared directory. Bounded by ``FLUSH_TIMEOUT_S``; the answer goes out either way (a grain
 not yet written is recomputed by the decode replica: time lost, never tokens).
+
+``x-dsinfer-first-token: ID`` on a chat or text completion (the router's decode step): the prefill replica's
+first output token, which the engine takes as the request's first sample (``LLMEngine.add_request``): it goes
+to the client at once, and decoding continues from it.
 """
 
 from __future__ import annotations
@@ -19,10 +23,23 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from dsinfer.protocol.errors import ProtocolError
+
 logger = logging.getLogger("dsinfer.server")
 router = APIRouter()
 FLUSH_HEADER = b"x-dsinfer-kv-flush"
 FLUSH_TIMEOUT_S = 10.0
+FIRST_TOKEN_HEADER = "x-dsinfer-first-token"
+
+
+def first_token_of(request: Request) -> int | None:
+    """The ``x-dsinfer-first-token`` header's token id (None: absent); a 400 when it is not a token id."""
+    value = request.headers.get(FIRST_TOKEN_HEADER)
+    if value is None:
+        return None
+    if not value.strip().isdigit():
+        raise ProtocolError(f"{FIRST_TOKEN_HEADER} must be a token id, got {value!r}", param=FIRST_TOKEN_HEADER)
+    return int(value)
 
 
 def replica_constants(llm_engine: Any) -> dict[str, Any]:

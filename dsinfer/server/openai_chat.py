@@ -32,6 +32,7 @@ from dsinfer.protocol.tool_constraints import (
 )
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.generation import Batch, Generation, primed
+from dsinfer.server.load import first_token_of
 from dsinfer.server.sse import SSE_DONE, SSE_HEADERS, sse_data
 from dsinfer.server.streaming_errors import stream_error_payload
 
@@ -159,7 +160,7 @@ async def chat_completions(request: Request):
     ids = prompt_ids(ctx, req, encoded.token_ids)
     params = _params(ctx, req, len(ids), use_tools, structured)
     await validate_structured_outputs(structured, field)
-    gen = Generation(ctx, ids, params, new_id("chatcmpl-"), req.priority)
+    gen = Generation(ctx, ids, params, new_id("chatcmpl-"), req.priority, first_token_of(request))
     parser_kwargs = ctx.output_parser_kwargs(encoded.text, use_tools, req.parallel_tool_calls, _forced_tools(req))
     echo = (messages[-1]["content"] or "") if req.echo and req.messages[-1].role == _role(ctx, req) else ""
     if req.stream:
@@ -237,6 +238,7 @@ def _response(
                 "logprobs": _logprobs(ctx, req, c) if req.logprobs else None,
                 "finish_reason": _finish_reason(c.finish_reason, bool(parsed.tool_calls), req),
                 "stop_reason": c.stop_reason,  # vLLM's: the stop string or token id that ended it
+                **({"token_ids": list(c.token_ids)} if req.return_token_ids else {}),
             }
         )
     body = {

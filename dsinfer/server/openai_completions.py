@@ -25,6 +25,7 @@ from dsinfer.protocol.sampling import (
 from dsinfer.protocol.structured_request import structured_outputs_of, validate_structured_outputs
 from dsinfer.server.context import ServingContext, new_id, parse_body
 from dsinfer.server.generation import Batch, Generation
+from dsinfer.server.load import first_token_of
 from dsinfer.server.openai_chat import prompt_ids, sampling_fields, usage_now
 from dsinfer.server.sse import SSE_DONE, SSE_HEADERS, sse_data
 from dsinfer.server.streaming_errors import stream_error_payload
@@ -102,7 +103,11 @@ async def completions(request: Request):
     request_id = new_id("cmpl-")
     # one engine request per prompt (vLLM's ids: the answer's, then "-k"); a single prompt's is the answer's
     ids_of = [request_id] if len(prepared) == 1 else [f"{request_id}-{k}" for k in range(len(prepared))]
-    batch = Batch([Generation(ctx, ids, params, rid, req.priority) for (ids, params), rid in zip(prepared, ids_of)])
+    first = first_token_of(request)
+    if first is not None and len(prepared) != 1:
+        raise ProtocolError(f"a preset first token needs one prompt, got {len(prepared)}", param="prompt")
+    batch = Batch([Generation(ctx, ids, params, rid, req.priority, first)
+                   for (ids, params), rid in zip(prepared, ids_of)])
     echoes = [ctx.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else "" for ids, _ in prepared]
     if req.stream:
         outputs = await batch.outputs(request)
@@ -134,6 +139,8 @@ def _choice(ctx: ServingContext, req: CompletionRequest, c: Any, echo: str, offs
         offset += len(c.text)
     choice = {"index": c.index, "text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
               "stop_reason": c.stop_reason}  # vLLM's: the stop string or token id that ended it
+    if req.return_token_ids and not req.stream:
+        choice["token_ids"] = list(c.token_ids)
     return choice, offset
 
 

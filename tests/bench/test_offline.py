@@ -44,3 +44,16 @@ def test_bench_throughput_and_latency_clis_write_their_figures(tiny_llama_dir, t
     figures = json.loads(out.read_text())
     assert set(figures) == {"batch_size", "input_len", "output_len", "prefill_ms", "decode_step_ms", "total_ms"}
     assert figures["prefill_ms"] > 0 and figures["total_ms"] > 0
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["throughput", "--num-prompts", "0"], "--num-prompts must be at least 1, got 0"),
+    (["throughput", "--output-len-range", "5", "2"], "--output-len-range needs 1 <= MIN <= MAX, got 5 2"),
+    (["latency", "--batch-sizes", "4", "0"], "--batch-sizes must be at least 1, got 0"),
+    (["latency", "--prefill", "--steps", "0"], "--steps must be at least 1, got 0"),
+])
+def test_bad_offline_figures_are_refused_before_a_model_loads(args, message, capsys):
+    from dsinfer.bench.cli import main as bench_main
+
+    assert bench_main(args) == 2
+    assert message in capsys.readouterr().err

@@ -41,12 +41,25 @@ def test_a_running_request_keeps_its_slot_while_it_grows():
     assert kv.allocate_slots(request, 3) and request.state_slot == 0 and kv.slots.num_free == 1
 
 
-def test_prefix_hits_are_off_with_state_slots():
+def test_state_model_blocks_join_the_prefix_cache_once_computed():
+    """Offered after the step that fills them (a request admitted in that step would restore its slot from a
+    block end the forward has not written yet), and at the latest when the request is freed."""
     kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=True, num_state_slots=2)
-    done = make_request(12, "a")
-    assert kv.allocate_slots(done, 12)
-    kv.free(done)
+    first = make_request(12, "a")
+    assert kv.allocate_slots(first, 12)
     assert kv.get_computed_blocks(make_request(12, "b")) == ([], 0)
+    first.num_computed_tokens = 12
+    kv.free(first)
+    hits, num_cached = kv.get_computed_blocks(make_request(12, "c"))
+    assert num_cached == 8 and [b.block_id for b in hits] == [b.block_id for b in kv.pool.blocks[1:3]]
+
+
+def test_a_load_takes_its_slot_with_its_blocks():
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=True, num_state_slots=1)
+    loading, other = make_request(12, "a"), make_request(4, "b")
+    assert kv.allocate_for_load(loading, 8) and loading.state_slot == 0 and len(loading.blocks) == 2
+    assert kv.window_block_ids(loading, 8) == [loading.blocks[1].block_id]  # the block that keeps the state at 8
+    assert not kv.allocate_slots(other, 4) and not other.blocks
 
 
 def test_preemption_frees_the_slot_and_resume_resends_it():

@@ -1,4 +1,4 @@
-"""Two engine processes sharing one directory; start-up errors of a bad kv_store; the model the store refuses (V4)."""
+"""Two engine processes sharing one directory; start-up errors of a bad kv_store."""
 
 from __future__ import annotations
 
@@ -66,13 +66,3 @@ def test_serve_refuses_a_bad_kv_store_with_exit_2(tiny_llama_dir, capsys):
     assert "error: --kv-store {\"dir\": \"/nonexistent/kv\"}: kv_store.dir=" in capsys.readouterr().err
     assert main(["serve", str(tiny_llama_dir), "--kv-store", '{"host_gb": -2}']) == 2
     assert "kv_store.host_gb must be a number >= 0" in capsys.readouterr().err
-
-
-def test_v4_compressed_layers_are_refused(tmp_path):
-    import transformers
-
-    from tests.models.v4_fixture import write_checkpoint
-
-    write_checkpoint(transformers, tmp_path)
-    with pytest.raises(ValueError, match="has compressed layers or per-sequence state"):
-        LLM(str(tmp_path), kv_store={"host_gb": 0.01, "grain": 256})  # V4's block: its compression rate

@@ -4,7 +4,8 @@ Every attention layer type (sliding, CSA rate 4 with the indexer's top-3, HCA ra
 hyper-connection streams (``v4_fixture``); prompts of 3 to 70 tokens, so past the window (8), several CSA windows
 and several HCA windows. fp32 on CPU: greedy continuations identical (``min_tokens`` as ``min_new_tokens``) and
 prompt logprobs within 1e-4, in one batch of mixed lengths, through chunked prefill and through preemption; with
-prefix caching asked for the output is the same (V4's state is in no block, so its prefix hits are off). The
+prefix caching the output is the same, the hits restoring each state slot from its block (more in
+``test_deepseek_v4_prefix``). The
 published checkpoint's tensor names (and its MTP tensors) load to the same model, from bf16 safetensors too.
 """
 
@@ -126,8 +127,8 @@ def test_async_scheduling_matches_hf(ckpt):
 
 
 def test_prefix_caching_on_gives_the_output_of_off(ckpt):
-    """Prompts sharing a 48-token stem, run twice with prefix caching asked for: the same tokens as without it,
-    and no prefix hit (a hit could not restore the window ring and the compressors' rows)."""
+    """Prompts sharing a 48-token stem, run twice with prefix caching: the same tokens as without it, and the
+    second run hits every full block of known KV (the state slots restored from the blocks' ends)."""
     stem = ckpt[2][4][:48]
     prompts = [stem + [5, 9, 11], stem + [17, 3]]
     off = [o.outputs[0].token_ids for o in _generate(LLM(str(ckpt[0]), enable_prefix_caching=False), prompts,
@@ -136,7 +137,7 @@ def test_prefix_caching_on_gives_the_output_of_off(ckpt):
     for _ in range(2):
         on = [o.outputs[0].token_ids for o in _generate(llm, prompts, prompt_logprobs=False)]
         assert on == off
-    assert llm.engine.get_stats()["prefix_cache_hits"] == 0
+    assert llm.engine.get_stats()["prefix_cache_hits"] == 2 * 48
 
 
 PUBLISHED = {"model.embed_tokens.weight": "embed.weight", "model.hc_head.hc_fn": "hc_head_fn",
@@ -144,36 +145,62 @@ PUBLISHED = {"model.embed_tokens.weight": "embed.weight", "model.hc_head.hc_fn":
 
 
 def _published(src: Path, dst: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The checkpoint as DeepSeek publishes it (no ``model.`` prefix, ``embed`` / ``hc_head_fn``..., an MTP
-    layer's tensors under ``mtp.0``) in ``dtype``; -> the MTP tensors written."""
+    """The checkpoint as DeepSeek publishes it (no ``model.`` prefix, ``embed`` / ``hc_head_fn`` /
+    ``attn.kv_norm``..., an MTP layer's tensors under ``mtp.0``, config ``num_nextn_predict_layers=1``) in
+    ``dtype``; -> the MTP tensors written."""
     dst.mkdir()
-    (dst / "config.json").write_text((src / "config.json").read_text())
+    cfg = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(cfg | {"num_nextn_predict_layers": 1}))
     out = {}
+    gen = torch.Generator().manual_seed(1)
     for name, t in load_file(src / "model.safetensors").items():
-        name = PUBLISHED.get(name, name).removeprefix("model.")
+        name = PUBLISHED.get(name, name).removeprefix("model.").replace(".attn.norm.", ".attn.kv_norm.")
         out[name] = t.to(dtype) if t.is_floating_point() else t
-        if name.startswith("layers.3."):  # the MTP layer's block: a copy of the last layer's
+        # the MTP layer's block (sliding attention, top-k MoE): a copy of the last layer's, without its compressors
+        if name.startswith("layers.3.") and ".compressor." not in name and ".indexer." not in name:
             out["mtp.0." + name.removeprefix("layers.3.")] = out[name].clone()
-    out["mtp.0.eh_proj.weight"] = torch.randn(32, 64).to(dtype)
+    extras = {"e_proj.weight": (32, 32), "h_proj.weight": (32, 32), "enorm.weight": (32,), "hnorm.weight": (32,),
+              "norm.weight": (32,), "hc_head_fn": (2, 64), "hc_head_base": (2,), "hc_head_scale": (1,)}
+    for name, shape in extras.items():
+        out["mtp.0." + name] = torch.randn(shape, generator=gen).to(dtype)
     save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
     return {k: v for k, v in out.items() if k.startswith("mtp.")}
 
 
 def test_published_names_and_bf16_load_the_same_model(ckpt, tmp_path):
+    """The published names load to the model transformers' names give; the MTP layer's tensors load into
+    ``model.mtp`` (its hyper-connection and expert tensors by the same rules as a main layer's)."""
     path, hf = ckpt[0], ckpt[1]
     cfg = json.loads((path / "config.json").read_text())
     saved = DeepseekV4ForCausalLM(cfg)
     saved.load_weights(iterate_safetensors(path))
     for dtype in (torch.float32, torch.bfloat16):
         mtp = _published(path, tmp_path / str(dtype), dtype)
-        model = DeepseekV4ForCausalLM(cfg)
+        model = DeepseekV4ForCausalLM(cfg | {"num_nextn_predict_layers": 1})
         model.load_weights(iterate_safetensors(tmp_path / str(dtype)))
-        assert sorted(model.mtp_weights) == sorted(mtp) and len(mtp) > 20
-        for (name, ours), (_, ref) in zip(model.state_dict().items(), saved.state_dict().items()):
+        ours = {k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")}
+        assert list(ours) == list(saved.state_dict())
+        for (name, mine), ref in zip(ours.items(), saved.state_dict().values()):
             expected = ref.to(dtype).to(ref.dtype) if ref.is_floating_point() else ref
-            assert torch.equal(ours, expected), name
+            assert torch.equal(mine, expected), name
+        layer = model.mtp.layers[0]
+        assert torch.equal(layer.hc_head.fn, mtp["mtp.0.hc_head_fn"].float())
+        assert torch.equal(layer.hc_attn.scale, mtp["mtp.0.hc_attn_scale"].float())
+        assert torch.equal(layer.ffn.experts.target(2, "w3"), mtp["mtp.0.ffn.experts.2.w3.weight"].float())
+        assert torch.equal(layer.e_proj.weight, mtp["mtp.0.e_proj.weight"].float())
+        assert layer.attn.compressor is None and not layer.ffn.gate.hashed
     experts = saved.layers[1].ffn.experts
     torch.testing.assert_close(experts.w13, hf.model.layers[1].mlp.experts.gate_up_proj, rtol=0, atol=0)
+
+
+def test_a_checkpoint_without_mtp_tensors_drops_the_mtp_layer(ckpt):
+    """num_nextn_predict_layers=1 in the config but no ``mtp.*`` tensor (transformers drops them): the model loads
+    without its MTP layer, so ``method='mtp'`` is refused."""
+    cfg = json.loads((ckpt[0] / "config.json").read_text())
+    model = DeepseekV4ForCausalLM(cfg | {"num_nextn_predict_layers": 1})
+    assert model.mtp is not None
+    model.load_weights(iterate_safetensors(ckpt[0]))
+    assert model.mtp is None
 
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -222,9 +249,9 @@ def test_fp8_linears_and_fp4_experts_dequantize_on_load(ckpt, tmp_path):
         else:
             out[name] = t
     (tmp_path / "quantized").mkdir()
-    (tmp_path / "quantized" / "config.json").write_text((path / "config.json").read_text())
+    (tmp_path / "quantized" / "config.json").write_text((tmp_path / "plain" / "config.json").read_text())
     save_file(out, tmp_path / "quantized" / "model.safetensors", metadata={"format": "pt"})
-    model = DeepseekV4ForCausalLM(json.loads((path / "config.json").read_text()))
+    model = DeepseekV4ForCausalLM(json.loads((tmp_path / "plain" / "config.json").read_text()))
     model.load_weights(iterate_safetensors(tmp_path / "quantized"))
     experts = model.layers[2].ffn.experts
     assert torch.equal(experts.target(3, "w2"), expected["layers.2.ffn.experts.3.w2.weight"])
@@ -232,6 +259,7 @@ def test_fp8_linears_and_fp4_experts_dequantize_on_load(ckpt, tmp_path):
     assert torch.equal(model.layers[1].attn.wq_b.weight, expected["layers.1.attn.wq_b.weight"])
     assert torch.equal(model.layers[0].ffn.shared_experts.w1.weight, expected["layers.0.ffn.shared_experts.w1.weight"])
     assert torch.equal(model.layers[3].attn.wo_b.weight, expected["layers.3.attn.wo_b.weight"])
+    assert torch.equal(model.mtp.layers[0].attn.wq_a.weight, expected["mtp.0.attn.wq_a.weight"])
     byte = int(out["layers.0.ffn.experts.0.w1.weight"][0, 0])  # low nibble first
     unpacked = unpack_fp4(torch.tensor([[byte]], dtype=torch.int8))
     assert torch.equal(unpacked, E2M1[[byte & 0xF, (byte >> 4) & 0xF]][None])

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HAS_CUDA = torch.cuda.is_available()
 
 _COMPILE = """
-from benchmarks.kernel_asm import compile_for_hopper
+from tests.ops.hopper_asm import compile_for_hopper
 from dsinfer.ops.triton import moe, norm
 
 bf16 = {n: "*bf16" for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "sum_ptr")}

@@ -144,22 +144,43 @@ def test_prefill_decode_gives_one_replicas_greedy_output(cluster):
     # A prompt no earlier test sent: B may hold SYSTEM's first grain already (it can be the prefix holder above),
     # and then there would be nothing for it to load.
     body = _chat("Be brief. " + SYSTEM, "Name three fruits.", max_tokens=10)
-    reference = _post(a, body).json()["choices"][0]["message"]["content"]
+    single = _post(a, body).json()
+    reference = single["choices"][0]["message"]["content"]
     loaded = _metric(b, 'dsinfer_kv_store_hit_tokens_total{tier="dir"}')
     r = _post(pd, body)
     assert r.status_code == 200, r.text
     assert r.headers["x-dsinfer-replica"] == b
     assert r.json()["choices"][0]["message"]["content"] == reference
+    usage = r.json()["usage"]  # the prefill's first token counted once, as generated; C's grain as cached
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (single["usage"]["prompt_tokens"],
+                                                                    single["usage"]["completion_tokens"])
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 128
     assert _metric(b, 'dsinfer_kv_store_hit_tokens_total{tier="dir"}') >= loaded + 128  # C's grain, loaded by B
+    assert _metric(pd, "dsinfer_router_pd_first_tokens_total") == 1  # B started from C's first token
 
     body = _chat(SYSTEM + " Be kind.", "Name three animals.", max_tokens=10)
-    reference = _post(a, body).json()["choices"][0]["message"]["content"]
-    with httpx.stream("POST", f"{pd}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
+    single = _post(a, body).json()
+    reference = single["choices"][0]["message"]["content"]
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{pd}/v1/chat/completions", json=streamed, timeout=120) as s:
         assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
         events = [e for e in s.read().decode().split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
     assert _stream_text(events) == reference
-    assert _metric(pd, 'dsinfer_router_routing_decisions_total{reason="prefill_bucket_0"}') == 2
+    usage = json.loads(events[-2][6:])["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (single["usage"]["prompt_tokens"],
+                                                                    single["usage"]["completion_tokens"])
+    assert _metric(pd, "dsinfer_router_pd_first_tokens_total") == 2
+
+    # logprobs: B samples the first token itself (it has none for C's), the same text
+    body = {"prompt": SYSTEM + " Fruits:", "max_tokens": 4, "temperature": 0, "logprobs": 1}
+    reference = httpx.post(f"{a}/v1/completions", json=body, timeout=120).json()["choices"][0]
+    r = httpx.post(f"{pd}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == reference["text"]
+    assert r.json()["choices"][0]["logprobs"]["tokens"] == reference["logprobs"]["tokens"]
+    assert _metric(pd, "dsinfer_router_pd_first_tokens_total") == 2
+    assert _metric(pd, 'dsinfer_router_routing_decisions_total{reason="prefill_bucket_0"}') == 3
 
 
 def test_killed_replica_fails_no_unstarted_request_and_breaks_started_streams_cleanly(cluster):

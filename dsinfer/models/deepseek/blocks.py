@@ -36,7 +36,7 @@ MOE_REQUIRED = ("moe_intermediate_size", "num_experts_per_tok")
 # batches up to this many tokens run the shared experts inside the grouped GEMM; larger ones run them as dense
 # GEMMs, on a side stream beside the router and the routed experts where that is on (V2-Lite on the H200, µs per
 # MoE layer, fused / after / beside: 1 token 55.0 / 68.2 / 57.5, 32 tokens 257.7 / 267.2 / 256.8, 64 tokens
-# 284.5 / 288.5 / 277.5, 256 tokens 337.2 / 325.2 / 320.0: ``benchmarks/moe_layer_probe.py``)
+# 284.5 / 288.5 / 277.5, 256 tokens 337.2 / 325.2 / 320.0: session 11's probe, docs/benchmarks.md)
 FUSED_SHARED_MAX_TOKENS = 64
 FUSED_SHARED_MAX_TOKENS_BESIDE = 32
 

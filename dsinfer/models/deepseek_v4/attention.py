@@ -18,7 +18,7 @@ from torch import nn
 
 from dsinfer import batch_invariant
 from dsinfer.core.forward_batch import ForwardBatch
-from dsinfer.core.kv_cache_spec import CompressedSpec, StateSlotSpec
+from dsinfer.core.kv_cache_spec import BoundaryStates, BoundaryStateSpec, CompressedSpec, StateSlotSpec
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.models.deepseek_v4 import decode
@@ -28,7 +28,7 @@ from dsinfer.models.deepseek_v4.hyper import unweighted_rms_norm
 from dsinfer.models.deepseek_v4.indexer import Indexer
 from dsinfer.models.deepseek_v4.invariant import attend_invariant
 from dsinfer.models.deepseek_v4.rope import V4Rope, apply_rope
-from dsinfer.models.deepseek_v4.step import SeqStep, V4Step, read_ring, write_ring
+from dsinfer.models.deepseek_v4.step import SeqStep, V4Step, capture_boundaries, read_ring, write_ring
 
 
 class V4Attention(nn.Module):
@@ -55,6 +55,7 @@ class V4Attention(nn.Module):
             cfg.rms_norm_eps)
         self.kv_cache: list[torch.Tensor] | None = None  # paged: [entries] or [entries, indexer keys]
         self.state: dict[str, torch.Tensor] | None = None  # the state slots' rings
+        self.boundary: BoundaryStates | None = None  # the rings' rows at each block's end (prefix caching, store)
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> CompressedSpec | None:
         """The paged part (None for a sliding layer: it pages nothing)."""
@@ -73,6 +74,21 @@ class V4Attention(nn.Module):
             if comp is not None:
                 rings.append((name, comp.ring_rows + max_draft_tokens, 4 * comp.dim if comp.overlap else 2 * comp.dim))
         return StateSlotSpec(tuple(rings), dtype)
+
+    def boundary_spec(self, block_size: int, dtype: torch.dtype) -> BoundaryStateSpec:
+        """The rows of the slot a step at a block's end B reads: the window's last window - 1 keys and, for CSA,
+        both compressors' rows of the last full window (entry B / rate pools them); HCA's next window starts
+        at B (a multiple of every rate), so its compressor reads nothing older."""
+        rings = [("window", self.window - 1, self.head_dim)]
+        for name, comp in (("compressor", self.compressor), ("indexer", self.indexer and self.indexer.compressor)):
+            if comp is not None and comp.overlap:
+                rings.append((name, comp.rate, 4 * comp.dim))
+        return BoundaryStateSpec(block_size, tuple(rings), dtype)
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The draft rows the rings hold beyond the window."""
+        return self.state["window"].shape[1] - self.window
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q_lora = self.q_norm(self.wq_a(x))
@@ -121,17 +137,20 @@ class V4Attention(nn.Module):
     def _forward_seqs(self, x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, q_lora: torch.Tensor,
                       positions: torch.Tensor, step: V4Step) -> torch.Tensor:
         """The per-sequence path (prefill, mixed steps, the deterministic mode): bounds read on the host."""
+        drafts = self.max_draft_tokens
         if self.compressor is not None:
-            self.compressor.step(self.compressor.project(x), step, self.state["compressor"], self.kv_cache[0])
+            self.compressor.step(self.compressor.project(x), step, self.state["compressor"], self.kv_cache[0],
+                                 self.boundary, "compressor", drafts)
         index_q = None
         if self.indexer is not None:
             self.indexer.compressor.step(self.indexer.compressor.project(x), step, self.state["indexer"],
-                                         self.kv_cache[1])
+                                         self.kv_cache[1], self.boundary, "indexer", drafts)
             index_q = self.indexer.queries(q_lora, x, positions)
         out = torch.empty_like(q)
         for seq in step.seqs:
             out[seq.rows] = self._attend_seq(q[seq.rows], kv, positions[seq.rows], step, seq, index_q)
         for seq in step.seqs:  # after every read: a long chunk's own rows may wrap over rows read above
+            capture_boundaries(self.boundary, "window", self.state["window"], step, seq, kv[seq.rows], drafts)
             write_ring(self.state["window"], seq.slot, seq, kv[seq.rows])
         return out
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsinfer.core.kv_cache_spec import BoundaryStates
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.models.deepseek_v4.rope import V4Rope, apply_rope
-from dsinfer.models.deepseek_v4.step import SeqStep, V4Step, read_ring, write_ring
+from dsinfer.models.deepseek_v4.step import SeqStep, V4Step, capture_boundaries, read_ring, write_ring
 
 
 class Compressor(nn.Module):
@@ -66,9 +67,11 @@ class Compressor(nn.Module):
         cos, sin = self.rope.angles(positions)
         return apply_rope(entries, cos, sin)
 
-    def step(self, source: torch.Tensor, step: V4Step, ring: torch.Tensor, entries: torch.Tensor) -> None:
+    def step(self, source: torch.Tensor, step: V4Step, ring: torch.Tensor, entries: torch.Tensor,
+             boundary: BoundaryStates | None = None, name: str = "", max_draft_tokens: int = 0) -> None:
         """Pool every window the step's tokens close into ``entries`` (a paged cache [blocks, per block, dim]) and
-        keep the step's source rows (``project``'s, [T, 2 * width]) in each sequence's ring."""
+        keep the step's source rows (``project``'s, [T, 2 * width]) in each sequence's ring (and, with
+        ``boundary``, the ring ``name``'s rows at each block end the ring will not hold: ``capture_boundaries``)."""
         per_block = entries.shape[1]
         flat = entries.view(-1, entries.shape[-1])
         for seq in step.seqs:
@@ -80,6 +83,7 @@ class Compressor(nn.Module):
                 old = read_ring(ring, seq.slot, range(start, seq.num_computed)).to(source.dtype)
                 new = self.pool(torch.cat((old, rows)), first, has_prev)
                 flat[step.entry_addresses(seq, first, end, per_block)] = new.to(flat.dtype)
+            capture_boundaries(boundary, name, ring, step, seq, source[seq.rows], max_draft_tokens)
             write_ring(ring, seq.slot, seq, source[seq.rows])
 
     def gather(self, step: V4Step, seq: SeqStep, entries: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ for sliding layers, ``compress`` for the compressed ones).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -66,6 +66,11 @@ class V4Config:
     rope_parameters: dict[str, dict[str, Any]]  # "main" and "compress"
     num_nextn_predict_layers: int
     tie_word_embeddings: bool
+    # the MTP layers' attention and MoE kinds: what ``layer_types`` / ``mlp_layer_types`` list past the main layers
+    # (the published ``compress_ratios`` has num_hidden_layers + 1 entries, its last one, 0, the MTP layer's), else
+    # sliding attention and top-k MoE (the reference hashes only layers below ``num_hash_layers``)
+    mtp_layer_types: tuple[str, ...] = ()
+    mtp_mlp_layer_types: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, cfg: dict[str, Any]) -> V4Config:
@@ -82,10 +87,13 @@ class V4Config:
         for kind, legacy in ((CSA, "compress_rate_csa"), (HCA, "compress_rate_hca")):
             if cfg.get(legacy) is not None:
                 rates[kind] = cfg[legacy]
+        n_mtp = cfg.get("num_nextn_predict_layers") or 0
         mlp_types = cfg.get("mlp_layer_types")
         if mlp_types is None:
             n_hash = cfg.get("num_hash_layers", 3)
-            mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+            mlp_types = ["hash_moe"] * min(n + n_mtp, n_hash) + ["moe"] * max(0, n + n_mtp - n_hash)
+        mtp_types = (list(layer_types[n:n + n_mtp]) + [SLIDING] * n_mtp)[:n_mtp]
+        mtp_mlp_types = (list(mlp_types[n:n + n_mtp]) + ["moe"] * n_mtp)[:n_mtp]
         out = cls(
             vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], num_layers=n,
             num_heads=cfg["num_attention_heads"], head_dim=head_dim, rope_dim=int(head_dim * partial),
@@ -99,8 +107,8 @@ class V4Config:
             swiglu_limit=float(cfg.get("swiglu_limit", 10.0)), hc_mult=cfg.get("hc_mult", 4),
             hc_sinkhorn_iters=cfg.get("hc_sinkhorn_iters", 20), hc_eps=float(cfg.get("hc_eps", 1e-6)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_parameters=_rope_parameters(cfg, partial),
-            num_nextn_predict_layers=cfg.get("num_nextn_predict_layers") or 0,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            num_nextn_predict_layers=n_mtp, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            mtp_layer_types=tuple(mtp_types), mtp_mlp_layer_types=tuple(mtp_mlp_types),
         )
         out.check()
         return out
@@ -110,6 +118,10 @@ class V4Config:
         if len(self.layer_types) != self.num_layers or bad:
             raise ValueError(f"layer_types must name {self.num_layers} layers out of {LAYER_TYPES}, got "
                              f"{list(self.layer_types)}")
+        bad = [t for t in self.mtp_layer_types if t not in LAYER_TYPES]
+        if bad:
+            raise ValueError(f"the MTP layers' types (past num_hidden_layers in layer_types / compress_ratios) must be "
+                             f"out of {LAYER_TYPES}, got {list(self.mtp_layer_types)}")
         bad = [t for t in self.mlp_layer_types if t not in ("hash_moe", "moe")]
         if len(self.mlp_layer_types) != self.num_layers or bad:
             raise ValueError(f"mlp_layer_types must name {self.num_layers} layers out of ('hash_moe', 'moe'), got "
@@ -134,5 +146,13 @@ class V4Config:
 
     @property
     def max_rate(self) -> int:
-        """The largest compression rate a layer uses (1 when every layer is sliding)."""
-        return max([self.rate(i) for i in range(self.num_layers)] + [1])
+        """The largest compression rate a layer uses, the MTP layers' too (1 when every layer is sliding)."""
+        return max([self.with_mtp_layers().rate(i) for i in range(self.num_layers + self.num_nextn_predict_layers)]
+                   + [1])
+
+    def with_mtp_layers(self) -> V4Config:
+        """This config with the MTP layers appended as layers ``num_layers ..`` (what builds their blocks)."""
+        return replace(self, num_layers=self.num_layers + len(self.mtp_layer_types),
+                       layer_types=self.layer_types + self.mtp_layer_types,
+                       mlp_layer_types=self.mlp_layer_types + self.mtp_mlp_layer_types, mtp_layer_types=(),
+                       mtp_mlp_layer_types=(), num_nextn_predict_layers=0)

@@ -3,12 +3,16 @@
 Parameters are named as the published checkpoint names its tensors (``embed``, ``layers.N.attn.wq_a``,
 ``layers.N.ffn.experts.E.w1``, ``hc_head_fn``...); ``checkpoint_name`` also reads what transformers'
 ``save_pretrained`` writes (a ``model.`` prefix and a few of transformers' own names). FP8 / FP4 weights are
-dequantized as they load (``quant``). The MTP layers' tensors
-(``mtp.*``) are kept as loaded, for the speculative-decoding drafter; they do not run.
+dequantized as they load (``quant``). The MTP layers' tensors (``mtp.{k}.*``) load into ``self.mtp``
+(``deepseek_v4.mtp``), which drafts for speculative decoding (``speculative_config={"method": "mtp"}``).
+
+The model's last hidden state is its ``hc_mult`` residual streams [T, hc, D] (what the MTP layer reads);
+``compute_logits`` collapses them (``hc_head``, ``norm``) and projects.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -26,12 +30,18 @@ from dsinfer.models.deepseek_v4.hyper import HyperConnection, HyperHead
 from dsinfer.models.deepseek_v4.moe import V4Experts, V4MoE
 from dsinfer.models.deepseek_v4.quant import dequantized
 
+# the attention's KV norm: ``attn.kv_norm`` as DeepSeek's reference names it (the published checkpoints),
+# ``attn.norm`` as transformers' save_pretrained writes it back
+_KV_NORM = ".attn.kv_norm."
 # transformers' save_pretrained names -> the published ones (after the "model." prefix is dropped)
 _SAVED_NAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
                 "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
 # published hyper-connection tensors -> our modules' parameters
 _HC = re.compile(r"(^|\.)hc_(attn|ffn|head)_(fn|base|scale)$")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+_MTP = re.compile(r"mtp\.(\d+)\.(.*)")
+
+logger = logging.getLogger("dsinfer")
 
 
 class V4DecoderLayer(nn.Module):
@@ -79,33 +89,44 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.hc_head = HyperHead(d, v4.hc_mult, v4.hc_eps, v4.rms_norm_eps)
         self.norm = RMSNorm(d, v4.rms_norm_eps)
         self.head = LMHead(v4.vocab_size, d, self.embed if v4.tie_word_embeddings else None)
-        self.mtp_weights: dict[str, torch.Tensor] = {}  # the MTP layers' tensors by checkpoint name
+        self.mtp = None
+        if v4.num_nextn_predict_layers:
+            from dsinfer.models.deepseek_v4.mtp import V4MTP
+
+            self.mtp = V4MTP(v4, max_position, self.embed, self.head)
 
     def attention_layers(self) -> list[V4Attention]:
+        """The main model's attention layers (the MTP layers' are ``self.mtp.attention_layers()``)."""
         return [layer.attn for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """-> the last layer's streams [T, hc, D]."""
         x = self.embed(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.v4.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(streams, input_ids, positions, batch)
-        return self.norm(self.hc_head(streams))
+        return streams
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        return self.head(hidden, upcast)
+        """Streams [T, hc, D] (``forward``'s) -> logits [T, vocab]."""
+        return self.head(self.norm(self.hc_head(hidden)), upcast)
 
     # ---- weights -------------------------------------------------------------------------------------------
 
     def checkpoint_name(self, name: str) -> tuple[str, tuple[int, str] | None] | None:
         """Checkpoint tensor name -> (our parameter or buffer name, (expert, w1/w2/w3) for an expert's slice);
-        None for a tensor kept aside (MTP) or not ours (a tied head)."""
+        None for a tensor not ours (a tied head; an MTP layer's copy of the shared embedding or head; an MTP layer
+        the config does not count)."""
         name = name.removeprefix("model.")
         name = _SAVED_NAMES.get(name, name)
-        if name.startswith("mtp."):
-            return None
+        mtp = _MTP.match(name)
+        if mtp:
+            if self.mtp is None or int(mtp[1]) >= len(self.mtp.layers) or mtp[2].startswith(("embed.", "head.")):
+                return None
+            name = f"mtp.layers.{mtp[1]}.{mtp[2]}"
         if name == "head.weight" and self.head.tied:
             return None
-        name = _HC.sub(lambda m: f"{m[1]}hc_{m[2]}.{m[3]}", name)
+        name = _HC.sub(lambda m: f"{m[1]}hc_{m[2]}.{m[3]}", name).replace(_KV_NORM, ".attn.norm.")
         expert = _EXPERT.search(name)
         if expert:
             return name[:expert.start()] + ".experts", (int(expert[1]), expert[2])
@@ -118,11 +139,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         modules = dict(self.named_modules())
         loaded: set[str] = set()
         for ckpt_name, tensor in dequantized(weights):
-            if ckpt_name.removeprefix("model.").startswith("mtp."):
-                dtype = self.embed.weight.dtype  # dequantized FP8 arrives as float32: keep the model's dtype
-                self.mtp_weights[ckpt_name.removeprefix("model.")] = tensor.to(dtype) if tensor.is_floating_point() \
-                    else tensor
-                continue
             routed = self.checkpoint_name(ckpt_name)
             if routed is None:
                 continue
@@ -140,6 +156,11 @@ class DeepseekV4ForCausalLM(nn.Module):
                 raise ValueError(f"{ckpt_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
             target.copy_(tensor)
             loaded.add(label)
+        if self.mtp is not None and not any(label.startswith("mtp.") for label in loaded):
+            logger.info("the checkpoint has no MTP layer weights: the MTP draft module is dropped")
+            self.mtp = None
+            targets = dict(self.named_parameters()) | dict(self.named_buffers())
+            modules = dict(self.named_modules())
         expected = {n for n in targets if not n.endswith("inv_freq")
                     and not isinstance(modules[n.rsplit(".", 1)[0]], V4Experts)}
         for prefix, module in modules.items():

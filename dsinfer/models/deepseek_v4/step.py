@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from dsinfer.core.forward_batch import ForwardBatch
+from dsinfer.core.kv_cache_spec import BoundaryStates, ring_keeps_boundary
 
 
 @dataclass(frozen=True)
@@ -71,3 +72,22 @@ def write_ring(ring: torch.Tensor, slot: int, seq: SeqStep, values: torch.Tensor
     keep = min(seq.num_new, ring.shape[1])
     positions = range(seq.end - keep, seq.end)
     ring[slot, ring_rows(positions, ring.shape[1], ring.device)] = values[seq.num_new - keep:].to(ring.dtype)
+
+
+def capture_boundaries(states: BoundaryStates | None, name: str, ring: torch.Tensor, step: V4Step, seq: SeqStep,
+                       values: torch.Tensor, max_draft_tokens: int) -> None:
+    """Before the step's rows (``values`` [num_new, width]) go into ring ``name``: into every block whose end the
+    step reaches and its ring will not hold after it (``ring_keeps_boundary``), the ring's rows at that end
+    (``BoundaryStateSpec``: positions B - rows .. B - 1, from the ring before the step and from ``values``)."""
+    if states is None or name not in states.rings:
+        return
+    bs, out = states.block_size, states.rings[name]
+    rows = out.shape[1]
+    for boundary in range((seq.num_computed // bs + 1) * bs, seq.end + 1, bs):
+        if ring_keeps_boundary(seq.end, boundary, max_draft_tokens) or not rows:
+            continue
+        pos = torch.arange(boundary - rows, boundary, device=ring.device)
+        old = ring[seq.slot, pos % ring.shape[1]].to(values.dtype)
+        new = values[(pos - seq.num_computed).clamp(0, seq.num_new - 1)]
+        block = step.block_tables[seq.index, boundary // bs - 1].long().view(1)
+        out[block] = torch.where((pos < seq.num_computed).unsqueeze(-1), old, new).to(out.dtype).unsqueeze(0)

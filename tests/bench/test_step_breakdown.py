@@ -1,10 +1,10 @@
-"""``benchmarks/throughput.py --step-breakdown``: how the steps of an offline run are summed by kind."""
+"""``dsinfer bench throughput --step-breakdown``: how the steps of an offline run are summed by kind."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.throughput import parse_args, step_breakdown, summarize_steps
+from dsinfer.bench.steps import step_breakdown, summarize_steps
 
 
 def test_steps_are_summed_by_kind_and_idle_is_apart():
@@ -19,11 +19,6 @@ def test_steps_are_summed_by_kind_and_idle_is_apart():
 
 def test_no_steps_give_only_the_idle_row():
     assert summarize_steps([]) == [("GPU idle between steps", 0, 0.0)]
-
-
-def test_the_flag_parses():
-    assert parse_args(["--step-breakdown"]).step_breakdown
-    assert not parse_args([]).step_breakdown
 
 
 class _Event:

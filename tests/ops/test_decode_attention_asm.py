@@ -1,4 +1,4 @@
-"""What the decode attention kernel compiles to on Hopper, checked on any machine (``benchmarks/kernel_asm.py``:
+"""What the decode attention kernel compiles to on Hopper, checked on any machine (``tests/ops/hopper_asm.py``:
 Triton compiles for sm_90 without a GPU). An FP8 cache's value tiles are the transposed operand of the product,
 and FP8 has no transposing shared-memory load: left to Triton, the conversion moves behind the load and every
 value is read from shared memory one byte at a time (the H200 ran such a kernel at half its bytes' rate)."""
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _instructions(*args: str) -> dict[str, int]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter compiles nothing
     env["PYTHONPATH"] = str(ROOT)
-    done = subprocess.run([sys.executable, "benchmarks/kernel_asm.py", "--json", *args], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "tests.ops.hopper_asm", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.splitlines()[-1])["instructions"]

@@ -1,16 +1,9 @@
-"""Compile the GQA decode attention kernel for Hopper (sm_90) on any machine, no GPU needed, and count its PTX
-instructions: what a tile config or an FP8 cache turns into, before spending device time on it
-(``compile_for_hopper`` compiles any of our kernels the same way; ``tests/ops/test_pdl.py`` uses it).
-
-    python benchmarks/kernel_asm.py [--cache bf16|fp8e4nv|fp8e5] [--block-n 128] [--warps 4] [--stages 3]
-                                    [--no-fp8-cvt] [--dump DIR] [--json]
-
-Triton compiles for a named target without a driver (ptxas ships in its wheel). Pointers and strides are
-declared 16-divisible, as the launcher specializes them in a real launch; without that Triton would emit byte
-loads for every tile. Session 13 found the FP8 decode's bottleneck this way: 128 single-byte shared-memory loads
-per 128-key tile, the value tile's transposed operand (``ops.triton.attention.widen_fp8``).
-TRITON_INTERPRET must be unset: the interpreter replaces the kernels this compiles.
-"""
+"""Our Triton kernels compiled for Hopper (sm_90) on any machine, no GPU needed (Triton compiles for a named
+target without a driver; ptxas ships in its wheel): the PTX a test checks (``test_pdl.py``,
+``test_decode_attention_asm.py``). Pointers and strides are declared 16-divisible, as the launcher specializes
+them in a real launch; without that Triton would emit byte loads. Run with TRITON_INTERPRET unset (the
+interpreter compiles nothing), e.g. ``python -m tests.ops.hopper_asm --cache fp8e4nv`` prints the decode
+kernel's shared memory and instruction counts as JSON (formerly ``benchmarks/kernel_asm.py``)."""
 
 from __future__ import annotations
 
@@ -18,7 +11,6 @@ import argparse
 import json
 import re
 from collections import Counter
-from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -68,22 +60,10 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--no-fp8-cvt", action="store_true", help="let Triton place the value tile's conversion")
-    parser.add_argument("--dump", type=Path, default=None, help="write the TTGIR and PTX here")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
     opts = parser.parse_args()
     compiled = compile_decode(opts.cache, opts.block_n, opts.warps, opts.stages, not opts.no_fp8_cvt)
-    counts = instruction_counts(compiled.asm["ptx"])
-    if opts.dump:
-        opts.dump.mkdir(parents=True, exist_ok=True)
-        for ext in ("ttgir", "ptx"):
-            (opts.dump / f"decode_{opts.cache}.{ext}").write_text(compiled.asm[ext])
-    if opts.json:
-        print(json.dumps({"shared_bytes": compiled.metadata.shared, "instructions": counts}))
-        return
-    print(f"decode kernel, {opts.cache} cache, BLOCK_N {opts.block_n}, {opts.warps} warps, {opts.stages} stages: "
-          f"{compiled.metadata.shared} bytes of shared memory")
-    for name, n in counts.items():
-        print(f"  {n:5d}  {name}")
+    print(json.dumps({"shared_bytes": compiled.metadata.shared,
+                      "instructions": instruction_counts(compiled.asm["ptx"])}))
 
 
 if __name__ == "__main__":
