@@ -34,7 +34,8 @@ BLOCK = 32
 ACTIVATION_QMAX = 32767  # activations are quantized to int16 per block
 FORMATS = ("int4", "int8")
 _BUILD_FLAGS = b"-O3 -march=native -fno-math-errno -fopenmp"
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_quant.cpp"
+# the extension: these linears and the fused RMSNorm (``csrc/cpu_norm.cpp``, ``ops.norm.rms_norm_cpu``)
+_SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("cpu_quant.cpp", "cpu_norm.cpp"))
 
 
 @dataclass
@@ -76,10 +77,11 @@ def cpu_features() -> dict[str, bool]:
 
 @functools.cache
 def native_available() -> bool:
-    """Whether the C++ kernel is built and loaded (building it on the first call, about 20 s; then cached)."""
+    """Whether the C++ kernels (these linears and ``ops.norm.rms_norm_cpu``) are built and loaded (building them
+    on the first call, about 20 s; then cached)."""
     if envs.CPU_QUANT_KERNEL.get() == "torch":
         return False
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     key = hashlib.sha256(source + _cpu_flags().encode() + torch.__version__.encode() + _BUILD_FLAGS).hexdigest()[:16]
     build_dir = Path(envs.CACHE_DIR.get()) / "torch_extensions" / f"cpu_quant-{key}"
     try:
@@ -87,7 +89,7 @@ def native_available() -> bool:
 
         build_dir.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
-            name=f"dsinfer_cpu_quant_{key}", sources=[str(_SOURCE)], build_directory=str(build_dir),
+            name=f"dsinfer_cpu_quant_{key}", sources=[str(path) for path in _SOURCES], build_directory=str(build_dir),
             # -fopenmp: at::parallel_for is an OpenMP pragma in the ATen headers (serial without it); the
             # libgomp.so.1 it needs is the one torch loaded, so the kernel shares torch's thread pool
             extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"],
@@ -201,7 +203,18 @@ def _fake_linear(x: torch.Tensor, qweight: torch.Tensor, *rest: torch.Tensor) ->
     return x.new_empty(x.shape[0], qweight.shape[0])
 
 
+def _fake_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _fake_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(x)
+
+
 def _register_fakes() -> None:
     """Output shapes of the native ops, so ``torch.compile`` can trace through them."""
     for name in ("int4_linear", "int8_linear"):
         torch.library.register_fake(f"dsinfer_cpu::{name}")(_fake_linear)
+    torch.library.register_fake("dsinfer_cpu::rms_norm")(_fake_rms_norm)
+    torch.library.register_fake("dsinfer_cpu::add_rms_norm")(_fake_add_rms_norm)
