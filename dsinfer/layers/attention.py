@@ -42,6 +42,7 @@ class Attention(nn.Module):
             self.sinks.weight_loader = lambda param, loaded: param.data.copy_(
                 loaded.narrow(0, tp.tp_rank * num_heads, num_heads))
         self.kv_group = 0  # the KV cache group whose block table it reads (the runner sets it)
+        self.native_cpu = False  # decode steps by the C++ kernel (ops.attention.decode_attention_cpu; layers.quant)
 
     def load_kv_scale(self, which: str, value: torch.Tensor) -> None:
         """A checkpoint's ``k_scale`` / ``v_scale`` (or ``kv_scale``, both): one positive finite number."""
@@ -91,8 +92,9 @@ class Attention(nn.Module):
         else:
             ops.store_kv(k, v, self.kv_cache, slot_mapping, scales, stored)
         block_size = self.kv_cache.shape[2]
-        plan = batch.derive(("attention_plan", group, self.sliding_window, block_size), lambda: AttentionPlan(
-            block_tables, batch.query_start_loc, batch.seq_lens, self.sliding_window, block_size))
+        plan = batch.derive(("attention_plan", group, self.sliding_window, block_size, self.native_cpu),
+                            lambda: AttentionPlan(block_tables, batch.query_start_loc, batch.seq_lens,
+                                                  self.sliding_window, block_size, self.native_cpu))
         # the batch's host-side bounds spare the kernels a host sync (and make decode capturable in a graph)
         out = ops.paged_attention(q, self.kv_cache, block_tables, batch.query_start_loc, batch.seq_lens,
                                   self.scale, self.sliding_window, max_query_len=batch.max_query_len,

@@ -9,7 +9,7 @@ placeholder whose loader hands each checkpoint shard to the method: a ``Quantize
 the shards of a merged projection (q/k/v, gate/up) into one pack (all int8 where their formats differ) and
 registers ``qweight`` / ``scales`` / ``mins`` buffers; the forward then runs ``ops.cpu_quant``. Where the C++
 kernel cannot be built the finished layer keeps a dense float32 weight of the dequantized values instead; where
-it is, the model's RMSNorms take its fused norm (``layers.norm``).
+it is, the model's RMSNorms and decode attention take its kernels (``layers.norm``, ``layers.attention``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsinfer.layers.attention import Attention
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.norm import RMSNorm
@@ -120,7 +121,7 @@ def attach_cpu_quantization(model: nn.Module, mode: str) -> None:
 
 def finish_cpu_quantization(model: nn.Module) -> None:
     """Pack every attached method's loaded shards (after the weights loaded); with the C++ kernels built, the
-    model's RMSNorms take the fused one too (``layers.norm``)."""
+    model's RMSNorms and decode attention take them too (``layers.norm``, ``layers.attention``)."""
     seen = set()
     for module in model.modules():
         method = getattr(module, "quant_method", None)
@@ -129,7 +130,7 @@ def finish_cpu_quantization(model: nn.Module) -> None:
             method.finish()
     if cpu_quant.native_available():
         for module in model.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, RMSNorm | Attention):
                 module.native_cpu = True
 
 

@@ -34,8 +34,10 @@ BLOCK = 32
 ACTIVATION_QMAX = 32767  # activations are quantized to int16 per block
 FORMATS = ("int4", "int8")
 _BUILD_FLAGS = b"-O3 -march=native -fno-math-errno -fopenmp"
-# the extension: these linears and the fused RMSNorm (``csrc/cpu_norm.cpp``, ``ops.norm.rms_norm_cpu``)
-_SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("cpu_quant.cpp", "cpu_norm.cpp"))
+# the extension: these linears, the fused RMSNorm (``ops.norm.rms_norm_cpu``) and decode attention
+# (``ops.attention.decode_attention_cpu``)
+_SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name
+                 for name in ("cpu_quant.cpp", "cpu_norm.cpp", "cpu_attention.cpp"))
 
 
 @dataclass
@@ -77,8 +79,8 @@ def cpu_features() -> dict[str, bool]:
 
 @functools.cache
 def native_available() -> bool:
-    """Whether the C++ kernels (these linears and ``ops.norm.rms_norm_cpu``) are built and loaded (building them
-    on the first call, about 20 s; then cached)."""
+    """Whether the C++ kernels (these linears, ``ops.norm.rms_norm_cpu``, ``ops.attention.decode_attention_cpu``)
+    are built and loaded (building them on the first call, about 30 s; then cached)."""
     if envs.CPU_QUANT_KERNEL.get() == "torch":
         return False
     source = b"".join(path.read_bytes() for path in _SOURCES)
@@ -212,9 +214,14 @@ def _fake_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return torch.empty_like(x), torch.empty_like(x)
 
 
+def _fake_decode_attention(q: torch.Tensor, *rest) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
 def _register_fakes() -> None:
     """Output shapes of the native ops, so ``torch.compile`` can trace through them."""
     for name in ("int4_linear", "int8_linear"):
         torch.library.register_fake(f"dsinfer_cpu::{name}")(_fake_linear)
     torch.library.register_fake("dsinfer_cpu::rms_norm")(_fake_rms_norm)
     torch.library.register_fake("dsinfer_cpu::add_rms_norm")(_fake_add_rms_norm)
+    torch.library.register_fake("dsinfer_cpu::decode_attention")(_fake_decode_attention)
