@@ -18,16 +18,44 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  float s = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  s = hsum(_mm256_add_ps(acc0, acc1));
+#endif
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// acc[0:n] += p * v[0:n]
+inline void axpy(float p, const float* __restrict v, float* __restrict acc, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
+#endif
+  for (; i < n; ++i) acc[i] += p * v[i];
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& slots,
@@ -81,9 +109,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, con
         }
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t j = 0; j < n; ++j) {
-          const float p = s[j] / total;
-          const float* vrow = values + (row_slots[j] * Hkv + h) * D;
-          for (int64_t d = 0; d < D; ++d) acc[d] += p * vrow[d];
+          axpy(s[j] / total, values + (row_slots[j] * Hkv + h) * D, acc.data(), D);
         }
         std::copy(acc.begin(), acc.end(), o + (b * Hq + h * group + g) * D);
       }
