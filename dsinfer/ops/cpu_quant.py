@@ -33,11 +33,11 @@ logger = logging.getLogger(__name__)
 BLOCK = 32
 ACTIVATION_QMAX = 32767  # activations are quantized to int16 per block
 FORMATS = ("int4", "int8")
-_BUILD_FLAGS = b"-O3 -march=native -fno-math-errno -fopenmp"
-# the extension: these linears, the fused RMSNorm (``ops.norm.rms_norm_cpu``) and decode attention
-# (``ops.attention.decode_attention_cpu``)
+_BUILD_FLAGS = b"-O3 -march=native -fno-math-errno -ffp-contract=off -fopenmp"
+# the extension: these linears, the fused RMSNorm (``ops.norm.rms_norm_cpu``), decode attention
+# (``ops.attention.decode_attention_cpu``) and rope + KV store (``ops.rotary.rotary_store_kv``'s ``native_cpu``)
 _SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name
-                 for name in ("cpu_quant.cpp", "cpu_norm.cpp", "cpu_attention.cpp"))
+                 for name in ("cpu_quant.cpp", "cpu_norm.cpp", "cpu_attention.cpp", "cpu_rotary.cpp"))
 
 
 @dataclass
@@ -79,8 +79,8 @@ def cpu_features() -> dict[str, bool]:
 
 @functools.cache
 def native_available() -> bool:
-    """Whether the C++ kernels (these linears, ``ops.norm.rms_norm_cpu``, ``ops.attention.decode_attention_cpu``)
-    are built and loaded (building them on the first call, about 30 s; then cached)."""
+    """Whether the C++ kernels (these linears and the ops ``_SOURCES`` names) are built and loaded (building them
+    on the first call, about 30 s; then cached)."""
     if envs.CPU_QUANT_KERNEL.get() == "torch":
         return False
     source = b"".join(path.read_bytes() for path in _SOURCES)
@@ -93,8 +93,9 @@ def native_available() -> bool:
         cpp_extension.load(
             name=f"dsinfer_cpu_quant_{key}", sources=[str(path) for path in _SOURCES], build_directory=str(build_dir),
             # -fopenmp: at::parallel_for is an OpenMP pragma in the ATen headers (serial without it); the
-            # libgomp.so.1 it needs is the one torch loaded, so the kernel shares torch's thread pool
-            extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            # libgomp.so.1 it needs is the one torch loaded, so the kernel shares torch's thread pool;
+            # -ffp-contract=off: a * b - c * d rounded as torch's separate ops round it (rope, bit for bit)
+            extra_cflags=_BUILD_FLAGS.decode().split(), extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=str(envs.LOG_LEVEL.get()).upper() == "DEBUG",
         )
@@ -218,6 +219,10 @@ def _fake_decode_attention(q: torch.Tensor, *rest) -> torch.Tensor:
     return torch.empty_like(q)
 
 
+def _fake_rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, *rest) -> torch.Tensor:
+    return torch.empty(q.shape, dtype=q.dtype)
+
+
 def _register_fakes() -> None:
     """Output shapes of the native ops, so ``torch.compile`` can trace through them."""
     for name in ("int4_linear", "int8_linear"):
@@ -225,3 +230,4 @@ def _register_fakes() -> None:
     torch.library.register_fake("dsinfer_cpu::rms_norm")(_fake_rms_norm)
     torch.library.register_fake("dsinfer_cpu::add_rms_norm")(_fake_add_rms_norm)
     torch.library.register_fake("dsinfer_cpu::decode_attention")(_fake_decode_attention)
+    torch.library.register_fake("dsinfer_cpu::rotary_store_kv")(_fake_rotary_store_kv)
