@@ -77,7 +77,8 @@ class CpuQuantMethod:
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.weight is None:
             return F.linear(x.float(), self.dense, bias).to(x.dtype)
-        return cpu_quant.quant_linear(x, self.weight, bias).to(x.dtype)
+        y = cpu_quant.quant_linear(x, self.weight, bias)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of the weight, dequantized."""

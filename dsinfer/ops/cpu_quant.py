@@ -109,20 +109,28 @@ def native_available() -> bool:
     return True
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the contiguous float32 [M, K] the kernels take (x itself when it is one: a decode step's linears
+    are ~120 calls, and each reshape / cast / copy dispatch costs ~1-2 us)."""
+    if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+        return x
+    return x.reshape(-1, x.shape[-1]).float().contiguous()
+
+
+def _shaped(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.dim() != 2:
+        y = y.view(*x.shape[:-1], y.shape[-1])
+    return y if bias is None else y + bias
+
+
 def int4_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T (+ bias)`` for an int4 ``w``: [..., N] float32 (the native kernel; see the module doc)."""
-    flat = x.reshape(-1, x.shape[-1]).float().contiguous()
-    y = torch.ops.dsinfer_cpu.int4_linear(flat, w.qweight, w.scales, w.mins)
-    y = y.view(*x.shape[:-1], y.shape[-1])
-    return y if bias is None else y + bias
+    return _shaped(torch.ops.dsinfer_cpu.int4_linear.default(_rows(x), w.qweight, w.scales, w.mins), x, bias)
 
 
 def int8_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T (+ bias)`` for an int8 ``w``: [..., N] float32 (the native kernel; see the module doc)."""
-    flat = x.reshape(-1, x.shape[-1]).float().contiguous()
-    y = torch.ops.dsinfer_cpu.int8_linear(flat, w.qweight, w.scales)
-    y = y.view(*x.shape[:-1], y.shape[-1])
-    return y if bias is None else y + bias
+    return _shaped(torch.ops.dsinfer_cpu.int8_linear.default(_rows(x), w.qweight, w.scales), x, bias)
 
 
 def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
