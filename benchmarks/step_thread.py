@@ -56,26 +56,29 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the bundled model")
     parser.add_argument("--tokens", type=int, default=64, help="greedy new tokens per run")
     parser.add_argument("--rounds", type=int, default=6, help="rounds of the three modes, order rotated")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="`--modes main` runs on an older tree too (PYTHONPATH=that tree): before / after")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    modes = tuple(args.modes)
 
     from dsinfer import LLM
 
     llm = LLM(args.model, enable_prefix_caching=False) if args.model else LLM(enable_prefix_caching=False)
-    for mode in MODES:  # warm-up: every mode once
+    for mode in modes:  # warm-up: every mode once
         decode_tok_s(llm, mode, 8)
-    runs: dict[str, list[float]] = {mode: [] for mode in MODES}
+    runs: dict[str, list[float]] = {mode: [] for mode in modes}
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     for r in range(args.rounds):
-        order = MODES[r % 3:] + MODES[:r % 3]
+        order = modes[r % len(modes):] + modes[:r % len(modes)]
         for mode in order:
             runs[mode].append(decode_tok_s(llm, mode, args.tokens))
-        print(f"round {r}: " + "  ".join(f"{m} {runs[m][-1]:.1f}" for m in MODES)
+        print(f"round {r}: " + "  ".join(f"{m} {runs[m][-1]:.1f}" for m in modes)
               + f"  (load {os.getloadavg()[0]:.2f})")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     summary = {}
-    for mode in MODES:
-        ratios = [x / m for x, m in zip(runs[mode], runs["main"])]
+    for mode in modes:
+        ratios = [x / m for x, m in zip(runs[mode], runs.get("main", runs[mode]))]
         summary[mode] = {"tok_s": runs[mode], "best_tok_s": max(runs[mode]),
                          "median_tok_s": statistics.median(runs[mode]),
                          "median_ratio_to_main": statistics.median(ratios)}
