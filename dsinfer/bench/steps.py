@@ -56,7 +56,7 @@ class Sequences:
     """Requests with allocated KV blocks, outside the scheduler, for timing the runner directly."""
 
     def __init__(self, llm, lengths: list[int], name: str):
-        from dsinfer import SamplingParams
+        from dsinfer.engine.sampling_params import SamplingParams
         from dsinfer.core.request import Request
 
         self.kv = llm.engine.kv_manager
@@ -184,7 +184,7 @@ def time_prefill(llm, spec: str, shape: WeightShape, matmul_rate: float, fp8_rat
 
 
 def measure_idle(llm, batch: int, context: int, profile: int = 0) -> dict:
-    from dsinfer import SamplingParams
+    from dsinfer.engine.sampling_params import SamplingParams
 
     runner = llm.engine.runner
     gen = torch.Generator().manual_seed(1)

@@ -23,6 +23,7 @@ from typing import Any
 from dsinfer.engine.heap import startup_heap_frozen
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.sampling_params import SamplingParams
+from dsinfer.entrypoints.openmp_pool import release_thread_pool
 from dsinfer.entrypoints.step_clock import StepClock, StepTimeoutError
 
 __all__ = ["AsyncEngine", "EngineCrashedError", "EngineDeadError", "EngineDrainingError", "EngineOverloadedError",
@@ -113,8 +114,11 @@ class AsyncEngine:
 
     # ---- lifecycle ----------
     def start(self) -> None:
+        """Start the engine thread; the calling one (which built the engine) gives up its OpenMP pool for it
+        (``openmp_pool``: with two, torch's CPU kernels run slower in the engine thread)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="dsinfer-engine", daemon=True)
+            release_thread_pool()
             self._thread.start()
             threading.Thread(target=self._watch, name="dsinfer-watchdog", daemon=True).start()
 

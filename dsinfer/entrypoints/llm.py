@@ -10,13 +10,13 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from dsinfer import envs
 from dsinfer.config import PARALLEL_SIZES, check_parallel_size
 from dsinfer.engine.arg_utils import EngineArgs
 from dsinfer.engine.heap import startup_heap_frozen
 from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.sampling_params import RequestOutputKind, SamplingParams
+from dsinfer.entrypoints.openmp_pool import release_thread_pool
 from dsinfer.entrypoints.step_clock import StepClock, StepTimeoutError
 from dsinfer.hf_tokenizer import HFTokenizerView
 
@@ -207,8 +207,9 @@ class LLM:
         """Step the engine in a thread of its own while this one waits, so that a step that hangs past
         ``DSINFER_STEP_TIMEOUT_S`` raises ``StepTimeoutError`` here instead of hanging the caller (where the
         executor does not bound its steps itself): the stuck thread is left behind and the LLM is dead. Ctrl-C
-        lets the step in progress end first, within the same bound."""
-        if not self._bounds_steps_in_a_thread():
+        lets the step in progress end first, within the same bound. This thread gives up its OpenMP pool first
+        (``openmp_pool``: with two, torch's CPU kernels ran ~25% slower in the stepping thread)."""
+        if self.engine.executor.bounds_step_time:  # the mp executor kills a worker that overruns
             self._drain_into(finished, bar)
             return
         clock = StepClock()
@@ -230,12 +231,12 @@ class LLM:
                 failed.append(exc)
 
         stepper = threading.Thread(target=loop, name="dsinfer-generate", daemon=True)
+        release_thread_pool()
         stepper.start()
-        watch = not self.engine.executor.bounds_step_time
         try:
             while stepper.is_alive():
                 stepper.join(clock.poll_s)
-                overdue = clock.overdue() if watch else None
+                overdue = clock.overdue()
                 if overdue is not None:
                     self._dead = overdue
                     raise overdue
@@ -249,15 +250,6 @@ class LLM:
             raise
         if failed:
             raise failed[0]
-
-    def _bounds_steps_in_a_thread(self) -> bool:
-        """Whether ``generate`` steps in a side thread under the step bound. Not where the executor bounds its own
-        steps (mp), and not for the in-process executor on a CPU unless DSINFER_STEP_TIMEOUT_S is set: there the
-        stepping thread computes the model, and torch's CPU kernels run ~20% slower from a side thread than from
-        the caller's (measured on SmolLM2, 2 cores: 33 vs 41 tok/s), while on a GPU the host only waits."""
-        if self.engine.executor.bounds_step_time:
-            return False
-        return self.engine.config.device.device.type == "cuda" or envs.STEP_TIMEOUT_S.raw is not None
 
     def _drain_into(self, finished: dict[str, RequestOutput], bar: Any) -> None:
         while self.engine.has_unfinished_requests():

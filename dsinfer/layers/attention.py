@@ -42,6 +42,8 @@ class Attention(nn.Module):
             self.sinks.weight_loader = lambda param, loaded: param.data.copy_(
                 loaded.narrow(0, tp.tp_rank * num_heads, num_heads))
         self.kv_group = 0  # the KV cache group whose block table it reads (the runner sets it)
+        # rope + store and decode steps by the C++ kernels (ops.rotary, ops.attention; set by layers.quant)
+        self.native_cpu = False
 
     def load_kv_scale(self, which: str, value: torch.Tensor) -> None:
         """A checkpoint's ``k_scale`` / ``v_scale`` (or ``kv_scale``, both): one positive finite number."""
@@ -87,12 +89,13 @@ class Attention(nn.Module):
             angles = batch.derive(("rotary_angles", id(rotary.cos_sin_cache)),
                                   lambda: RotaryAngles(positions, rotary.cos_sin_cache))
             q = ops.rotary_store_kv(positions, q, k, v, rotary.cos_sin_cache, rotary.is_neox, self.kv_cache,
-                                    slot_mapping, scales, angles, stored)
+                                    slot_mapping, scales, angles, stored, native_cpu=self.native_cpu)
         else:
             ops.store_kv(k, v, self.kv_cache, slot_mapping, scales, stored)
         block_size = self.kv_cache.shape[2]
-        plan = batch.derive(("attention_plan", group, self.sliding_window, block_size), lambda: AttentionPlan(
-            block_tables, batch.query_start_loc, batch.seq_lens, self.sliding_window, block_size))
+        plan = batch.derive(("attention_plan", group, self.sliding_window, block_size, self.native_cpu),
+                            lambda: AttentionPlan(block_tables, batch.query_start_loc, batch.seq_lens,
+                                                  self.sliding_window, block_size, self.native_cpu))
         # the batch's host-side bounds spare the kernels a host sync (and make decode capturable in a graph)
         out = ops.paged_attention(q, self.kv_cache, block_tables, batch.query_start_loc, batch.seq_lens,
                                   self.scale, self.sliding_window, max_query_len=batch.max_query_len,

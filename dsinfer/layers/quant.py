@@ -8,7 +8,8 @@ placeholder whose loader hands each checkpoint shard to the method: a ``Quantize
 ``finish_cpu_quantization(model)`` quantizes it once into ``mode``'s format ("gguf" takes int4). Finishing joins
 the shards of a merged projection (q/k/v, gate/up) into one pack (all int8 where their formats differ) and
 registers ``qweight`` / ``scales`` / ``mins`` buffers; the forward then runs ``ops.cpu_quant``. Where the C++
-kernel cannot be built the finished layer keeps a dense float32 weight of the dequantized values instead.
+kernel cannot be built the finished layer keeps a dense float32 weight of the dequantized values instead; where
+it is, the model's RMSNorms and decode attention take its kernels (``layers.norm``, ``layers.attention``).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsinfer.layers.attention import Attention
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.linear import Linear
+from dsinfer.layers.norm import RMSNorm
 from dsinfer.ops import cpu_quant
 from dsinfer.ops.cpu_quant import BLOCK, QuantizedWeight
 
@@ -74,7 +77,8 @@ class CpuQuantMethod:
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.weight is None:
             return F.linear(x.float(), self.dense, bias).to(x.dtype)
-        return cpu_quant.quant_linear(x, self.weight, bias).to(x.dtype)
+        y = cpu_quant.quant_linear(x, self.weight, bias)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of the weight, dequantized."""
@@ -117,13 +121,18 @@ def attach_cpu_quantization(model: nn.Module, mode: str) -> None:
 
 
 def finish_cpu_quantization(model: nn.Module) -> None:
-    """Pack every attached method's loaded shards (after the weights loaded)."""
+    """Pack every attached method's loaded shards (after the weights loaded); with the C++ kernels built, the
+    model's RMSNorms and decode attention take them too (``layers.norm``, ``layers.attention``)."""
     seen = set()
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None and id(method) not in seen:
             seen.add(id(method))
             method.finish()
+    if cpu_quant.native_available():
+        for module in model.modules():
+            if isinstance(module, RMSNorm | Attention):
+                module.native_cpu = True
 
 
 def quantized_bytes(model: nn.Module) -> int:

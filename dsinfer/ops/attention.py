@@ -78,9 +78,11 @@ class AttentionPlan:
     attention call of the step. The Triton and deterministic paths never build it."""
 
     def __init__(self, block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                 sliding_window: int | None, block_size: int):
+                 sliding_window: int | None, block_size: int, native_decode: bool = False):
+        """``native_decode``: a float32 decode-only step takes the C++ kernel (``decode_attention_cpu``: a
+        quantized CPU model's layers ask for it; float32 results differ from this path's by rounding)."""
         self.block_tables, self.query_start_loc, self.seq_lens = block_tables, query_start_loc, seq_lens
-        self.sliding_window, self.block_size = sliding_window, block_size
+        self.sliding_window, self.block_size, self.native_decode = sliding_window, block_size, native_decode
 
     @functools.cached_property
     def layout(self) -> _Plan:
@@ -215,5 +217,17 @@ def paged_attention(
             q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
             max_query_len=max_query_len, max_seq_len=max_seq_len, kv_scales=kv_scales, plan=plan, sinks=sinks,
         )
+    if (plan is not None and plan.native_decode and sinks is None and q.dtype == kv_cache.dtype == torch.float32
+            and plan.layout.all_decode):
+        return decode_attention_cpu(q, kv_cache, plan.layout.decode_slots, seq_lens, scale, sliding_window)
     return paged_attention_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
                                kv_scales=kv_scales, plan=plan, sinks=sinks)
+
+
+def decode_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
+                         scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """One query row per sequence by the C++ kernel (``csrc/cpu_attention.cpp``; built with the quantized
+    linears: call only where ``cpu_quant.native_available()``). q [B, Hq, D] float32, a float32 cache;
+    ``slots`` [B, L]: the cache slot of each context position (the plan's ``decode_slots``)."""
+    return torch.ops.dsinfer_cpu.decode_attention(q.contiguous(), kv_cache, slots, seq_lens, scale,
+                                                  sliding_window or 0)

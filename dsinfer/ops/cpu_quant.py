@@ -33,8 +33,11 @@ logger = logging.getLogger(__name__)
 BLOCK = 32
 ACTIVATION_QMAX = 32767  # activations are quantized to int16 per block
 FORMATS = ("int4", "int8")
-_BUILD_FLAGS = b"-O3 -march=native -fno-math-errno -fopenmp"
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_quant.cpp"
+_BUILD_FLAGS = b"-O3 -march=native -fno-math-errno -ffp-contract=off -fopenmp"
+# the extension: these linears, the fused RMSNorm (``ops.norm.rms_norm_cpu``), decode attention
+# (``ops.attention.decode_attention_cpu``) and rope + KV store (``ops.rotary.rotary_store_kv``'s ``native_cpu``)
+_SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name
+                 for name in ("cpu_quant.cpp", "cpu_norm.cpp", "cpu_attention.cpp", "cpu_rotary.cpp"))
 
 
 @dataclass
@@ -76,10 +79,11 @@ def cpu_features() -> dict[str, bool]:
 
 @functools.cache
 def native_available() -> bool:
-    """Whether the C++ kernel is built and loaded (building it on the first call, about 20 s; then cached)."""
+    """Whether the C++ kernels (these linears and the ops ``_SOURCES`` names) are built and loaded (building them
+    on the first call, about 30 s; then cached)."""
     if envs.CPU_QUANT_KERNEL.get() == "torch":
         return False
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     key = hashlib.sha256(source + _cpu_flags().encode() + torch.__version__.encode() + _BUILD_FLAGS).hexdigest()[:16]
     build_dir = Path(envs.CACHE_DIR.get()) / "torch_extensions" / f"cpu_quant-{key}"
     try:
@@ -87,10 +91,11 @@ def native_available() -> bool:
 
         build_dir.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
-            name=f"dsinfer_cpu_quant_{key}", sources=[str(_SOURCE)], build_directory=str(build_dir),
+            name=f"dsinfer_cpu_quant_{key}", sources=[str(path) for path in _SOURCES], build_directory=str(build_dir),
             # -fopenmp: at::parallel_for is an OpenMP pragma in the ATen headers (serial without it); the
-            # libgomp.so.1 it needs is the one torch loaded, so the kernel shares torch's thread pool
-            extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            # libgomp.so.1 it needs is the one torch loaded, so the kernel shares torch's thread pool;
+            # -ffp-contract=off: a * b - c * d rounded as torch's separate ops round it (rope, bit for bit)
+            extra_cflags=_BUILD_FLAGS.decode().split(), extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=str(envs.LOG_LEVEL.get()).upper() == "DEBUG",
         )
@@ -104,20 +109,28 @@ def native_available() -> bool:
     return True
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the contiguous float32 [M, K] the kernels take (x itself when it is one: a decode step's linears
+    are ~120 calls, and each reshape / cast / copy dispatch costs ~1-2 us)."""
+    if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+        return x
+    return x.reshape(-1, x.shape[-1]).float().contiguous()
+
+
+def _shaped(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.dim() != 2:
+        y = y.view(*x.shape[:-1], y.shape[-1])
+    return y if bias is None else y + bias
+
+
 def int4_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T (+ bias)`` for an int4 ``w``: [..., N] float32 (the native kernel; see the module doc)."""
-    flat = x.reshape(-1, x.shape[-1]).float().contiguous()
-    y = torch.ops.dsinfer_cpu.int4_linear(flat, w.qweight, w.scales, w.mins)
-    y = y.view(*x.shape[:-1], y.shape[-1])
-    return y if bias is None else y + bias
+    return _shaped(torch.ops.dsinfer_cpu.int4_linear.default(_rows(x), w.qweight, w.scales, w.mins), x, bias)
 
 
 def int8_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T (+ bias)`` for an int8 ``w``: [..., N] float32 (the native kernel; see the module doc)."""
-    flat = x.reshape(-1, x.shape[-1]).float().contiguous()
-    y = torch.ops.dsinfer_cpu.int8_linear(flat, w.qweight, w.scales)
-    y = y.view(*x.shape[:-1], y.shape[-1])
-    return y if bias is None else y + bias
+    return _shaped(torch.ops.dsinfer_cpu.int8_linear.default(_rows(x), w.qweight, w.scales), x, bias)
 
 
 def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -201,7 +214,28 @@ def _fake_linear(x: torch.Tensor, qweight: torch.Tensor, *rest: torch.Tensor) ->
     return x.new_empty(x.shape[0], qweight.shape[0])
 
 
+def _fake_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _fake_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def _fake_decode_attention(q: torch.Tensor, *rest) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def _fake_rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, *rest) -> torch.Tensor:
+    return torch.empty(q.shape, dtype=q.dtype)
+
+
 def _register_fakes() -> None:
     """Output shapes of the native ops, so ``torch.compile`` can trace through them."""
     for name in ("int4_linear", "int8_linear"):
         torch.library.register_fake(f"dsinfer_cpu::{name}")(_fake_linear)
+    torch.library.register_fake("dsinfer_cpu::rms_norm")(_fake_rms_norm)
+    torch.library.register_fake("dsinfer_cpu::add_rms_norm")(_fake_add_rms_norm)
+    torch.library.register_fake("dsinfer_cpu::decode_attention")(_fake_decode_attention)
+    torch.library.register_fake("dsinfer_cpu::rotary_store_kv")(_fake_rotary_store_kv)

@@ -109,12 +109,27 @@ def rotary_store_kv_ref(
 def rotary_store_kv(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
     is_neox: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0),
-    angles: RotaryAngles | None = None, stored: StoredRows | None = None,
+    angles: RotaryAngles | None = None, stored: StoredRows | None = None, native_cpu: bool = False,
 ) -> torch.Tensor:
+    """``native_cpu``: the C++ kernel where it applies (``csrc/cpu_rotary.cpp``, built with the quantized linears:
+    ask only where ``cpu_quant.native_available()``): NeoX rope over whole heads, float32 q/k/v and cache on CPU;
+    the same values as the torch path, in one op."""
     if use_triton(q):
         from dsinfer.ops.triton.rotary import rotary_store_kv_triton
 
         return rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, is_neox, kv_cache, slot_mapping,
                                       kv_scales, angles, stored)
+    if native_cpu and _native_fits(q, k, v, cos_sin_cache, is_neox, kv_cache):
+        return torch.ops.dsinfer_cpu.rotary_store_kv(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping)
     return rotary_store_kv_ref(positions, q, k, v, cos_sin_cache, is_neox, kv_cache, slot_mapping, kv_scales,
                                angles, stored)
+
+
+def _native_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool,
+                 kv_cache: torch.Tensor) -> bool:
+    """Whether the C++ kernel takes this call (see ``rotary_store_kv``)."""
+    dim = q.shape[-1]
+    tensors = (q, k, v, cos_sin_cache, kv_cache)
+    return (is_neox and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+            and cos_sin_cache.shape[-1] == k.shape[-1] == v.shape[-1] == dim
+            and all(t.stride(-1) == 1 and t.stride(-2) == dim for t in (q, k, v)))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dsinfer import LLM, SamplingParams
+from dsinfer.layers.norm import RMSNorm
 from dsinfer.ops import cpu_quant
 
 PROMPTS = [{"prompt_token_ids": [1, 17, 42, 99, 5, 63, 7]}, {"prompt_token_ids": [3, 200, 11, 250]}]
@@ -37,6 +38,9 @@ def test_dummy_weights_quantize_too(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), load_format="dummy", quantization="int4", num_kv_blocks=64)
     out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+    norms = [m for m in llm.engine.runner.model.modules() if isinstance(m, RMSNorm)]
+    # with the C++ kernels built the norms take the fused one (the float32 path keeps torch's: exact parity)
+    assert norms and all(m.native_cpu == cpu_quant.native_available() for m in norms)
 
 
 def test_bad_quantization_values_are_rejected(tiny_llama_dir):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dsinfer.ops import paged_attention
+from dsinfer.ops import cpu_quant, paged_attention
 from dsinfer.ops.attention import paged_attention_ref
 
 
@@ -166,3 +166,29 @@ def test_decode_replays_in_a_cuda_graph_with_new_lengths(assert_close):
     graph.replay()
     torch.cuda.synchronize()
     assert_close(out, _reference(q, cache, bt, qsl, new_lens, 0.1, None), torch.bfloat16)
+
+
+@pytest.mark.skipif(not cpu_quant.native_available(),
+                    reason="the C++ kernels did not build here")
+@pytest.mark.parametrize("q_heads, kv_heads, window", [(9, 3, None), (4, 4, None), (16, 2, 10)])
+def test_cpu_decode_kernel_matches_the_reference_and_reads_only_owned_slots(q_heads, kv_heads, window,
+                                                                            kernel_options):
+    """The C++ decode kernel (a quantized CPU model's decode steps) on ragged contexts over a NaN-poisoned
+    cache; a plan that asks for it on a batch with prompt rows keeps the torch path."""
+    from dsinfer.ops.attention import AttentionPlan, decode_attention_cpu
+
+    kernel_options(use_triton="never")  # the CPU production path, as an engine on CPU runs it
+
+    q, cache, tables, starts, lens = _batch(*LAYOUTS["decode"], q_heads, kv_heads, 64, 16, torch.float32, "cpu")
+    plan = AttentionPlan(tables, starts, lens, window, 16, native_decode=True)
+    out = paged_attention(q, cache, tables, starts, lens, 0.125, window, plan=plan)
+    ref = _reference(q, cache, tables, starts, lens, 0.125, window)
+    assert not out.isnan().any()  # the torch path reads the NaN padding: this is the C++ kernel's answer
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match=r"seq_lens\[1\] = 99 is outside 1\.\.64"):
+        decode_attention_cpu(q, cache, plan.layout.decode_slots, torch.tensor([1, 99, 40, 64, 33]), 0.125)
+    q, cache, tables, starts, lens = _batch(*LAYOUTS["mixed"], q_heads, kv_heads, 64, 16, torch.float32, "cpu")
+    plan = AttentionPlan(tables, starts, lens, window, 16, native_decode=True)
+    torch.testing.assert_close(paged_attention(q, cache, tables, starts, lens, 0.125, window, plan=plan),
+                               paged_attention_ref(q, cache, tables, starts, lens, 0.125, window),
+                               rtol=0, atol=0, equal_nan=True)  # the same path, bit for bit

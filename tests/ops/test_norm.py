@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsinfer.ops import rms_norm
-from dsinfer.ops.norm import rms_norm_ref
+from dsinfer.ops import cpu_quant, rms_norm
+from dsinfer.ops.norm import rms_norm_cpu, rms_norm_ref
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -48,3 +48,22 @@ def test_llama_hidden_on_gpu(rows, assert_close):
     ref_out, ref_total = rms_norm_ref(x, w, 1e-5, res)
     assert torch.equal(total, ref_total)
     assert_close(out, ref_out, torch.bfloat16, tol=2e-3)
+
+
+native = pytest.mark.skipif(not cpu_quant.native_available(), reason="the C++ kernels did not build here")
+
+
+@native
+@pytest.mark.parametrize("shape", [(1, 576), (37, 576), (2, 3, 1000)])
+def test_cpu_kernel_matches_the_reference_with_and_without_residual(shape):
+    torch.manual_seed(0)
+    x, res = torch.randn(shape) * 3, torch.randn(shape)
+    w = 1 + 0.1 * torch.randn(shape[-1])
+    torch.testing.assert_close(rms_norm_cpu(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), rtol=1e-6, atol=1e-6)
+    out, total = rms_norm_cpu(x, w, 1e-5, res)
+    ref_out, ref_total = rms_norm_ref(x, w, 1e-5, res)
+    assert out.shape == total.shape == x.shape
+    assert torch.equal(total, ref_total)  # the residual sum is the same float add
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
+    strided = x.transpose(0, -1).contiguous().transpose(0, -1)  # a non-contiguous input is copied first
+    torch.testing.assert_close(rms_norm_cpu(strided, w, 1e-5), rms_norm_ref(x, w, 1e-5), rtol=1e-6, atol=1e-6)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsinfer.ops import apply_rotary, rotary_store_kv
+from dsinfer.ops import apply_rotary, cpu_quant, rotary_store_kv
 from dsinfer.ops.rotary import apply_rotary_ref, rotary_store_kv_ref
 
 
@@ -74,6 +74,25 @@ def test_rotary_store_kv_matches_rotary_then_store(is_neox, dtype, head_dim, rot
     flat, flat_ref = kv_cache.cpu().view(2, 20, -1), cache_ref.view(2, 20, -1)
     assert flat[~written].isnan().all()
     assert_close(flat[written], flat_ref[written], dtype)
+
+
+@pytest.mark.skipif(not cpu_quant.native_available(), reason="the C++ kernels did not build here")
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim", [(9, 3, 64), (4, 2, 32)])
+def test_cpu_rotary_store_kernel_equals_the_torch_path_bit_for_bit(q_heads, kv_heads, head_dim, kernel_options):
+    """The C++ rope + store (a quantized CPU model's layers): the same rotated q and cache as the torch path,
+    exactly; the skipped slot and unmapped rows stay NaN; a call it does not fit (interleaved rope) keeps torch."""
+    kernel_options(use_triton="never")  # the CPU production path
+    positions, q, k, v, cos_sin, kv_cache, slots = _rotary_store_case(7, q_heads, kv_heads, head_dim, head_dim,
+                                                                      torch.float32, "cpu")
+    cache_ref = kv_cache.clone()
+    q_out = rotary_store_kv(positions, q, k, v, cos_sin, True, kv_cache, slots, native_cpu=True)
+    q_ref = rotary_store_kv_ref(positions, q, k, v, cos_sin, True, cache_ref, slots)
+    assert torch.equal(q_out, q_ref)
+    torch.testing.assert_close(kv_cache, cache_ref, rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(RuntimeError, match="position 64 is outside the rope cache"):
+        rotary_store_kv(torch.full_like(positions, 64), q, k, v, cos_sin, True, kv_cache, slots, native_cpu=True)
+    q_out = rotary_store_kv(positions, q, k, v, cos_sin, False, kv_cache, slots, native_cpu=True)
+    assert torch.equal(q_out, rotary_store_kv_ref(positions, q, k, v, cos_sin, False, cache_ref, slots))
 
 
 @pytest.mark.gpu
