@@ -56,8 +56,8 @@ class Sequences:
     """Requests with allocated KV blocks, outside the scheduler, for timing the runner directly."""
 
     def __init__(self, llm, lengths: list[int], name: str):
-        from dsinfer.engine.sampling_params import SamplingParams
         from dsinfer.core.request import Request
+        from dsinfer.engine.sampling_params import SamplingParams
 
         self.kv = llm.engine.kv_manager
         gen = torch.Generator().manual_seed(len(lengths))
