@@ -18,6 +18,11 @@ if not torch.cuda.is_available():
 # workers of two threads each on two cores would only take turns.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+    # The servers and worker processes the tests start share the cores with the other workers: OpenMP threads
+    # that spin while waiting (what `import dsinfer` asks for, DSINFER_CPU_SPIN_COUNT) then wait on a descheduled
+    # thread for a whole time slice at every parallel region. Two live servers at once ran a request 3-4x slower
+    # spinning than sleeping (the suite took 36 minutes, not 15).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _row_independent_interpreter_dot() -> None:

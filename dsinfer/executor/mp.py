@@ -94,6 +94,17 @@ class _Worker:
         return f"exit code {code}" if code is None or code >= 0 else f"signal {-code}"
 
 
+def _take_worker_facts(executor: Any, info: dict[str, Any]) -> None:
+    """The sizes and step facts a worker's "ready" reports, as the executor attributes the engine reads."""
+    executor.num_kv_blocks = int(info["num_kv_blocks"])
+    executor.num_state_slots = int(info["num_state_slots"])
+    executor.kv_group_windows = tuple(info["kv_group_windows"])
+    executor.kv_bytes_per_token = int(info["kv_bytes_per_token"])
+    executor.num_local_expert_slots = int(info["num_local_expert_slots"])
+    executor.step_latency_points = {int(t): float(s) for t, s in info["step_latency_points"]}
+    executor.decode_padding = DecodePadding(*info["decode_padding"])
+
+
 class MultiprocExecutor(Executor):
     bounds_step_time = True  # a worker that has not answered within DSINFER_STEP_TIMEOUT_S is killed
 
@@ -122,13 +133,7 @@ class MultiprocExecutor(Executor):
         self._data_parallel = config.parallel.data_parallel_size > 1
         self._infos = self._await_ready()
         info = self._infos[0]
-        self.num_kv_blocks = int(info["num_kv_blocks"])
-        self.num_state_slots = int(info["num_state_slots"])
-        self.kv_group_windows = tuple(info["kv_group_windows"])
-        self.kv_bytes_per_token = int(info["kv_bytes_per_token"])
-        self.num_local_expert_slots = int(info["num_local_expert_slots"])
-        self.step_latency_points = {int(t): float(s) for t, s in info["step_latency_points"]}
-        self.decode_padding = DecodePadding(*info["decode_padding"])
+        _take_worker_facts(self, info)
         logger.info("%d worker process(es) ready (rank 0: pid %d)", len(self._workers), self.process.pid)
 
     def _await_ready(self) -> dict[int, dict[str, Any]]:
@@ -288,13 +293,7 @@ class RankExecutor(Executor):
     def __init__(self, parent: MultiprocExecutor, worker: _Worker, info: dict[str, Any]):
         self.parent, self.worker = parent, worker
         self._pending: collections.deque[_StepFuture] = collections.deque()
-        self.num_kv_blocks = int(info["num_kv_blocks"])
-        self.num_state_slots = int(info["num_state_slots"])
-        self.kv_group_windows = tuple(info["kv_group_windows"])
-        self.kv_bytes_per_token = int(info["kv_bytes_per_token"])
-        self.num_local_expert_slots = int(info["num_local_expert_slots"])
-        self.step_latency_points = {int(t): float(s) for t, s in info["step_latency_points"]}
-        self.decode_padding = DecodePadding(*info["decode_padding"])
+        _take_worker_facts(self, info)
 
     @property
     def processes(self) -> list[multiprocessing.Process]:

@@ -73,24 +73,26 @@ class Generation:
         extra = {} if self.first_token_id is None else {"first_token": self.first_token_id}
         gen = self.ctx.engine.generate({"prompt_token_ids": self.prompt_ids}, self.params, self.request_id,
                                        self.priority, **extra)
-        finished = False
-        async with aclosing(gen):
-            async for out in gen:
-                new = sum(len(c.token_ids) for c in out.outputs)
-                self.num_cached = out.num_cached_tokens  # known from the first output on
-                if new and self.first_token is None:
-                    self.first_token = time.monotonic()
-                if self.params.output_kind == 1:  # DELTA
-                    self.num_generated += new
-                    for c in out.outputs:
-                        self.choice_tokens[c.index] += len(c.token_ids)
-                if out.finished:
-                    finished = True
-                    self._finish(out)
-                yield out
-        if not finished:  # the client left: aborted
-            self.ctx.metrics.e2e.observe(time.monotonic() - self.start)
-            self.ctx.metrics.request_success.labels("abort").inc(self.params.n)
+        started = finished = False
+        try:
+            async with aclosing(gen):
+                async for out in gen:
+                    started = True
+                    new = sum(len(c.token_ids) for c in out.outputs)
+                    self.num_cached = out.num_cached_tokens  # known from the first output on
+                    if new and self.first_token is None:
+                        self.first_token = time.monotonic()
+                    if self.params.output_kind == 1:  # DELTA
+                        self.num_generated += new
+                        for c in out.outputs:
+                            self.choice_tokens[c.index] += len(c.token_ids)
+                    if out.finished:
+                        finished = True
+                        self._finish(out)
+                    yield out
+        finally:
+            if started and not finished:  # aborted (the client left, or the batch it was part of failed)
+                self._abort()
 
     def _finish(self, out: RequestOutput) -> None:
         if self.params.output_kind != 1:  # not DELTA: the final output holds every token
@@ -102,6 +104,13 @@ class Generation:
         ttft = None if self.first_token is None else self.first_token - self.start
         self.ctx.metrics.record_request(len(self.prompt_ids), self.num_generated, max(self.choice_tokens, default=0),
                                         ttft, now - self.start, tuple(c.finish_reason for c in out.outputs))
+
+    def _abort(self) -> None:
+        """An aborted request's metrics: its tokens so far still count (vLLM counts every step's)."""
+        self.ctx.metrics.prompt_tokens.inc(len(self.prompt_ids))
+        self.ctx.metrics.generation_tokens.inc(self.num_generated)
+        self.ctx.metrics.e2e.observe(time.monotonic() - self.start)
+        self.ctx.metrics.request_success.labels("abort").inc(self.params.n)
 
     async def final(self, request: Request) -> RequestOutput:
         """The finished output (FINAL_ONLY params), aborting the request if the client leaves."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -42,6 +43,31 @@ class LiveServer:
             timeout=timeout,
             headers={**self.headers(), **headers},
         )
+
+    def gauge(self, name: str) -> float:
+        """A metric's value from ``/metrics`` (an unlabelled gauge or counter)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+    def await_gauge_at_least(self, name: str, value: float, timeout: float = 60.0) -> bool:
+        """Whether ``name`` reaches ``value`` within ``timeout``. At least, not equal: the session's server is
+        shared, and another test's request may still be finishing. The engine's stats are refreshed just after a
+        step's outputs go out, so a client's first token can beat them."""
+        deadline = time.monotonic() + timeout
+        while self.gauge(name) < value:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def wait_idle(self, timeout: float = 60.0) -> float:
+        """Wait until no request runs and no KV block is held; the time it was seen so."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.gauge("dsinfer_num_requests_running") == 0 and self.gauge("dsinfer_kv_cache_usage_ratio") == 0:
+                return time.monotonic()
+            time.sleep(0.1)
+        raise AssertionError("an aborted request still holds the engine")
 
     def alive(self) -> bool:
         return self.proc.poll() is None and httpx.get(f"{self.url}/health", timeout=10).status_code == 200
