@@ -106,7 +106,8 @@ class Generation:
                                         ttft, now - self.start, tuple(c.finish_reason for c in out.outputs))
 
     def _abort(self) -> None:
-        """An aborted request's metrics: its tokens so far still count (vLLM counts every step's)."""
+        """An aborted request's metrics: its tokens so far still count (vLLM counts every step's); a FINAL_ONLY
+        request learns its tokens only at the end, so its abort counts none."""
         self.ctx.metrics.prompt_tokens.inc(len(self.prompt_ids))
         self.ctx.metrics.generation_tokens.inc(self.num_generated)
         self.ctx.metrics.e2e.observe(time.monotonic() - self.start)
