@@ -18,9 +18,12 @@ Parts: ``speedup``: decode tokens/s speculation off against on at ``--rate`` (k 
 on with confidence scheduling: decode tokens/s and drafts verified per request-step. Decode tokens/s: output
 tokens after each request's first / (the last token's time - the time every request had its first token), the
 median of ``--repeats`` alternating runs. Each engine runs the workload once untimed first (compiles, and feeds
-the step-latency curve real steps); the speculation-off engine's full run gives the references. Where
-bf16 batches round differently from the reference run, a draft the oracle thinks right may be rejected: the
-measured acceptance length (1 + accepted / verifying request-steps) is printed beside the speeds.
+the step-latency curve real steps); the speculation-off engine's full run gives the references, and the oracle
+learns every continuation each run produced (keyed by the tokens before it), so where bf16 batches round a
+near-tie differently from the reference run, the branch taken is known from an earlier run
+(``--learning-runs``). The measured acceptance length (1 + accepted / verifying request-steps) is printed beside
+the speeds with the rate's expected one (1 + r + ... + r^k); "identical" compares with the speculation-off run,
+which only deterministic mode (or float32) promises.
 """
 
 from __future__ import annotations
@@ -45,25 +48,44 @@ from dsinfer.spec_decode.calibration import Calibrator  # noqa: E402
 METHOD = "oracle"
 
 
+CONTEXT = 4  # the tokens before a position that key its continuation (a run that left another's path differs)
+
+
 @dataclass
 class OracleBook:
-    """What the oracle knows: each prompt's reference output and its per-token acceptance rate."""
+    """What the oracle knows: every continuation an earlier run of a prompt produced, keyed by (prompt, position,
+    the CONTEXT tokens before it), and each prompt's per-token acceptance rate.
+
+    Keying by the context, not by the position alone, keeps the oracle right after a run leaves the
+    speculation-off run's path (a bfloat16 near-tie decided otherwise in another step shape): it knows that
+    branch too once an earlier run has taken it, so a timed run's drafts are corrupted at the chosen rate only."""
 
     vocab_size: int
     seed: int = 0
-    references: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+    continuations: dict[tuple, int] = field(default_factory=dict)
+    references: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # the speculation-off outputs
     rates: dict[tuple[int, ...], float] = field(default_factory=dict)
 
-    def draft_token(self, key: tuple[int, ...], position: int) -> int | None:
-        ref = self.references.get(key)
-        if ref is None or position >= len(ref):
-            return None
-        token = ref[position]
-        digest = hashlib.blake2b(repr((self.seed, key, position)).encode(), digest_size=8).digest()
-        u = int.from_bytes(digest, "little") / 2 ** 64
-        if u < self.rates.get(key, 0.0):
-            return token
-        return (token + 1 + int(u * 1e6) % (self.vocab_size - 1)) % self.vocab_size  # any id but the right one
+    def learn(self, prompt: list[int], output: list[int]) -> None:
+        key, tokens, n = tuple(prompt), list(prompt) + list(output), len(prompt)
+        for position, token in enumerate(output):
+            self.continuations[(key, position, tuple(tokens[max(n + position - CONTEXT, 0):n + position]))] = token
+
+    def draft(self, key: tuple[int, ...], position: int, context: tuple[int, ...], count: int) -> list[int]:
+        """Up to ``count`` draft ids from ``position`` on after ``context``: the known continuation, each id
+        replaced by another with probability 1 - rate (seeded by prompt and position)."""
+        ids = []
+        for p in range(position, position + count):
+            token = self.continuations.get((key, p, context))
+            if token is None:
+                break
+            context = (*context, token)[-CONTEXT:]
+            digest = hashlib.blake2b(repr((self.seed, key, p)).encode(), digest_size=8).digest()
+            u = int.from_bytes(digest, "little") / 2 ** 64
+            if u >= self.rates.get(key, 0.0):
+                token = (token + 1 + int(u * 1e6) % (self.vocab_size - 1)) % self.vocab_size  # any id but it
+            ids.append(token)
+        return ids
 
 
 class OracleDrafter:
@@ -77,14 +99,9 @@ class OracleDrafter:
         self._counts: dict[str, object] = {}
 
     def propose(self, request, num_tokens: int) -> Draft:
-        key = tuple(request.prompt_token_ids)
-        start = request.num_output_tokens
-        ids = []
-        for position in range(start, start + min(num_tokens, self.calibrator.num_positions + 1)):
-            token = self.book.draft_token(key, position)
-            if token is None:
-                break
-            ids.append(token)
+        context = tuple(request.all_token_ids[-CONTEXT:])
+        ids = self.book.draft(tuple(request.prompt_token_ids), request.num_output_tokens, context,
+                              min(num_tokens, self.calibrator.num_positions + 1))
         counts = self._state(request)
         conf = self.calibrator.confidence(counts, min(len(ids), self.calibrator.num_positions))
         conf += [conf[-1] if conf else 0.5] * (len(ids) - len(conf))  # one ahead: past the calibrated positions
@@ -187,13 +204,18 @@ def run_part(args: argparse.Namespace, book: OracleBook, settings: dict[str, dic
         row: dict = {"batch": b}
         for name, llm in llms.items():  # "off" first: its outputs are the oracle's references
             decode_run(llm, prompts, min(args.output_len, 8))  # untimed: compiles, feeds the curve
-            outputs, _ = decode_run(llm, prompts, args.output_len) if name == "off" else (None, 0)
-            for prompt, out in zip(prompts, outputs or []):
-                book.references[tuple(prompt)] = out
+            for _ in range(1 if name == "off" else args.learning_runs):  # untimed, whole: the oracle learns
+                outputs, _ = decode_run(llm, prompts, args.output_len)
+                for prompt, out in zip(prompts, outputs):
+                    book.learn(prompt, out)
+                    if name == "off":
+                        book.references[tuple(prompt)] = out
         runs: dict[str, list[dict]] = {name: [] for name in llms}
         for _ in range(args.repeats):  # alternating, so a shared machine's load hits every setting alike
             for name, llm in llms.items():
                 runs[name].append(timed(llm, prompts, args.output_len))
+                for prompt, out in zip(prompts, runs[name][-1]["outputs"]):
+                    book.learn(prompt, out)
         for name, results in runs.items():
             best = sorted(results, key=lambda r: r["tok_s"])[len(results) // 2]  # the median run
             row[name] = {k: v for k, v in best.items() if k != "outputs"}
@@ -240,6 +262,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="batch-invariant kernels: a step's shape cannot flip a near-tie, so a bfloat16 run keeps "
                         "the speculation-off run's tokens (the oracle's references) on random weights")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per setting, alternating; the median kept")
+    p.add_argument("--learning-runs", type=int, default=1,
+                   help="untimed whole runs of each speculating engine before the timed ones: the oracle learns "
+                        "the branches a bfloat16 run takes off the speculation-off run's path")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=8.0, help="CUDA: each engine's KV cache")
     p.add_argument("--step-latency-dir", default=None, help="where the curve is kept (default: the cache dir)")

@@ -82,9 +82,15 @@ def cmd_sweep(args) -> int:
     points = sweep_points(rates, concurrencies)
     _quiet_http_log()
     slos = parse_goodput(args.goodput)
+    if args.prompts_per_concurrency is not None and (args.prompts_per_concurrency < 1 or not concurrencies):
+        raise ValueError("--prompts-per-concurrency takes a positive number and needs --concurrencies")
     base = _config(args, float("inf"), None)
+
     def requests_for(i: int):
-        return build_requests(argparse.Namespace(**(vars(args) | {"seed": args.seed + i})))
+        count = args.num_prompts  # a fixed count would keep one user busy for as long as 256 users
+        if args.prompts_per_concurrency:
+            count = args.prompts_per_concurrency * points[i][1]
+        return build_requests(argparse.Namespace(**(vars(args) | {"seed": args.seed + i, "num_prompts": count})))
 
     _, png = run_sweep(base, requests_for, points, slos, args.label or base.model, args.num_gpus,
                        args.dataset_name, args.result_dir)
@@ -368,6 +374,8 @@ def _add_commands(bench: argparse.ArgumentParser) -> None:
     _add_serve_args(sweep)
     sweep.add_argument("--request-rates", default=None, help="comma-separated, e.g. 1,2,4,inf")
     sweep.add_argument("--concurrencies", default=None, help="comma-separated, e.g. 1,4,16,64")
+    sweep.add_argument("--prompts-per-concurrency", type=int, default=None,
+                       help="a concurrency point sends this many prompts per user (default: --num-prompts each)")
     sweep.set_defaults(func=cmd_sweep, result_dir="bench-results")
     plot = bench_sub.add_parser("plot", help="redraw the Pareto PNG from saved result JSONs")
     plot.add_argument("results", nargs="+", help="result JSON files or directories of them")

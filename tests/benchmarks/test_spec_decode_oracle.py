@@ -23,16 +23,35 @@ def _request(prompt, outputs=()):
 
 def test_the_oracle_proposes_the_reference_corrupted_to_the_rate():
     key = (1, 2, 3)
-    book = OracleBook(vocab_size=100, references={key: [(10 + p) % 100 for p in range(2000)]}, rates={key: 1.0})
+    reference = [(10 + p) % 100 for p in range(2000)]
+    book = OracleBook(vocab_size=100, rates={key: 1.0})
+    book.learn(list(key), reference)
     drafter = OracleDrafter(book, k=3)
     assert drafter.propose(_request(key, [10, 11]), 3).token_ids == [12, 13, 14]
     assert drafter.propose(_request(key), 4).token_ids == [10, 11, 12, 13]  # k + 1: one ahead
     assert drafter.propose(_request((9,)), 3).token_ids == []  # no reference: no draft
+    assert drafter.propose(_request(key, [10, 99]), 3).token_ids == []  # off every known path: no draft
     book.rates[key] = 0.3
-    right = [book.draft_token(key, p) == (10 + p) % 100 for p in range(2000)]
+    drafts = [book.draft(key, p, tuple([*key, *reference][p - 1:p + 3]), 1) for p in range(1, 2000)]
+    right = [d == [reference[p]] for p, d in zip(range(1, 2000), drafts)]
     assert 0.25 < sum(right) / len(right) < 0.35
-    assert [book.draft_token(key, p) for p in range(50)] == [book.draft_token(key, p) for p in range(50)]
-    assert all(0 <= book.draft_token(key, p) < 100 for p in range(2000))
+    assert drafts[:50] == [book.draft(key, p, tuple([*key, *reference][p - 1:p + 3]), 1) for p in range(1, 51)]
+    assert all(len(d) == 1 and 0 <= d[0] < 100 for d in drafts)
+
+
+def test_the_oracle_follows_a_branch_an_earlier_run_took():
+    """A run that decided a near-tie otherwise left the reference at position 2: once learned, that branch is
+    proposed after its own tokens, and the reference still after the reference's."""
+    key = (1, 2, 3)
+    reference, branch = [10, 11, 12, 13, 14, 15], [10, 11, 50, 51, 52, 53]
+    book = OracleBook(vocab_size=100, rates={key: 1.0})
+    book.learn(list(key), reference)
+    drafter = OracleDrafter(book, k=3)
+    assert drafter.propose(_request(key, [10, 11, 50]), 3).token_ids == []
+    book.learn(list(key), branch)
+    assert drafter.propose(_request(key, [10, 11, 50]), 3).token_ids == [51, 52, 53]
+    assert drafter.propose(_request(key, [10, 11, 12]), 3).token_ids == [13, 14, 15]
+    assert drafter.propose(_request(key, [10, 11]), 3).token_ids == [50, 51, 52]  # the latest run's choice
 
 
 def test_a_registered_drafter_is_the_methods_drafter_and_builtins_are_refused(tiny_llama_dir):

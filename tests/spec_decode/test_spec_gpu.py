@@ -61,7 +61,7 @@ def _check(path, *, dtype, enforce_eager, deterministic=False, batch=(1, 6)):
         prompts = _prompts(b, book.vocab_size)
         references, _ = decode_run(off, prompts, OUTPUT_LEN)
         for prompt, ref in zip(prompts, references):
-            book.references[tuple(prompt)] = ref
+            book.learn(prompt, ref)
         for rate in (1.0, 0.5):
             for prompt in prompts:
                 book.rates[tuple(prompt)] = rate
@@ -136,7 +136,7 @@ def test_mixed_draft_counts_replay_padded_decode_graphs_losslessly(wide_llama_di
     prompts = _prompts(6, book.vocab_size)
     references, _ = decode_run(off, prompts, OUTPUT_LEN)
     for prompt, ref in zip(prompts, references):
-        book.references[tuple(prompt)] = ref
+        book.learn(prompt, ref)
         book.rates[tuple(prompt)] = 1.0
     before = spec_snapshot(on)
     outputs, _ = decode_run(on, prompts, OUTPUT_LEN)
