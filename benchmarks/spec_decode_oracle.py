@@ -29,8 +29,11 @@ which only deterministic mode (or float32) promises.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import hashlib
+import io
 import json
+import pstats
 import random
 import sys
 import time
@@ -149,6 +152,51 @@ def decode_run(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[lis
     return [outputs[f"{tag}{i}"] for i in range(len(prompts))], speed
 
 
+def profile_steps(llm: LLM, prompts: list[list[int]], steps: int) -> str:
+    """A torch.profiler look at ``steps`` engine steps in the middle of decoding ``prompts``: wall and GPU time
+    per step, the GPU's idle gaps (the host's share) and the kernels by time; a table's text."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    tag = f"p{time.perf_counter_ns()}-"
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}{i}", {"prompt_token_ids": prompt}, params)
+    for _ in range(20):  # past the prompts: decoding steadily
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    host = cProfile.Profile()  # the same number of steps again, for the host's functions
+    host.enable()
+    for _ in range(steps):
+        engine.step()
+    host.disable()
+    engine.abort_all()
+    while engine.has_unfinished_requests():
+        engine.step()
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / steps
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3 / steps
+    gaps = [b.time_range.start - a.time_range.end for a, b in zip(kernels, kernels[1:])]
+    long_gaps = sorted((g for g in gaps if g > 100), reverse=True)
+    lines = [f"wall {wall_ms:.2f} ms/step, GPU busy {busy:.2f} ms/step ({busy / wall_ms:.0%}), "
+             f"{len(kernels) / steps:.0f} kernels/step, gaps > 100 us: {len(long_gaps) / steps:.1f}/step, "
+             f"{sum(long_gaps) / 1e3 / steps:.2f} ms/step (largest {', '.join(f'{g:.0f}' for g in long_gaps[:6])} us)"]
+    lines += [f"  {ms:7.3f} ms/step  {name[:90]}" for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:10]]
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(14)
+    lines += [line for line in text.getvalue().splitlines() if line.strip()][-16:]
+    return "\n".join(lines)
+
+
 def spec_snapshot(llm: LLM) -> dict:
     stats = llm.engine.get_stats()["spec_decode"]
     return dict(stats) if stats else {}
@@ -216,6 +264,9 @@ def run_part(args: argparse.Namespace, book: OracleBook, settings: dict[str, dic
                 runs[name].append(timed(llm, prompts, args.output_len))
                 for prompt, out in zip(prompts, runs[name][-1]["outputs"]):
                     book.learn(prompt, out)
+        if args.profile_steps and args.device == "cuda":
+            for name, llm in llms.items():
+                print(f"profile, batch {b}, {name}: {profile_steps(llm, prompts, args.profile_steps)}", flush=True)
         for name, results in runs.items():
             best = sorted(results, key=lambda r: r["tok_s"])[len(results) // 2]  # the median run
             row[name] = {k: v for k, v in best.items() if k != "outputs"}
@@ -268,6 +319,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=8.0, help="CUDA: each engine's KV cache")
     p.add_argument("--step-latency-dir", default=None, help="where the curve is kept (default: the cache dir)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="CUDA: also profile this many steps of each engine per batch size (torch.profiler)")
     p.add_argument("--json-out", type=Path, default=None)
     return p.parse_args(argv)
 

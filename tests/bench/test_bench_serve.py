@@ -82,14 +82,21 @@ def test_serve_sends_jsonl_conversations_to_the_chat_endpoint(live, tmp_path):
 
 
 def test_sweep_writes_a_json_per_concurrency_and_the_pareto_png(live, tmp_path):
+    """One prompt per user (``--prompts-per-concurrency``): a point's prompts grow with its concurrency."""
     pytest.importorskip("matplotlib")
-    assert main(["bench", "sweep", "--base-url", live.url, "--api-key", API_KEY, "--num-prompts", "2",
+    assert main(["bench", "sweep", "--base-url", live.url, "--api-key", API_KEY, "--prompts-per-concurrency", "1",
                  "--random-input-len", "16", "--random-output-len", "4", "--random-vocab-size", "49152",
                  "--concurrencies", "1,2", "--label", "cpu run", "--result-dir", str(tmp_path),
                  "--disable-tqdm"]) == 0
     results = [json.loads((tmp_path / f"cpu_run-infqps-c{c}.json").read_text()) for c in (1, 2)]
-    assert [(r["max_concurrency"], r["completed"], r["seed"]) for r in results] == [(1, 2, 0), (2, 2, 1)]
+    assert [(r["max_concurrency"], r["completed"], r["seed"]) for r in results] == [(1, 1, 0), (2, 2, 1)]
     assert (tmp_path / "pareto.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_prompts_per_concurrency_needs_a_concurrency_grid(capsys):
+    rc = main(["bench", "sweep", "--request-rates", "1,2", "--prompts-per-concurrency", "2"])
+    assert rc == 2
+    assert "--prompts-per-concurrency takes a positive number and needs --concurrencies" in capsys.readouterr().err
 
 
 def test_serve_rejects_a_bad_goodput_name(live, tmp_path, capsys):
