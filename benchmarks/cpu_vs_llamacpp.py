@@ -1,6 +1,6 @@
 """dsinfer against llama.cpp (and HF transformers) on CPU, the same GGUF, threads and prompt tokens, in one run.
 
-    python benchmarks/cpu_vs_llamacpp.py [--threads 2] [--llamacpp-python /work/llamacpp-venv/bin/python]
+    python benchmarks/cpu_vs_llamacpp.py [--threads 2] [--rounds 3] [--llamacpp-python /work/llamacpp-venv/bin/python]
         [--engines dsinfer llamacpp hf] [--dsinfer-args '{"quantization": "gguf"}'] [--gguf FILE]
 
 Three measurements, each engine in its own subprocess (so thread settings do not leak) one after the other:
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -169,10 +170,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--parallel", type=int, default=32)
     p.add_argument("--parallel-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1, help="runs of every engine, alternating; medians reported")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     p.add_argument("--ids", type=Path, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def _run_worker(engine: str, ids_path: Path, args: argparse.Namespace) -> dict | None:
+    """One engine's three measurements in its own process; None (with its stderr printed) if it failed."""
+    python = args.llamacpp_python if engine == "llamacpp" else sys.executable
+    cmd = [python, __file__, "--worker", engine, "--ids", str(ids_path), "--gguf", str(args.gguf),
+           "--threads", str(args.threads), "--dsinfer-args", args.dsinfer_args, "--decode-tokens",
+           str(args.decode_tokens), "--parallel", str(args.parallel), "--parallel-tokens",
+           str(args.parallel_tokens)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        print(f"{engine}: failed (exit {proc.returncode})\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(line[len("RESULT "):])
 
 
 def main(argv=None) -> int:
@@ -188,29 +206,31 @@ def main(argv=None) -> int:
         return 0
     ids_path = Path(f"/tmp/cpu_vs_llamacpp_ids_{os.getpid()}.json")
     ids_path.write_text(json.dumps(prompt_ids(args.gguf, args.parallel)))
-    results = {}
-    for engine in args.engines:
-        python = args.llamacpp_python if engine == "llamacpp" else sys.executable
-        cmd = [python, __file__, "--worker", engine, "--ids", str(ids_path), "--gguf", str(args.gguf),
-               "--threads", str(args.threads), "--dsinfer-args", args.dsinfer_args, "--decode-tokens",
-               str(args.decode_tokens), "--parallel", str(args.parallel), "--parallel-tokens",
-               str(args.parallel_tokens)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if proc.returncode != 0 or line is None:
-            print(f"{engine}: failed (exit {proc.returncode})\n{proc.stderr[-2000:]}", file=sys.stderr)
-            continue
-        results[engine] = json.loads(line[len("RESULT "):])
-        print(f"{engine:9s} " + "  ".join(f"{k} {v:8.1f} tok/s" for k, v in results[engine].items()), flush=True)
+    rounds: dict[str, list[dict]] = {engine: [] for engine in args.engines}
+    for r in range(args.rounds):  # engines alternate their order round by round: a shared machine's load spreads
+        for engine in (args.engines if r % 2 == 0 else args.engines[::-1]):
+            result = _run_worker(engine, ids_path, args)
+            if result is not None:
+                rounds[engine].append(result)
+                print(f"round {r + 1} {engine:9s} " + "  ".join(f"{k} {v:8.1f} tok/s" for k, v in result.items()),
+                      flush=True)
     ids_path.unlink(missing_ok=True)
+    results: dict = {engine: {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+                     for engine, runs in rounds.items() if runs}
+    results["rounds"] = rounds
+    for engine in args.engines:
+        if engine in results:
+            print(f"median {engine:9s} " + "  ".join(f"{k} {v:8.1f} tok/s" for k, v in results[engine].items()))
     if "dsinfer" in results and "llamacpp" in results:
         ratios = {k: results["dsinfer"][k] / results["llamacpp"][k] for k in results["dsinfer"]}
         results["ratio_dsinfer_llamacpp"] = ratios
-        print("dsinfer / llama.cpp: " + "  ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+        print("dsinfer / llama.cpp (medians): " + "  ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+        paired = list(zip(rounds["dsinfer"], rounds["llamacpp"]))
+        for k in ratios:
+            print(f"  {k}: per round " + ", ".join(f"{a[k] / b[k]:.2f}x" for a, b in paired))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
-    return 0 if results else 1
+    return 0 if any(rounds.values()) else 1
 
 
 if __name__ == "__main__":

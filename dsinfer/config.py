@@ -403,16 +403,17 @@ class KernelConfig:
     router_gemv: bool = True  # DeepSeek MoE on CUDA: small batches' gate logits from the split-K Triton GEMV
     side_stream: bool = True  # in CUDA graphs, overlap independent work on a second stream (``layers.streams``)
     fuse_shared_experts: bool = True  # DeepSeek MoE: shared experts as extra experts of the routed grouped GEMM
+    cpu_fused_layer: bool = True  # quantized Llama family on CPU: a decode step's layers as one C++ call each
 
     @classmethod
     def from_envs(cls) -> KernelConfig:
         """The values of ``DSINFER_USE_TRITON``, ``_TRITON_GEMV``, ``_PDL``, ``_PDL_EARLY_TRIGGER``,
-        ``_FUSED_SILU_MUL``, ``_ROUTER_GEMV``, ``_SIDE_STREAM`` and ``_FUSE_SHARED_EXPERTS``."""
+        ``_FUSED_SILU_MUL``, ``_ROUTER_GEMV``, ``_SIDE_STREAM``, ``_FUSE_SHARED_EXPERTS`` and ``_CPU_FUSED_LAYER``."""
         return cls(
             use_triton=envs.USE_TRITON.get(), triton_gemv=envs.TRITON_GEMV.get(), pdl=envs.PDL.get(),
             pdl_early_trigger=envs.PDL_EARLY_TRIGGER.get(), fused_silu_mul=envs.FUSED_SILU_MUL.get(),
             router_gemv=envs.ROUTER_GEMV.get(), side_stream=envs.SIDE_STREAM.get(),
-            fuse_shared_experts=envs.FUSE_SHARED_EXPERTS.get(),
+            fuse_shared_experts=envs.FUSE_SHARED_EXPERTS.get(), cpu_fused_layer=envs.CPU_FUSED_LAYER.get(),
         )
 
 

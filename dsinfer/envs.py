@@ -163,6 +163,13 @@ SIDE_STREAM = _declare(
     "stream, in sequence).",
     _parse_bool,
 )
+CPU_FUSED_LAYER = _declare(
+    "DSINFER_CPU_FUSED_LAYER", "bool", True,
+    "A quantized Llama-family model's CPU decode steps run each decoder layer as one C++ call "
+    "(ops/csrc/cpu_layer.cpp: the same kernels in the same order, bit for bit the module path); off: module by "
+    "module.",
+    _parse_bool,
+)
 FUSED_SILU_MUL = _declare(
     "DSINFER_FUSED_SILU_MUL", "bool", True,
     "An MLP's merged gate/up projection and its SiLU-mul run as one Triton kernel where benchmarks/tune_gemv.py "

@@ -20,6 +20,7 @@ VARIABLES = {
     "router_gemv": ("DSINFER_ROUTER_GEMV", "0", False),
     "side_stream": ("DSINFER_SIDE_STREAM", "0", False),
     "fuse_shared_experts": ("DSINFER_FUSE_SHARED_EXPERTS", "0", False),
+    "cpu_fused_layer": ("DSINFER_CPU_FUSED_LAYER", "0", False),
 }
 
 

@@ -20,6 +20,7 @@ from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, rope_parameters_of
+from dsinfer.models.cpu_fused_decode import FusedDecode
 from dsinfer.models.stack import DecoderStack
 from dsinfer.models.weights import load_named_weights
 
@@ -162,6 +163,20 @@ class LlamaForCausalLM(DecoderStack):
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         tied = cfg.get("tie_word_embeddings", False)
         self.lm_head = LMHead(cfg["vocab_size"], cfg["hidden_size"], self.embed_tokens if tied else None, parallel)
+        # quantized on CPU: decode steps' layers as one C++ call each, built at the first forward (after the
+        # weights are packed); False until then, None where the model is not covered
+        self.cpu_fused_layer = kernel.cpu_fused_layer
+        self._fused_decode: FusedDecode | None | bool = False
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if self.cpu_fused_layer and input_ids.device.type == "cpu":
+            if self._fused_decode is False:
+                self._fused_decode = FusedDecode.build(self)
+            if self._fused_decode is not None:
+                hidden = self._fused_decode.forward(self, input_ids, positions, batch)
+                if hidden is not None:
+                    return hidden
+        return super().forward(input_ids, positions, batch)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]

@@ -35,9 +35,12 @@ ACTIVATION_QMAX = 32767  # activations are quantized to int16 per block
 FORMATS = ("int4", "int8")
 _BUILD_FLAGS = b"-O3 -march=native -fno-math-errno -ffp-contract=off -fopenmp"
 # the extension: these linears, the fused RMSNorm (``ops.norm.rms_norm_cpu``), decode attention
-# (``ops.attention.decode_attention_cpu``) and rope + KV store (``ops.rotary.rotary_store_kv``'s ``native_cpu``)
-_SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name
-                 for name in ("cpu_quant.cpp", "cpu_norm.cpp", "cpu_attention.cpp", "cpu_rotary.cpp"))
+# (``ops.attention.decode_attention_cpu``), rope + KV store (``ops.rotary.rotary_store_kv``'s ``native_cpu``) and
+# a whole decoder layer of a decode step over them (``ops.cpu_layer``); cpu_ops.h declares what they share
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = tuple(_CSRC / name for name in ("cpu_quant.cpp", "cpu_norm.cpp", "cpu_attention.cpp", "cpu_rotary.cpp",
+                                           "cpu_layer.cpp"))
+_HEADERS = (_CSRC / "cpu_ops.h",)
 
 
 @dataclass
@@ -83,7 +86,7 @@ def native_available() -> bool:
     on the first call, about 30 s; then cached)."""
     if envs.CPU_QUANT_KERNEL.get() == "torch":
         return False
-    source = b"".join(path.read_bytes() for path in _SOURCES)
+    source = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
     key = hashlib.sha256(source + _cpu_flags().encode() + torch.__version__.encode() + _BUILD_FLAGS).hexdigest()[:16]
     build_dir = Path(envs.CACHE_DIR.get()) / "torch_extensions" / f"cpu_quant-{key}"
     try:

@@ -13,6 +13,8 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -57,6 +59,10 @@ inline void axpy(float p, const float* __restrict v, float* __restrict acc, int6
 #endif
   for (; i < n; ++i) acc[i] += p * v[i];
 }
+
+}  // namespace
+
+namespace dsinfer {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& slots,
                             const at::Tensor& seq_lens, double scale, int64_t window) {
@@ -118,12 +124,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, con
   return out;
 }
 
-}  // namespace
+}  // namespace dsinfer
 
 TORCH_LIBRARY_FRAGMENT(dsinfer_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor kv_cache, Tensor slots, Tensor seq_lens, float scale, int window) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dsinfer_cpu, CPU, m) {
-  m.impl("decode_attention", &decode_attention);
+  m.impl("decode_attention", &dsinfer::decode_attention);
 }

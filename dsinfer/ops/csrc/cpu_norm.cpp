@@ -11,6 +11,8 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
+
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -33,6 +35,10 @@ inline void norm_row(const float* h, const float* w, int64_t H, float eps, float
 
 // rows per task: one task for a decode step's few rows, many for a prompt's
 constexpr int64_t kGrainElements = 1 << 15;
+
+}  // namespace
+
+namespace dsinfer {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check(x, weight);
@@ -69,7 +75,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {out, sum};
 }
 
-}  // namespace
+}  // namespace dsinfer
 
 TORCH_LIBRARY_FRAGMENT(dsinfer_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -77,6 +83,6 @@ TORCH_LIBRARY_FRAGMENT(dsinfer_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(dsinfer_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rms_norm", &dsinfer::rms_norm);
+  m.impl("add_rms_norm", &dsinfer::add_rms_norm);
 }

@@ -17,6 +17,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
+
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -167,6 +169,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   return y;
 }
 
+}  // namespace
+
+namespace dsinfer {
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& mins) {
   return quant_linear<true>(x, qweight, scales, &mins);
@@ -175,6 +181,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
   return quant_linear<false>(x, qweight, scales, nullptr);
 }
+
+}  // namespace dsinfer
+
+namespace {
 
 bool has_avx2() {
 #ifdef DSINFER_AVX2
@@ -192,8 +202,8 @@ TORCH_LIBRARY(dsinfer_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(dsinfer_cpu, CPU, m) {
-  m.impl("int4_linear", &int4_linear);
-  m.impl("int8_linear", &int8_linear);
+  m.impl("int4_linear", &dsinfer::int4_linear);
+  m.impl("int8_linear", &dsinfer::int8_linear);
 }
 
 // simd_width(): 256 where the AVX2 path was compiled in, else 0 (scalar loops)

@@ -10,6 +10,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
+
 #include <cstdint>
 
 namespace {
@@ -26,6 +28,10 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t h
     out[i + half] = x2 * cos[i] + x1 * sin[i];
   }
 }
+
+}  // namespace
+
+namespace dsinfer {
 
 at::Tensor rotary_store_kv(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& v, const at::Tensor& cos_sin_cache, at::Tensor kv_cache,
@@ -71,7 +77,7 @@ at::Tensor rotary_store_kv(const at::Tensor& positions, const at::Tensor& q, con
   return out;
 }
 
-}  // namespace
+}  // namespace dsinfer
 
 TORCH_LIBRARY_FRAGMENT(dsinfer_cpu, m) {
   m.def("rotary_store_kv(Tensor positions, Tensor q, Tensor k, Tensor v, Tensor cos_sin_cache, Tensor(a!) kv_cache, "
@@ -79,5 +85,5 @@ TORCH_LIBRARY_FRAGMENT(dsinfer_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(dsinfer_cpu, CPU, m) {
-  m.impl("rotary_store_kv", &rotary_store_kv);
+  m.impl("rotary_store_kv", &dsinfer::rotary_store_kv);
 }
