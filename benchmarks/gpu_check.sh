@@ -24,6 +24,13 @@
 #             at 1k context in CUDA graphs vs the floor (weights of the experts routed to + window keys and the
 #             compressed entries a step reads), and a 1k-token prefill (eager) (~3 min)
 #   v4-16k    the same slice at 16k context, decode only (~3 min)
+#   pareto    not in "all": benchmarks/pareto_vs_vllm.py, Llama-3.1-8B dummy bf16 served by dsinfer then by vLLM 0.26
+#             (`vllm serve`, from ../shared/tools/peer-vllm's wheels installed in /tmp/peer-vllm/pkgs by its
+#             device_install.sh; uvicorn, watchfiles, prometheus-fastapi-instrumentator and
+#             model-hosting-container-standards carried in .whl and installed in /tmp/site), a concurrency sweep of
+#             `dsinfer bench sweep`'s client, one Pareto PNG; without vLLM installed, dsinfer alone (~5 min)
+#   pareto-v2-lite  not in "all": the same for DeepSeek-V2-Lite on a random checkpoint with transformers' init
+#             (make_random_ckpt.py into /tmp/ckpt, realistic routing) (~7 min)
 #   ops       not in "all": the CPU-sized op tests (no `gpu` mark) on CUDA through their `device` fixture, which
 #             takes the GPU when there is one (session 7 found an FP8 tile that compiled only in the interpreter)
 #   profile   not in "all": profile_decode.py --replay (the kernels of the decode graph replays, per step) for
@@ -41,7 +48,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 for part in ${ONLY//,/ }; do
-    case $part in all|tests|kernels|llama|deepseek|v4|v4-16k|ops|profile) ;; *) echo "unknown part: $part" >&2; exit 2 ;; esac
+    case $part in all|tests|kernels|llama|deepseek|v4|v4-16k|ops|profile|pareto|pareto-v2-lite) ;; *) echo "unknown part: $part" >&2; exit 2 ;; esac
 done
 want() { [[ ,$ONLY, == *,all,* || ,$ONLY, == *,$1,* ]]; }
 OUT=${OUT:-/tmp/dsinfer-gpu-check}
@@ -133,6 +140,29 @@ fi
 if want v4-16k; then
     step latency-v4-16k "${LATENCY[@]}" --model "$V4_4L" --batch-sizes 1 64 256 --context 16384 \
         --max-model-len 16512 --prefill --steps 10 --idle-batch 0 --output-json "$OUT/latency-v4-16k.json"
+fi
+# vLLM's server beside ours: its wheels' packages first on the path (they include fastapi and pydantic)
+PARETO_ENGINES=(dsinfer)
+[ -d /tmp/peer-vllm/pkgs/vllm ] && PARETO_ENGINES+=(vllm)
+PARETO_ENV=(env PYTHONPATH="/tmp/peer-vllm/pkgs:/tmp/site:$PYTHONPATH" VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0)
+pack() {  # pack DIR: its JSONs and logs as DIR.tgz, its PNG beside (the device tool returns 8 files at most)
+    [ -d "$OUT/$1" ] || return 0
+    cp "$OUT/$1/pareto.png" "$OUT/$1.png" 2>/dev/null
+    tar -czf "$OUT/$1.tgz" -C "$OUT" "$1" && rm -rf "${OUT:?}/$1"
+}
+if [[ ,$ONLY, == *,pareto,* ]]; then
+    step pareto-llama "${PARETO_ENV[@]}" "$PY" benchmarks/pareto_vs_vllm.py --model "$LLAMA" \
+        --engines "${PARETO_ENGINES[@]}" --label-prefix "llama-3.1-8b " --result-dir "$OUT/pareto-llama" \
+        --title "Llama-3.1-8B bf16, one H200, 1024 in / 256 out"
+    pack pareto-llama
+fi
+if [[ ,$ONLY, == *,pareto-v2-lite,* ]]; then
+    [ -f /tmp/ckpt/deepseek-v2-lite/config.json ] || (cd ../shared/tools/peer-vllm 2>/dev/null || cd .peer-vllm/small
+        "$PY" make_random_ckpt.py deepseek-v2-lite /tmp/ckpt)
+    step pareto-v2-lite "${PARETO_ENV[@]}" "$PY" benchmarks/pareto_vs_vllm.py --model "$V2LITE" \
+        --ckpt /tmp/ckpt/deepseek-v2-lite --engines "${PARETO_ENGINES[@]}" --label-prefix "deepseek-v2-lite " \
+        --result-dir "$OUT/pareto-v2-lite" --title "DeepSeek-V2-Lite bf16 (random init), one H200, 1024 in / 256 out"
+    pack pareto-v2-lite
 fi
 if [[ ,$ONLY, == *,profile,* ]]; then
     for b in 1 256; do step "profile-llama-b$b" "$PY" benchmarks/profile_decode.py --replay --batch "$b" --top 20; done
