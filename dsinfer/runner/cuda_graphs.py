@@ -134,3 +134,14 @@ class DecodeGraphs:
         """Run the graph of (`size`, `q`) on the loaded inputs; returns its logits buffer [size x q, vocab]."""
         self.graphs[size, q].replay()
         return self.logits[size, q]
+
+
+def graph_modes(model: nn.Module, deterministic: bool, mtp: bool) -> tuple[bool, bool]:
+    """(eager only, prompt graphs) from the model's class flags: ``eager_only`` (its forward reads its batch on
+    the host: no graph, no warm-up on dummy batches; so with an MTP drafter, whose layer is not captured),
+    ``eager_when_deterministic`` (so in the deterministic mode), ``prompt_graphs`` (False: prompt steps run
+    eagerly, without piecewise graphs or a dummy-batch warm-up). ``multi_token_decode_graphs`` is read where the
+    decode graphs are sized."""
+    eager_only = (getattr(model, "eager_only", False) or mtp
+                  or (deterministic and getattr(model, "eager_when_deterministic", False)))
+    return eager_only, getattr(model, "prompt_graphs", True)

@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
-from torch import nn
 
 from dsinfer import envs
 from dsinfer.batch_invariant import batch_invariant
@@ -49,82 +47,25 @@ from dsinfer.core.kv_cache_spec import (
     max_blocks_held,
     shares_tensors,
 )
-from dsinfer.core.outputs import RunnerOutput, TokenLogprobs
+from dsinfer.core.outputs import RunnerOutput
 from dsinfer.core.plan import StepPlan
 from dsinfer.distributed.state import SINGLE, ParallelState
 from dsinfer.kvstore.keys import engine_fingerprint
-from dsinfer.models.loader.model_loader import _default_dtype_and_device, build_model, load_model
+from dsinfer.models.loader.model_loader import load_model
 from dsinfer.runner import boundary_states
-from dsinfer.runner.cuda_graphs import DecodeGraphs
+from dsinfer.runner.cuda_graphs import DecodeGraphs, graph_modes
 from dsinfer.runner.decode_padding import PaddedStep, pad_step
 from dsinfer.runner.input_batch import SampleRow, StepInputs, build_sampling_batch, build_step_inputs, to_device_packed
 from dsinfer.runner.kv_transfer import KVTransfer
+from dsinfer.runner.memory import GiB, check_weights_fit, kv_budget_bytes
 from dsinfer.runner.mtp_proposer import MTPProposer
 from dsinfer.runner.prefill_graphs import PrefillGraphs
 from dsinfer.runner.request_table import RequestTable
+from dsinfer.runner.step_handle import StepHandle, score_tokens, to_host
 from dsinfer.runner.warmup import measure_step_latency, warm_up_prefill
 from dsinfer.sampling.sampler import Sampler
 
 logger = logging.getLogger("dsinfer")
-
-GiB = 1 << 30
-
-
-class StepHandle:
-    """A launched step: its GPU work is queued and its sampled tokens are on their way to pinned host memory.
-
-    ``result()`` waits for that copy (the step's one host sync), verifies drafts and returns the RunnerOutput.
-    With async scheduling the engine launches the next step before calling it, so the CPU work overlaps the GPU's.
-    """
-
-    def __init__(self, rows: list[SampleRow], copies: dict[str, torch.Tensor],
-                 prompt_logprobs: dict[str, list[TokenLogprobs]], done: torch.cuda.Event | None,
-                 draft: Callable[[list[int]], tuple[dict, dict]] | None = None, kv: dict | None = None):
-        """``draft``: the step's sampled tokens -> the next drafts and their confidences (MTP drafting);
-        ``kv``: the KV store's RunnerOutput fields (``ModelRunner._kv_report``)."""
-        self.rows = rows
-        self._copies = copies
-        self._prompt_logprobs = prompt_logprobs
-        self._done = done
-        self._draft = draft
-        self._kv = kv or {}
-        self.eplb_stats: dict[str, int] | None = None  # EPLB's rebalance totals, sent with the expert load
-
-    def result(self) -> RunnerOutput:
-        if self._done is not None:
-            self._done.synchronize()
-        out = RunnerOutput(prompt_logprobs=self._prompt_logprobs, **self._kv)
-        if "expert_load" in self._copies:
-            out.expert_load = self._copies["expert_load"].tolist()
-            out.eplb_stats = self.eplb_stats
-        if not self.rows:
-            return out
-        tokens = self._copies["tokens"].tolist()
-        logprobs = self._logprobs()
-        rejected: str | None = None  # a request whose draft was rejected: its later rows are not its tokens
-        for i, (row, token) in enumerate(zip(self.rows, tokens)):
-            rid = row.state.request_id
-            if rid == rejected:
-                continue
-            out.sampled_token_ids.setdefault(rid, []).append(token)
-            if logprobs is not None and row.state.sampling.logprobs is not None:
-                out.logprobs.setdefault(rid, []).append(logprobs[i])
-            rejected = rid if row.draft is not None and token != row.draft else None
-        if self._draft is not None:
-            out.draft_token_ids, out.draft_confidence = self._draft(tokens)
-        return out
-
-    def _logprobs(self) -> list[TokenLogprobs] | None:
-        if "logprobs" not in self._copies:
-            return None
-        ids, lps = self._copies["logprob_ids"].tolist(), self._copies["logprobs"].tolist()
-        ranks = self._copies["ranks"].tolist()
-        out = []
-        for row, (i, lp, rank) in enumerate(zip(ids, lps, ranks)):
-            k = self.rows[row].state.sampling.logprobs
-            out.append(TokenLogprobs(i[:k + 1], lp[:k + 1], rank) if k is not None else None)
-        return out
-
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, parallel: ParallelState = SINGLE):
@@ -136,7 +77,7 @@ class ModelRunner:
         if self.device.type == "cpu" and envs.CPU_THREADS.get():
             torch.set_num_threads(envs.CPU_THREADS.get())
         if self.device.type == "cuda":
-            _check_weights_fit(config, parallel)
+            check_weights_fit(config, parallel)
         self.model = load_model(config, parallel)
         self.eplb = None  # the expert load counters and rebalances (before any capture: the graphs count too)
         if config.parallel.enable_eplb:
@@ -305,7 +246,8 @@ class ModelRunner:
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         state_bytes = self.num_state_slots * sum(spec.bytes_per_slot for spec in self.state_specs)
-        budget = self._kv_budget_bytes() - state_bytes  # the slots are taken first: every running request holds one
+        # the slots are taken first: every running request holds one
+        budget = kv_budget_bytes(self.config, self.device) - state_bytes
         wanted = self.config.scheduler.max_num_seqs * blocks_per_seq + 1  # more could never be used
         num_blocks = min(budget // per_block, wanted) if per_block else wanted  # blocks that hold nothing
         if num_blocks < blocks_per_seq + 1:
@@ -317,24 +259,6 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), %d state slots (%.2f GiB)", num_blocks,
                     self.block_size, num_blocks * per_block / GiB, self.num_state_slots, state_bytes / GiB)
         return int(num_blocks)
-
-    def _kv_budget_bytes(self) -> int:
-        cache = self.config.cache
-        if cache.kv_cache_memory_gb is not None:
-            return int(cache.kv_cache_memory_gb * GiB)
-        if self.device.type == "cpu":
-            return int(envs.CPU_KV_CACHE_GB.get() * GiB)
-        free, total = torch.cuda.mem_get_info(self.device)
-        own = torch.cuda.memory_reserved(self.device)
-        activation_reserve = 2 * GiB  # logits, activations of the largest step, CUDA graphs
-        budget = memory_left_to_take(free, total, own, cache.gpu_memory_utilization) - activation_reserve
-        if budget <= 0:
-            raise ValueError(
-                f"the model leaves no room for a KV cache: this process holds {own / GiB:.1f} GiB and "
-                f"{free / GiB:.1f} GiB are free of {total / GiB:.1f} GiB; gpu_memory_utilization="
-                f"{cache.gpu_memory_utilization} allows {total * cache.gpu_memory_utilization / GiB:.1f} GiB; short "
-                f"by {-budget / GiB:.1f} GiB")
-        return budget
 
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
@@ -389,7 +313,7 @@ class ModelRunner:
             n = len(rows.target_ids)
             chunk = logits[rows.first_row:rows.first_row + n]
             targets = torch.tensor(rows.target_ids, device=chunk.device)
-            prompt_logprobs[rows.request_id] = _score_tokens(chunk, targets, rows.num_logprobs)
+            prompt_logprobs[rows.request_id] = score_tokens(chunk, targets, rows.num_logprobs)
         done = None
         if cuda:
             done = torch.cuda.Event(enable_timing=start is not None)
@@ -422,7 +346,7 @@ class ModelRunner:
         self.eplb.end_step(mid_prefill=any(rid not in sampled for rid in plan.num_scheduled_tokens))
         if not plan.want_expert_load:
             return None
-        copies["expert_load"] = _to_host(self.eplb.physical_load())
+        copies["expert_load"] = to_host(self.eplb.physical_load())
         return self.eplb.stats.as_dict()
 
     def _kv_report(self, plan: StepPlan) -> dict | None:
@@ -560,69 +484,9 @@ class ModelRunner:
         rejection = self.config.speculative.acceptance == "rejection"
         sbatch = build_sampling_batch(rows, self.vocab_size, self.device, token_bitmask, rejection)
         result = self.sampler(logits, sbatch)
-        copies["tokens"] = _to_host(result.token_ids)
+        copies["tokens"] = to_host(result.token_ids)
         if result.logprobs is not None:
-            copies["logprob_ids"] = _to_host(result.logprob_token_ids)
-            copies["logprobs"] = _to_host(result.logprobs)
-            copies["ranks"] = _to_host(result.sampled_ranks)
+            copies["logprob_ids"] = to_host(result.logprob_token_ids)
+            copies["logprobs"] = to_host(result.logprobs)
+            copies["ranks"] = to_host(result.sampled_ranks)
         return result.token_ids
-
-
-def graph_modes(model: nn.Module, deterministic: bool, mtp: bool) -> tuple[bool, bool]:
-    """(eager only, prompt graphs) from the model's class flags: ``eager_only`` (its forward reads its batch on
-    the host: no graph, no warm-up on dummy batches; so with an MTP drafter, whose layer is not captured),
-    ``eager_when_deterministic`` (so in the deterministic mode), ``prompt_graphs`` (False: prompt steps run
-    eagerly, without piecewise graphs or a dummy-batch warm-up). ``multi_token_decode_graphs`` is read where the
-    decode graphs are sized."""
-    eager_only = (getattr(model, "eager_only", False) or mtp
-                  or (deterministic and getattr(model, "eager_when_deterministic", False)))
-    return eager_only, getattr(model, "prompt_graphs", True)
-
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A non-blocking copy into pinned host memory (complete once the step's done event has fired)."""
-    if not tensor.is_cuda:
-        return tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    return host
-
-
-def _check_weights_fit(config: EngineConfig, parallel: ParallelState) -> None:
-    """Fail before loading when the weights alone (this rank's slice) exceed what gpu_memory_utilization allows,
-    saying by how much."""
-    try:
-        with _default_dtype_and_device(config.model.dtype, torch.device("meta")):
-            meta = build_model(config, parallel.for_shapes())
-    except Exception:  # a model that cannot be built on the meta device: loading will tell
-        return
-    weight_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(meta.parameters(), meta.buffers()))
-    free, total = torch.cuda.mem_get_info(config.device.device)
-    util = config.cache.gpu_memory_utilization
-    allowed = memory_left_to_take(free, total, torch.cuda.memory_reserved(config.device.device), util)
-    if weight_bytes > allowed:
-        raise ValueError(
-            f"the model does not fit: its weights need {weight_bytes / GiB:.2f} GiB, but "
-            f"gpu_memory_utilization={util} of {total / GiB:.1f} GiB with {free / GiB:.1f} GiB free leaves "
-            f"{allowed / GiB:.2f} GiB: short by {(weight_bytes - allowed) / GiB:.2f} GiB (before any KV cache); "
-            "raise gpu_memory_utilization, free GPU memory or pick a smaller model or dtype")
-
-
-def memory_left_to_take(free: int, total: int, own: int, utilization: float) -> int:
-    """Bytes this process may still allocate on its GPU: its share (``utilization`` x total) less what it holds
-    (``own``: torch's reserved bytes), never more than is free. Other processes' memory is not charged to this
-    one's share, as in vLLM: two replicas at 0.45 share one GPU whichever starts first."""
-    return min(int(total * utilization) - own, free)
-
-
-def _score_tokens(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprobs]:
-    logprobs = logits.log_softmax(dim=-1)
-    target_lp = logprobs.gather(1, targets.unsqueeze(1))
-    ranks = ((logprobs > target_lp).sum(dim=-1) + 1).tolist()
-    if k > 0:
-        top_lp, top_ids = logprobs.topk(k, dim=-1)
-        ids = torch.cat((targets.unsqueeze(1), top_ids), 1).tolist()
-        lps = torch.cat((target_lp, top_lp), 1).tolist()
-    else:
-        ids, lps = targets.unsqueeze(1).tolist(), target_lp.tolist()
-    return [TokenLogprobs(i, lp, r) for i, lp, r in zip(ids, lps, ranks)]

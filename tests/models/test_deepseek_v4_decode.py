@@ -209,7 +209,7 @@ def test_decode_graphs_of_a_stateful_model_refuse_inputs_without_state_slots(mod
 
 def test_the_runner_captures_v4_decode_but_not_its_prompt_steps_or_deterministic_mode():
     from dsinfer.models.llama import LlamaForCausalLM
-    from dsinfer.runner.model_runner import graph_modes
+    from dsinfer.runner.cuda_graphs import graph_modes
 
     assert graph_modes(DeepseekV4ForCausalLM, deterministic=False, mtp=False) == (False, False)
     assert graph_modes(DeepseekV4ForCausalLM, deterministic=True, mtp=False) == (True, False)

@@ -1,6 +1,6 @@
 """The GPU memory a runner may take: its own share, not charged for other processes (two replicas at 0.45)."""
 
-from dsinfer.runner.model_runner import memory_left_to_take
+from dsinfer.runner.memory import memory_left_to_take
 
 GiB = 1 << 30
 TOTAL = 140 * GiB
