@@ -94,6 +94,19 @@ class InputProcessor:
             parent.children.append(ChildState(request, detok, needs_host_tokens=needs_host))
         return parent
 
+    def check_first_token(self, token: int, params: SamplingParams) -> None:
+        """A ValueError unless a preset first token can stand for the request's first sample: one sample, no
+        logprobs (none were computed for it), no grammar (it would have to have advanced it)."""
+        vocab = self.model_config.vocab_size
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+            raise ValueError(f"first_token must be a token id in [0, {vocab}), got {token!r}")
+        if params.n != 1:
+            raise ValueError(f"a preset first token needs n=1, got n={params.n}")
+        if params.logprobs is not None:
+            raise ValueError("a preset first token has no logprobs: logprobs cannot be asked for with it")
+        if params.structured_outputs is not None:
+            raise ValueError("a preset first token cannot be checked against a grammar (structured outputs)")
+
     def check_priority(self, priority: Any) -> None:
         """A ValueError unless ``priority`` is one ``add_request`` takes under this engine's policy."""
         if isinstance(priority, bool) or not isinstance(priority, int) or not -(1 << 31) <= priority < 1 << 31:

@@ -10,11 +10,9 @@ step N+1 before it waits for step N's tokens, so the CPU prepares N+1 while the 
 on the device (placeholders). Stops, aborts and preemptions are then applied one step late: a request that
 stopped at step N drops the token N+1 sampled for it. Requests whose sampling needs every earlier token on the
 host (penalties, structured outputs), and an MTP drafter (its drafts follow the exact tokens), make the engine
-drain the pipeline and step synchronously while they run. An n-gram drafter composes with the overlap: a request
-whose one-token step is in flight gets drafts proposed one token ahead (from the tokens known, the first draft
-standing for the token in flight, which the step reads as a placeholder; the drafts after it are verified as any
-drafts are, so a wrong guess costs only acceptance), and a step that verified drafts is waited for before the
-next one is scheduled (how many tokens it gave decides where the next step starts).
+drain the pipeline and step synchronously while they run. A drafter that proposes one token ahead (n-gram:
+``engine.drafts``) composes with the overlap; a step that verified drafts is waited for before the next one is
+scheduled (how many tokens it gave decides where the next step starts).
 
 Confidence scheduling (``speculative_config.confidence_scheduling``) hands the scheduler a step-latency curve
 (``core.step_latency``: the runner's start-up points, then each real step's time folded in, saved under the cache
@@ -37,12 +35,14 @@ import numpy as np
 from dsinfer.config import EngineConfig
 from dsinfer.core import step_latency
 from dsinfer.core.outputs import RunnerOutput
-from dsinfer.core.request import Request, RequestStatus
+from dsinfer.core.request import RequestStatus
 from dsinfer.engine.arg_utils import EngineArgs
+from dsinfer.engine.drafts import DraftProposer
 from dsinfer.engine.input_processor import InputProcessor
 from dsinfer.engine.output_processor import ChildState, LogprobDecoder, ParentRequest
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.sampling_params import SamplingParams
+from dsinfer.executor import make_executor
 from dsinfer.executor.base import Executor, StepResult
 from dsinfer.kvcache.grouped_manager import kv_cache_manager
 from dsinfer.kvstore.index import StoreIndex
@@ -50,26 +50,12 @@ from dsinfer.kvstore.keys import engine_fingerprint
 from dsinfer.scheduler.confidence import ConfidenceScheduler
 from dsinfer.scheduler.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from dsinfer.spec_decode import make_drafter
-from dsinfer.spec_decode.base import Draft, Drafter, as_draft
-from dsinfer.spec_decode.metrics import SpecDecodeStats
+from dsinfer.spec_decode.base import Drafter
 from dsinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger("dsinfer")
-
-
-__all__ = ["Drafter", "LLMEngine"]
 KV_POLL_S = 0.005  # a step with only KV store loads in flight waits this long for one to finish
 CURVE_SAVE_EVERY = 512  # real steps between saves of the step-latency curve (confidence scheduling)
-
-
-def make_executor(config: EngineConfig) -> Executor:
-    if config.parallel.distributed_executor_backend == "mp":
-        from dsinfer.executor.mp import MultiprocExecutor
-
-        return MultiprocExecutor(config)
-    from dsinfer.executor.uni import UniExecutor
-
-    return UniExecutor(config)
 
 
 class LLMEngine:
@@ -109,7 +95,9 @@ class LLMEngine:
         # None: the one of config.speculative (none when speculation is off)
         self.drafter = drafter if drafter is not None else make_drafter(config)
         k = config.speculative.num_speculative_tokens
-        self.spec_stats = SpecDecodeStats(k) if self.drafter is not None and k > 0 else None
+        self.drafts = (DraftProposer(self.drafter, k, lambda: self._structured)
+                       if self.drafter is not None and k > 0 else None)
+        self.spec_stats = self.drafts.stats if self.drafts is not None else None
         self._parents: dict[str, ParentRequest] = {}
         self._children: dict[str, tuple[ParentRequest, ChildState]] = {}
         self._pending_outputs: list[RequestOutput] = []
@@ -179,7 +167,7 @@ class LLMEngine:
         the request then computes its prompt and that token and samples the second (see ``_preset_first``)."""
         self.check_priority(priority)
         if first_token is not None:
-            self._check_first_token(first_token, params)
+            self.inputs.check_first_token(first_token, params)
         if request_id in self._parents or request_id in self._children:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n > 1:  # its samples run as "<id>#<index>": none may be the id of a request already running
@@ -197,19 +185,6 @@ class LLMEngine:
         self._parents[request_id] = parent
         if first_token is not None:
             self._preset_first(parent, first_token)
-
-    def _check_first_token(self, token: int, params: SamplingParams) -> None:
-        """A ValueError unless a preset first token can stand for the request's first sample: one sample, no
-        logprobs (none were computed for it), no grammar (it would have to have advanced it)."""
-        vocab = self.model_config.vocab_size
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-            raise ValueError(f"first_token must be a token id in [0, {vocab}), got {token!r}")
-        if params.n != 1:
-            raise ValueError(f"a preset first token needs n=1, got n={params.n}")
-        if params.logprobs is not None:
-            raise ValueError("a preset first token has no logprobs: logprobs cannot be asked for with it")
-        if params.structured_outputs is not None:
-            raise ValueError("a preset first token cannot be checked against a grammar (structured outputs)")
 
     def _preset_first(self, parent: ParentRequest, token: int) -> None:
         """``token`` appended as the request's first output (its stops checked as a sampled token's), and the
@@ -332,36 +307,8 @@ class LLMEngine:
         return None if mask is None else mask.numpy()
 
     def _propose_drafts(self) -> None:
-        """Ask the drafter for each decoding request's drafts, with their confidences (which of them a step
-        verifies is the scheduler's choice under confidence scheduling). A request whose one-token step is in
-        flight gets them one token ahead (``_propose_ahead``). A grammar request's are cut at the first one its
-        grammar forbids (checked without advancing the matcher)."""
-        if self.spec_stats is None:
-            return
-        k = self.config.speculative.num_speculative_tokens
-        for request in self.scheduler.running:
-            pending = request.num_pending
-            if pending > 1 or request.num_computed_tokens + 1 != request.num_tokens + pending:
-                continue
-            if pending:
-                draft = self._propose_ahead(request, k)
-            else:
-                draft = as_draft(self.drafter.propose(request, k), k)
-            self.spec_stats.num_proposed_tokens += len(draft.token_ids)
-            self.spec_stats.num_proposals += bool(draft.token_ids)
-            if request.grammar is not None and draft.token_ids:
-                draft = draft.truncated(self._structured.valid_drafts(request, draft.token_ids))
-            request.draft_token_ids, request.draft_confidence = draft.token_ids, draft.confidence
-
-    def _propose_ahead(self, request: Request, k: int) -> Draft:
-        """Drafts for the tokens after the one a step in flight samples: the drafter's k + 1 for the known tokens,
-        less the first (its guess of the token in flight), whose confidence folds into the next one's."""
-        draft = as_draft(self.drafter.propose(request, k + 1), k + 1)
-        if len(draft.token_ids) < 2:
-            return Draft()
-        confidence = draft.confidence[1:]
-        confidence[0] *= draft.confidence[0]
-        return Draft(draft.token_ids[1:], confidence)
+        if self.drafts is not None:
+            self.drafts.propose(self.scheduler.running)
 
     def _finish_step(self, step: tuple[SchedulerOutput, list[ScheduledRequest], StepResult, float] | None
                      ) -> list[RequestOutput]:
@@ -421,7 +368,7 @@ class LLMEngine:
             return
         if item.draft_token_ids:
             self.scheduler.rollback(request, len(item.draft_token_ids) + 1 - len(tokens))
-            self._observe_drafts(request, len(item.draft_token_ids), len(tokens) - 1)
+            self.drafts.observe(request, len(item.draft_token_ids), len(tokens) - 1)
         logprobs = result.logprobs.get(rid) if result.logprobs else None
         for i, token in enumerate(tokens):
             status = self._append(child, token, logprobs[i] if logprobs else None)
@@ -430,12 +377,6 @@ class LLMEngine:
                 return
         if rid in result.draft_token_ids:  # drafts the worker computed (MTP): they follow the tokens just appended
             self.drafter.receive(request, result.draft_token_ids[rid], result.draft_confidence[rid])
-
-    def _observe_drafts(self, request: Request, num_verified: int, num_accepted: int) -> None:
-        self.spec_stats.observe(num_verified, num_accepted)
-        observe = getattr(self.drafter, "observe", None)
-        if observe is not None:
-            observe(request, num_verified, num_accepted)
 
     def _append(self, child: ChildState, token: int, logprobs: Any) -> RequestStatus | None:
         """Append one sampled token; -> the status it finishes the request with (None: it goes on)."""
@@ -523,14 +464,9 @@ class LLMEngine:
         self._want_expert_load = True
         if self.expert_load is None:
             return None
-        from dsinfer.distributed.eplb.planner import balancedness
+        from dsinfer.distributed.eplb.planner import load_summary
 
-        per_layer, overall = balancedness(np.asarray(self.expert_load),
-                                          num_ranks=self.config.parallel.expert_parallel_size)
-        counters = self.eplb_counters or {}
-        return {"moe_lb": per_layer.tolist(), "moe_lb_overall": overall,
-                "num_rebalances": counters.get("num_rebalances", 0), "num_switches": counters.get("num_switches", 0),
-                "received_bytes": counters.get("received_bytes", 0)}
+        return load_summary(self.expert_load, self.eplb_counters or {}, self.config.parallel.expert_parallel_size)
 
     def flush_kv_store(self) -> None:
         """Wait until the KV store's queued saves are written, and let the index know them now (the in-process

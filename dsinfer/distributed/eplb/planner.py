@@ -99,6 +99,15 @@ def balancedness(physical_load: np.ndarray, num_ranks: int) -> tuple[np.ndarray,
     return per_layer, float(peak.sum() / mean.sum()) if mean.sum() > 0 else 1.0
 
 
+def load_summary(expert_load: list[list[float]], counters: dict[str, int], num_ranks: int) -> dict:
+    """The engine's EPLB stats: moe_lb per MoE layer and overall (``balancedness``) of an expert-load window
+    [L, P], beside the rebalances' totals (``counters``: rank 0's)."""
+    per_layer, overall = balancedness(np.asarray(expert_load), num_ranks=num_ranks)
+    return {"moe_lb": per_layer.tolist(), "moe_lb_overall": overall,
+            "num_rebalances": counters.get("num_rebalances", 0), "num_switches": counters.get("num_switches", 0),
+            "received_bytes": counters.get("received_bytes", 0)}
+
+
 def rebalance_experts(loads: np.ndarray, num_physical: int, num_groups: int, num_nodes: int, num_gpus: int,
                       policy: str = "auto") -> Placement:
     """The placement of ``num_physical`` physical experts per layer on ``num_gpus`` ranks for ``loads [L, E]``
