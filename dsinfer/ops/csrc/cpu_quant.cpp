@@ -19,6 +19,7 @@
 
 #include "cpu_ops.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -128,6 +129,55 @@ inline void dot_rows(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, 
 #endif
 }
 
+#ifdef DSINFER_AVX2
+// One weight row against one activation row (a decode step's linears): dot_rows<1>'s products, with the block
+// scales taken 8 at a time (one float16 conversion and one multiply for 8 blocks, not one each), the minimums'
+// term as one vector FMA per 8 blocks, and even and odd blocks in two accumulators, so that consecutive blocks do
+// not wait on one FMA chain. Sums in another order than dot_rows<1>: results agree to float rounding.
+template <bool Int4>
+inline float dot_row(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int64_t nb, const int16_t* xq,
+                     const float* xd, const float* xs) {
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256 macc = _mm256_setzero_ps();
+  float mtail = 0.f;
+  alignas(32) float scale[8];
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+    const int64_t n = std::min<int64_t>(8, nb - b0);
+    if (n == 8) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b0)));
+      _mm256_store_ps(scale, _mm256_mul_ps(d, _mm256_loadu_ps(xd + b0)));
+      if constexpr (Int4) {
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + b0)));
+        macc = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs + b0), macc);
+      }
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        scale[j] = _cvtsh_ss(wd[b0 + j]) * xd[b0 + j];
+        if constexpr (Int4) mtail += _cvtsh_ss(wm[b0 + j]) * xs[b0 + j];
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t b = b0 + j;
+      __m256i w0, w1;
+      if constexpr (Int4) {
+        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + b * 16));
+        w0 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, low));
+        w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low));
+      } else {
+        w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + b * 32)));
+        w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + b * 32 + 16)));
+      }
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock + 16));
+      const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+      acc[j & 1] = _mm256_fmadd_ps(_mm256_broadcast_ss(scale + j), _mm256_cvtepi32_ps(p), acc[j & 1]);
+    }
+  }
+  return hsum(_mm256_add_ps(acc[0], acc[1])) + (hsum(macc) + mtail);
+}
+#endif
+
 template <bool Int4>
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const at::Tensor* mins) {
@@ -161,9 +211,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
       for (; r + kRows <= M; r += kRows)
         dot_rows<kRows, Int4>(w, d, m, nb, xq.data() + r * K, xd.data() + r * nb, xs.data() + r * nb, K,
                               out + r * N + n, N);
-      for (; r < M; ++r)
+      for (; r < M; ++r) {
+#ifdef DSINFER_AVX2
+        out[r * N + n] = dot_row<Int4>(w, d, m, nb, xq.data() + r * K, xd.data() + r * nb, xs.data() + r * nb);
+#else
         dot_rows<1, Int4>(w, d, m, nb, xq.data() + r * K, xd.data() + r * nb, xs.data() + r * nb, K,
                           out + r * N + n, N);
+#endif
+      }
     }
   });
   return y;
