@@ -147,13 +147,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--label-prefix", default="", help="e.g. 'llama-3.1-8b ' (the plot's curve names)")
     p.add_argument("--result-dir", type=Path, required=True, help="one JSON per point, the logs, pareto.png")
     p.add_argument("--title", default="")
+    p.add_argument("--work-dir", type=Path, default=None, help="where the model directory is made (default: TMPDIR)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.result_dir.mkdir(parents=True, exist_ok=True)
-    model, vocab = model_dir(args.model, args.ckpt, Path(os.environ.get("TMPDIR", "/tmp")) / "pareto-vs-vllm")
+    work = args.work_dir or Path(os.environ.get("TMPDIR", "/tmp")) / "pareto-vs-vllm"
+    model, vocab = model_dir(args.model, args.ckpt, work)
     failed = []
     for engine in args.engines:
         try:
