@@ -154,10 +154,13 @@ def decode_run(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[lis
 
 def profile_steps(llm: LLM, prompts: list[list[int]], steps: int) -> str:
     """A torch.profiler look at ``steps`` engine steps in the middle of decoding ``prompts``: wall and GPU time
-    per step, the GPU's idle gaps (the host's share) and the kernels by time; a table's text."""
+    per step, the GPU's idle gaps (the host's share) and the kernels by time, then the host's functions over as
+    many steps (cProfile); a table's text. On CPU (a smoke run) the device part is empty."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    cuda = torch.cuda.is_available() and llm.engine.config.device.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     engine = llm.engine
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     tag = f"p{time.perf_counter_ns()}-"
@@ -165,12 +168,12 @@ def profile_steps(llm: LLM, prompts: list[list[int]], steps: int) -> str:
         engine.add_request(f"{tag}{i}", {"prompt_token_ids": prompt}, params)
     for _ in range(20):  # past the prompts: decoding steadily
         engine.step()
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(steps):
             engine.step()
-        torch.cuda.synchronize()
+        sync()
     wall_ms = (time.perf_counter() - start) * 1e3 / steps
     host = cProfile.Profile()  # the same number of steps again, for the host's functions
     host.enable()
@@ -264,7 +267,7 @@ def run_part(args: argparse.Namespace, book: OracleBook, settings: dict[str, dic
                 runs[name].append(timed(llm, prompts, args.output_len))
                 for prompt, out in zip(prompts, runs[name][-1]["outputs"]):
                     book.learn(prompt, out)
-        if args.profile_steps and args.device == "cuda":
+        if args.profile_steps:
             for name, llm in llms.items():
                 print(f"profile, batch {b}, {name}: {profile_steps(llm, prompts, args.profile_steps)}", flush=True)
         for name, results in runs.items():
@@ -320,7 +323,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory-gb", type=float, default=8.0, help="CUDA: each engine's KV cache")
     p.add_argument("--step-latency-dir", default=None, help="where the curve is kept (default: the cache dir)")
     p.add_argument("--profile-steps", type=int, default=0,
-                   help="CUDA: also profile this many steps of each engine per batch size (torch.profiler)")
+                   help="also profile this many steps of each engine per batch size (torch.profiler on CUDA, "
+                        "cProfile of the host everywhere)")
     p.add_argument("--json-out", type=Path, default=None)
     return p.parse_args(argv)
 

@@ -83,6 +83,16 @@ def test_both_parts_run_and_keep_greedy_outputs(tiny_llama_dir, tmp_path):
     install(OracleBook(10))  # the benchmark's registration is repeatable
 
 
+def test_profile_steps_reports_the_steps_and_the_hosts_functions(tiny_llama_dir, tmp_path, capsys):
+    """``--profile-steps`` (the GPU run's first measurement) runs on CPU too: no device part, the host's part."""
+    assert main(["--model", str(tiny_llama_dir), "--part", "speedup", "--batch-sizes", "2", "--input-len", "8",
+                 "--output-len", "8", "--step-latency-dir", str(tmp_path), "--profile-steps", "3"]) == 0
+    out = capsys.readouterr().out
+    for name in ("off", "on"):
+        assert f"profile, batch 2, {name}: wall " in out
+    assert "GPU busy 0.00 ms/step" in out and "ncalls  tottime" in out
+
+
 def test_the_cuda_engines_take_a_fixed_kv_budget_and_valid_engine_args():
     from dsinfer.engine.arg_utils import EngineArgs
 
