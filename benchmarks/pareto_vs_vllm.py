@@ -16,6 +16,7 @@ token carries text for both engines. vLLM comes from the wheels of ../shared/too
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -25,14 +26,13 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsinfer.bench.datasets import random_requests  # noqa: E402
 from dsinfer.bench.pareto import load_points, pareto_frontier, plot_pareto  # noqa: E402
 from dsinfer.bench.serve import ServeConfig  # noqa: E402
 from dsinfer.bench.sweep import parse_grid, run_sweep, sweep_points  # noqa: E402
+from dsinfer.router.launch import Launched, free_port, stop, wait_healthy  # noqa: E402
 
 
 def write_word_tokenizer(directory: Path, vocab_size: int, bos: int | None, eos: int | None) -> None:
@@ -65,8 +65,8 @@ def model_dir(config_dir: Path, ckpt: Path | None, work: Path) -> tuple[Path, in
     return out, config["vocab_size"]
 
 
-def server_command(engine: str, model: Path, args: argparse.Namespace) -> list[str]:
-    common = ["--port", str(args.port), "--dtype", "bfloat16", "--max-model-len", str(args.max_model_len),
+def server_command(engine: str, model: Path, port: int, args: argparse.Namespace) -> list[str]:
+    common = ["--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(args.max_model_len),
               "--max-num-seqs", str(args.max_num_seqs), "--served-model-name", "bench"]
     if args.gpu_memory_utilization:
         common += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
@@ -76,56 +76,35 @@ def server_command(engine: str, model: Path, args: argparse.Namespace) -> list[s
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), *common]
 
 
-def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}; its log's end:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"the server was not healthy within {timeout:.0f} s; its log's end:\n{log.read_text()[-4000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group, SIGKILL after 30 s (vLLM's engine core is a child process)."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
-
-
 def sweep_engine(engine: str, model: Path, vocab: int, args: argparse.Namespace) -> float:
-    """Start one engine's server, sweep it, stop it; -> seconds it took to become healthy."""
-    log = args.result_dir / f"{engine}-server.log"
-    url = f"http://127.0.0.1:{args.port}"
+    """Start one engine's server, sweep it, stop it; -> seconds it took to become healthy. Started, waited for
+    and stopped as the router's launched replicas are (``router.launch``), in a process group of its own whose
+    leftovers are killed after (vLLM's engine core is a child process that would keep the GPU's memory)."""
+    port = args.port or free_port()
+    server = Launched(f"http://127.0.0.1:{port}", engine, None, args.result_dir / f"{engine}-server.log")
     t0 = time.monotonic()
-    with log.open("w") as out:
-        proc = subprocess.Popen(server_command(engine, model, args), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=os.environ | {"VLLM_NO_USAGE_STATS": "1"})
+    with server.log.open("w") as out:
+        server.proc = subprocess.Popen(server_command(engine, model, port, args), stdout=out,
+                                       stderr=subprocess.STDOUT, start_new_session=True,
+                                       env=os.environ | {"VLLM_NO_USAGE_STATS": "1"})
     try:
-        wait_healthy(proc, url, args.start_timeout, log)
+        wait_healthy([server], args.start_timeout)
         started = time.monotonic() - t0
         print(f"{engine}: healthy after {started:.0f} s", flush=True)
         concurrencies = parse_grid(args.concurrencies, int, "--concurrencies")
-        points = sweep_points(None, concurrencies)
-        cfg = ServeConfig(url, "bench", float("inf"), 1.0, None, args.seed, None, 900.0, True, 0.0, False)
+        cfg = ServeConfig(server.url, "bench", float("inf"), 1.0, None, args.seed, None, 900.0, True, 0.0, False)
 
         def requests_for(i: int):
             return random_requests(max(args.prompts_per_concurrency * concurrencies[i], args.min_prompts),
                                    args.input_len, args.output_len, min(vocab, 32000), args.seed + i)
 
-        run_sweep(cfg, requests_for, points, {}, args.label_prefix + engine, 1, "random", args.result_dir)
+        run_sweep(cfg, requests_for, sweep_points(None, concurrencies), {}, args.label_prefix + engine, 1,
+                  "random", args.result_dir)
         return started
     finally:
-        stop(proc)
+        stop([server])
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.proc.pid, signal.SIGKILL)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -141,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="0: not passed (a CPU run)")
-    p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--port", type=int, default=0, help="0: a free port")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=400.0)
     p.add_argument("--label-prefix", default="", help="e.g. 'llama-3.1-8b ' (the plot's curve names)")

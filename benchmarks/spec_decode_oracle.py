@@ -21,9 +21,9 @@ median of ``--repeats`` alternating runs. Each engine runs the workload once unt
 the step-latency curve real steps); the speculation-off engine's full run gives the references, and the oracle
 learns every continuation each run produced (keyed by the tokens before it), so where bf16 batches round a
 near-tie differently from the reference run, the branch taken is known from an earlier run
-(``--learning-runs``). The measured acceptance length (1 + accepted / verifying request-steps) is printed beside
-the speeds with the rate's expected one (1 + r + ... + r^k); "identical" compares with the speculation-off run,
-which only deterministic mode (or float32) promises.
+(``--learning-runs``). The measured acceptance length (1 + accepted / verifying request-steps) is printed
+beside the speeds, and the speedup part's title gives the rate's expected one (1 + r + ... + r^k); "identical"
+compares with the speculation-off run, which only deterministic mode (or float32) promises.
 """
 
 from __future__ import annotations
@@ -343,8 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.part in ("speedup", "both"):
         settings = {"off": None, "on": spec}
         rows = run_part(args, book, settings, lambda b: [args.rate] * b)
+        expected = sum(args.rate ** i for i in range(args.k + 1))  # 1 + r + ... + r^k
         print_rows(f"{model} {args.device} {args.dtype}: oracle drafts at {args.rate:.0%} per token, k={args.k}, "
-                   f"in {args.input_len} / out {args.output_len}", rows, list(settings))
+                   f"in {args.input_len} / out {args.output_len}, expected acceptance length {expected:.2f}", rows,
+                   list(settings))
         out["speedup"] = rows
     if args.part in ("confidence", "both"):
         settings = {"off": None, "on": spec, "confidence": {**spec, "confidence_scheduling": True}}

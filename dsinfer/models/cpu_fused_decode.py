@@ -28,7 +28,7 @@ from dsinfer.ops.cpu_layer import decode_layer, linear_tensors
 class _LayerArgs:
     """One layer's weights and shapes, in the C++ op's order (the KV cache is read at each step: bound later)."""
 
-    module: nn.Module
+    attn: nn.Module  # the layer's LlamaAttention (its rope cache and, through ``attn.attn``, its KV cache)
     ln1: torch.Tensor
     ln2: torch.Tensor
     eps: float
@@ -59,7 +59,7 @@ def _layer_args(layer: nn.Module) -> _LayerArgs | None:
     )
     if not covered:
         return None
-    return _LayerArgs(layer, norms[0].weight, norms[1].weight, norms[0].eps, *map(linear_tensors, weights),
+    return _LayerArgs(attn, norms[0].weight, norms[1].weight, norms[0].eps, *map(linear_tensors, weights),
                       attn.num_heads, attn.num_kv_heads, core.scale)
 
 
@@ -81,8 +81,7 @@ class FusedDecode:
         if (batch.graphed or batch.max_query_len != 1 or input_ids.device.type != "cpu"
                 or input_ids.numel() != batch.num_seqs):
             return None
-        first = self.layers[0].module.self_attn.attn
-        kv_cache = first.kv_cache
+        kv_cache = self.layers[0].attn.attn.kv_cache
         if kv_cache is None or kv_cache.dtype != torch.float32:
             return None
         block_tables, slot_mapping = batch.kv_tables(0)
@@ -98,10 +97,9 @@ class FusedDecode:
             return None
         slots, residual = plan.layout.decode_slots, None
         for a in self.layers:
-            attn = a.module.self_attn
             hidden, residual = decode_layer(
                 hidden, residual, a.ln1, a.ln2, a.eps, a.qkv, a.o, a.gate_up, a.down, a.heads, a.kv_heads,
-                positions, attn.rotary.cos_sin_cache, attn.attn.kv_cache, slot_mapping, slots, batch.seq_lens,
+                positions, a.attn.rotary.cos_sin_cache, a.attn.attn.kv_cache, slot_mapping, slots, batch.seq_lens,
                 a.scale)
         hidden, _ = model.norm(hidden, residual)
         return hidden

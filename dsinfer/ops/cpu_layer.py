@@ -18,11 +18,10 @@ def decode_layer(hidden: torch.Tensor, residual: torch.Tensor | None, ln1: torch
                  eps: float, qkv: list[torch.Tensor], o: list[torch.Tensor], gate_up: list[torch.Tensor],
                  down: list[torch.Tensor], heads: int, kv_heads: int, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                 slots: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                 window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 slots: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden, residual) after the layer: input norm (with the residual add after the first layer), q/k/v, rope
-    + KV store, decode attention over ``slots`` [B, L] (the attention plan's ``decode_slots``), output projection,
+    + KV store, full decode attention over ``slots`` [B, L] (the attention plan's ``decode_slots``), output projection,
     post-attention norm, SiLU-gated MLP. ``hidden`` [B, H] float32, one token per sequence."""
     return torch.ops.dsinfer_cpu.decode_layer(hidden, residual, ln1, ln2, eps, qkv, o, gate_up, down, heads,
                                               kv_heads, positions, cos_sin_cache, kv_cache, slot_mapping, slots,
-                                              seq_lens, scale, window)
+                                              seq_lens, scale)

@@ -4,7 +4,6 @@ whose every id decodes to text), the two servers' matched settings, and a whole 
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
@@ -28,10 +27,10 @@ def test_the_model_directory_links_the_checkpoint_and_gets_a_word_tokenizer(tiny
 def test_both_servers_get_the_same_settings(tmp_path):
     args = parse_args(["--model", "m", "--result-dir", str(tmp_path), "--max-model-len", "4096",
                        "--max-num-seqs", "64"])
-    ours, theirs = (server_command(engine, tmp_path, args) for engine in ("dsinfer", "vllm"))
+    ours, theirs = (server_command(engine, tmp_path, 8123, args) for engine in ("dsinfer", "vllm"))
     assert ours[1:4] == ["-m", "dsinfer", "serve"] and theirs[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
-    shared = ["--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "64", "--served-model-name", "bench",
-              "--gpu-memory-utilization", "0.85", "--load-format", "dummy"]
+    shared = ["--port", "8123", "--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "64",
+              "--served-model-name", "bench", "--gpu-memory-utilization", "0.85", "--load-format", "dummy"]
     for cmd in (ours, theirs):
         assert " ".join(shared) in " ".join(cmd)
 
@@ -39,12 +38,9 @@ def test_both_servers_get_the_same_settings(tmp_path):
 def test_a_cpu_sweep_of_our_server_writes_its_points_and_the_png(tiny_llama_dir, tmp_path):
     pytest.importorskip("matplotlib")
     result_dir = tmp_path / "results"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     rc = main(["--model", str(tiny_llama_dir), "--engines", "dsinfer", "--concurrencies", "1,2",
                "--prompts-per-concurrency", "1", "--min-prompts", "2", "--input-len", "16", "--output-len", "4",
-               "--max-model-len", "64", "--max-num-seqs", "4", "--gpu-memory-utilization", "0", "--port", str(port),
+               "--max-model-len", "64", "--max-num-seqs", "4", "--gpu-memory-utilization", "0",
                "--result-dir", str(result_dir), "--work-dir", str(tmp_path / "work"), "--start-timeout", "120"])
     assert rc == 0
     points = [json.loads((result_dir / f"dsinfer-infqps-c{c}.json").read_text()) for c in (1, 2)]

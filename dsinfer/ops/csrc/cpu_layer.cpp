@@ -1,8 +1,8 @@
 // One Llama-family decoder layer of a CPU decode step in one call (issue 43: the layer's ~9 module calls and the
 // Python between its kernels cost more than its norms, rope and attention together):
 //   decode_layer(hidden [M, H], residual [M, H] or None, ln1, ln2, eps, qkv, o, gate_up, down, heads, kv_heads,
-//                positions [M], cos_sin_cache, kv_cache, slot_mapping [M], slots [M, L], seq_lens [M], scale,
-//                window) -> (hidden, residual)
+//                positions [M], cos_sin_cache, kv_cache, slot_mapping [M], slots [M, L], seq_lens [M], scale)
+//                -> (hidden, residual)
 // Each linear is [qweight, scales, mins] (int4) or [qweight, scales] (int8). The steps are the module path's, in
 // its order and by the same kernels (cpu_ops.h), with the same tensors between them, so the outputs are bit for
 // bit the module path's: input RMSNorm (fused with the residual add after the first layer), q/k/v projection,
@@ -32,8 +32,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& ln1, const at::Tensor& ln2,
     double eps, at::TensorList qkv, at::TensorList o, at::TensorList gate_up, at::TensorList down, int64_t heads,
     int64_t kv_heads, const at::Tensor& positions, const at::Tensor& cos_sin_cache, at::Tensor kv_cache,
-    const at::Tensor& slot_mapping, const at::Tensor& slots, const at::Tensor& seq_lens, double scale,
-    int64_t window) {
+    const at::Tensor& slot_mapping, const at::Tensor& slots, const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(hidden.dim() == 2, "hidden must be [M, H], got ", hidden.sizes());
   const int64_t M = hidden.size(0), D = kv_cache.size(4);
   at::Tensor h, res;
@@ -50,7 +49,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   const at::Tensor k = proj.narrow(1, heads * D, kv_heads * D).view({M, kv_heads, D});
   const at::Tensor v = proj.narrow(1, (heads + kv_heads) * D, kv_heads * D).view({M, kv_heads, D});
   const at::Tensor rotated = dsinfer::rotary_store_kv(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping);
-  const at::Tensor attn = dsinfer::decode_attention(rotated, kv_cache, slots, seq_lens, scale, window);
+  const at::Tensor attn = dsinfer::decode_attention(rotated, kv_cache, slots, seq_lens, scale, 0);  // full attention
   std::tie(h, res) = dsinfer::add_rms_norm(linear(attn.view({M, heads * D}), o), res, ln2, eps);
   const at::Tensor gu = linear(h, gate_up);
   const int64_t inter = gu.size(1) / 2;
@@ -63,7 +62,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 TORCH_LIBRARY_FRAGMENT(dsinfer_cpu, m) {
   m.def("decode_layer(Tensor hidden, Tensor? residual, Tensor ln1, Tensor ln2, float eps, Tensor[] qkv, Tensor[] o, "
         "Tensor[] gate_up, Tensor[] down, int heads, int kv_heads, Tensor positions, Tensor cos_sin_cache, "
-        "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor slots, Tensor seq_lens, float scale, int window) "
+        "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor slots, Tensor seq_lens, float scale) "
         "-> (Tensor, Tensor)");
 }
 

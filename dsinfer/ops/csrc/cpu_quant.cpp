@@ -71,6 +71,20 @@ inline float hsum(__m256 v) {
   lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
   return _mm_cvtss_f32(lo);
 }
+
+// weight block b's 32 elements as int16: w0 elements 0..15, w1 16..31 (int4: low nibbles, then high nibbles)
+template <bool Int4>
+inline void unpack_block(const uint8_t* wq, int64_t b, __m256i& w0, __m256i& w1) {
+  if constexpr (Int4) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + b * 16));
+    w0 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, low));
+    w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low));
+  } else {
+    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + b * 32)));
+    w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + b * 32 + 16)));
+  }
+}
 #endif
 
 // one weight row n against activation rows r0 .. r0 + R - 1
@@ -81,18 +95,10 @@ inline void dot_rows(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, 
 #ifdef DSINFER_AVX2
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m128i low = _mm_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const float d = _cvtsh_ss(wd[b]);
-    __m256i w0, w1;  // elements 0..15 and 16..31 as int16
-    if constexpr (Int4) {
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + b * 16));
-      w0 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, low));
-      w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low));
-    } else {
-      w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + b * 32)));
-      w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + b * 32 + 16)));
-    }
+    __m256i w0, w1;
+    unpack_block<Int4>(wq, b, w0, w1);
     const float m = Int4 ? _cvtsh_ss(wm[b]) : 0.f;
     for (int r = 0; r < R; ++r) {
       const int16_t* x = xq + r * K + b * kBlock;
@@ -141,7 +147,6 @@ inline float dot_row(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, 
   __m256 macc = _mm256_setzero_ps();
   float mtail = 0.f;
   alignas(32) float scale[8];
-  const __m128i low = _mm_set1_epi8(0x0F);
   for (int64_t b0 = 0; b0 < nb; b0 += 8) {
     const int64_t n = std::min<int64_t>(8, nb - b0);
     if (n == 8) {
@@ -160,14 +165,7 @@ inline float dot_row(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, 
     for (int64_t j = 0; j < n; ++j) {
       const int64_t b = b0 + j;
       __m256i w0, w1;
-      if constexpr (Int4) {
-        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + b * 16));
-        w0 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, low));
-        w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low));
-      } else {
-        w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + b * 32)));
-        w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + b * 32 + 16)));
-      }
+      unpack_block<Int4>(wq, b, w0, w1);
       const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
       const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock + 16));
       const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
