@@ -35,7 +35,9 @@ def test_directory_hit_is_promoted_to_the_host_tier(tiny_llama_dir, cold, tmp_pa
     writer = LLM(str(tiny_llama_dir), kv_store={"dir": str(tmp_path), "grain": GRAIN})
     run(writer, prompts)
     writer.engine.flush_kv_store()
-    llm = LLM(str(tiny_llama_dir), kv_store={"dir": str(tmp_path), "host_gb": 0.01, "grain": GRAIN})
+    # one loader thread: the two requests' loads run in order (with several, both may read the directory at once)
+    llm = LLM(str(tiny_llama_dir), kv_store={"dir": str(tmp_path), "host_gb": 0.01, "grain": GRAIN,
+                                             "load_threads": 1})
     out = run(llm, prompts)
     assert token_ids(out) == cold("llama", prompts) and [o.num_cached_tokens for o in out] == [96, 96]
     stats = llm.engine.kv_store_stats()
